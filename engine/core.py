@@ -1,0 +1,116 @@
+"""EngineCore: the step loop. step() = scheduler.schedule() -> runner.execute(plan) -> scheduler.update(result),
+returning what changed for each request. It owns the loaded model, the KV cache and the scheduler."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from engine.block_manager import BlockManager
+from engine.config import EngineConfig
+from engine.model.loader import load_model, resolve_dtype
+from engine.request import Request, SamplingParams
+from engine.runner import ModelRunner
+from engine.scheduler import Scheduler
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]  # all generated so far
+    new_token_ids: list[int]  # generated this step
+    finished: bool
+    finish_reason: str | None
+    logprobs: list | None = None  # per generated token, when asked for
+
+
+def eos_token_ids(hf_config: dict, tokenizer) -> tuple[int, ...]:
+    ids = set()
+    eos = hf_config.get("eos_token_id")
+    ids.update(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+    if tokenizer is not None and tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    return tuple(sorted(ids))
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig, loaded=None):
+        self.config = config
+        self.dtype = resolve_dtype(config.dtype, config.device)
+        self.loaded = loaded or load_model(config.model, self.dtype, config.device)
+        self.model, self.tokenizer = self.loaded.model, self.loaded.tokenizer
+        cfg = self.loaded.hf_config
+        self.max_model_len = config.max_model_len or min(cfg.get("max_position_embeddings") or 2048, 32768)
+        self.eos_token_ids = eos_token_ids(cfg, self.tokenizer)
+        num_blocks = config.num_kv_blocks or max(
+            1, config.kv_cache_memory // ModelRunner.kv_bytes_per_block(self.model, config.block_size, self.dtype)
+        )
+        self.blocks = BlockManager(num_blocks, config.block_size)
+        self.runner = ModelRunner(self.model, num_blocks, config.block_size, config.device, self.dtype)
+        self.scheduler = Scheduler(config, self.blocks, self.max_model_len)
+        self.rng = torch.Generator().manual_seed(config.seed)
+        self.requests: dict[str, Request] = {}
+
+    @property
+    def vocab_size(self) -> int:
+        return self.model.vocab_size
+
+    def add_request(self, prompt_token_ids: list[int], sampling: SamplingParams, request_id: str | None = None) -> str:
+        sampling.validate(self.vocab_size)
+        if not prompt_token_ids:
+            raise ValueError("the prompt is empty")
+        bad = next((t for t in prompt_token_ids if not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            raise ValueError(f"prompt token id {bad} is outside the vocabulary (size {self.vocab_size})")
+        if len(prompt_token_ids) >= self.max_model_len:
+            raise ValueError(f"the prompt has {len(prompt_token_ids)} tokens; the maximum context length is "
+                             f"{self.max_model_len} tokens")
+        if -(-self.max_model_len // self.config.block_size) > self.blocks.num_blocks and \
+                -(-(len(prompt_token_ids) + sampling.max_tokens) // self.config.block_size) > self.blocks.num_blocks:
+            raise ValueError("the request cannot fit in the KV cache even alone; raise kv_cache_memory")
+        seed = sampling.seed if sampling.seed is not None else int(torch.randint(0, 2**62, (1,), generator=self.rng))
+        req = Request(list(prompt_token_ids), sampling, self.eos_token_ids,
+                      generator=torch.Generator().manual_seed(seed))
+        if request_id is not None:
+            req.request_id = request_id
+        self.requests[req.request_id] = req
+        self.scheduler.add(req)
+        return req.request_id
+
+    def abort(self, request_id: str) -> bool:
+        req = self.scheduler.abort(request_id)
+        self.requests.pop(request_id, None)
+        return req is not None
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def step(self) -> list[RequestOutput]:
+        t0 = time.perf_counter()
+        plan = self.scheduler.schedule()
+        if not plan.seqs:
+            return []
+        now = time.monotonic()
+        for s in plan.seqs:
+            s.request.first_scheduled_time = s.request.first_scheduled_time or now
+        schedule_time = time.perf_counter() - t0
+        result = self.runner.execute(plan)
+        result.timings["schedule"] = schedule_time
+        self.last_result, self.last_plan = result, plan
+        before = {s.request.request_id: len(s.request.output_token_ids) for s in plan.seqs}
+        self.scheduler.update(plan, result)
+        outputs = []
+        for s in plan.seqs:
+            req = s.request
+            new = req.output_token_ids[before[req.request_id]:]
+            if new and req.first_token_time is None:
+                req.first_token_time = time.monotonic()
+            if new or req.finished:
+                outputs.append(RequestOutput(req.request_id, req.prompt_token_ids, list(req.output_token_ids), new,
+                                             req.finished, req.finish_reason,
+                                             req.output_logprobs if req.sampling.logprobs is not None else None))
+            if req.finished:
+                self.requests.pop(req.request_id, None)
+        return outputs

@@ -1,0 +1,62 @@
+"""Offline API for tests, benchmarks and scripts:
+`LLM(model=None, dtype=..., device=...).generate(prompts, SamplingParams(...))`."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from engine.config import EngineConfig, SpecConfig
+from engine.core import EngineCore
+from engine.request import SamplingParams
+
+
+@dataclass
+class GenerationOutput:
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str | None
+    finish_reason: str
+    logprobs: list | None = None
+    stats: dict = field(default_factory=dict)
+
+
+class LLM:
+    def __init__(self, model: str | None = None, dtype: str | None = None, device: str = "cpu",
+                 drafter: str = "none", spec_budget: int = 16, draft_model: str | None = None, **engine_kwargs):
+        spec = SpecConfig(drafter=drafter, budget=spec_budget, draft_model=draft_model)
+        self.config = EngineConfig(model=model, dtype=dtype, device=device, spec=spec, **engine_kwargs)
+        self.engine = EngineCore(self.config)
+        self.tokenizer = self.engine.tokenizer
+
+    def encode(self, prompt: str, chat: bool = False) -> list[int]:
+        if self.tokenizer is None:
+            raise ValueError("this model has no tokenizer: pass token-id lists instead of text")
+        if chat:
+            text = self.tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
+                                                      add_generation_prompt=True)
+            return self.tokenizer.encode(text, add_special_tokens=False)
+        return self.tokenizer.encode(prompt)
+
+    def generate(self, prompts, sampling: SamplingParams | None = None, chat: bool = False) -> list[GenerationOutput]:
+        """prompts: a string, a list of strings, a list of token ids, or a list of token-id lists."""
+        sampling = sampling or SamplingParams()
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        token_lists = [p if isinstance(p, list) else self.encode(p, chat) for p in prompts]
+        ids = [self.engine.add_request(t, SamplingParams(**vars(sampling))) for t in token_lists]
+        done: dict[str, object] = {}
+        start = time.perf_counter()
+        steps = 0
+        while len(done) < len(ids):
+            for out in self.engine.step():
+                if out.finished:
+                    done[out.request_id] = out
+            steps += 1
+        elapsed = time.perf_counter() - start
+        results = []
+        for rid, prompt_ids in zip(ids, token_lists):
+            out = done[rid]
+            text = self.tokenizer.decode(out.token_ids, skip_special_tokens=True) if self.tokenizer else None
+            results.append(GenerationOutput(prompt_ids, out.token_ids, text, out.finish_reason, out.logprobs,
+                                            {"elapsed_s": elapsed, "steps": steps}))
+        return results

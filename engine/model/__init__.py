@@ -1,0 +1,1 @@
+"""Model families (one file each), shared layers, attention over the paged cache, and checkpoint loading."""

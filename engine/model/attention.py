@@ -1,0 +1,57 @@
+"""GQA self-attention over the paged KV cache (Llama, Qwen3): projections, optional per-head q/k RMSNorm
+(Qwen3), rope at explicit positions, cache write, then `ext.ops.paged_attention`."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from engine.model.layers import RMSNorm, apply_rope
+from ext import ops
+from ext.metadata import AttentionMetadata
+
+
+class GQAttention(nn.Module):
+    def __init__(
+        self,
+        hidden_size: int,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        bias: bool = False,
+        qk_norm_eps: float | None = None,
+    ):
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.scale = head_dim**-0.5
+        self.q_proj = nn.Linear(hidden_size, num_heads * head_dim, bias=bias)
+        self.k_proj = nn.Linear(hidden_size, num_kv_heads * head_dim, bias=bias)
+        self.v_proj = nn.Linear(hidden_size, num_kv_heads * head_dim, bias=bias)
+        self.o_proj = nn.Linear(num_heads * head_dim, hidden_size, bias=bias)
+        if qk_norm_eps is not None:
+            self.q_norm = RMSNorm(head_dim, qk_norm_eps)
+            self.k_norm = RMSNorm(head_dim, qk_norm_eps)
+        else:
+            self.q_norm = self.k_norm = None
+
+    def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
+        return (2, num_blocks, block_size, self.num_kv_heads, self.head_dim)
+
+    def forward(
+        self,
+        x: torch.Tensor,  # [num_tokens, hidden_size]
+        cos: torch.Tensor,  # [num_tokens, head_dim]
+        sin: torch.Tensor,
+        meta: AttentionMetadata,
+        kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
+    ) -> torch.Tensor:
+        num_tokens = x.shape[0]
+        q = self.q_proj(x).view(num_tokens, self.num_heads, self.head_dim)
+        k = self.k_proj(x).view(num_tokens, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(num_tokens, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        ops.write_kv(kv_cache[0], k, meta.slot_mapping)
+        ops.write_kv(kv_cache[1], v, meta.slot_mapping)
+        out = ops.paged_attention(q, kv_cache[0], kv_cache[1], meta, self.scale)
+        return self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_dim))

@@ -1,0 +1,60 @@
+"""What every model family shares: embedding -> decoder layers -> final norm -> lm_head, run over the step's
+flattened tokens with one `AttentionMetadata`, and the interface the runner relies on.
+
+A family subclass builds `self.layers` (each `layer(h, cos, sin, meta, kv_cache) -> h`) and `self.rotary`, and
+says the per-layer KV cache shape. `forward` can also return the outputs of chosen decoder layers (the residual
+stream after layer i, HF's hidden_states[i + 1]), which the DFlash drafter consumes.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from engine.model.layers import RMSNorm
+from ext.metadata import AttentionMetadata
+
+
+class CausalLM(nn.Module):
+    def __init__(self, vocab_size: int, hidden_size: int, rms_norm_eps: float, tie_word_embeddings: bool):
+        super().__init__()
+        self.vocab_size, self.hidden_size = vocab_size, hidden_size
+        self.embed_tokens = nn.Embedding(vocab_size, hidden_size)
+        self.layers = nn.ModuleList()
+        self.norm = RMSNorm(hidden_size, rms_norm_eps)
+        self.tie_word_embeddings = tie_word_embeddings
+        self.lm_head = None if tie_word_embeddings else nn.Linear(hidden_size, vocab_size, bias=False)
+
+    # HF checkpoint names: model.embed_tokens / model.layers / model.norm / lm_head
+    def hf_name(self, name: str) -> str:
+        return name if name.startswith("lm_head") else "model." + name
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layers)
+
+    def kv_cache_shape(self, layer: int, num_blocks: int, block_size: int) -> tuple[int, ...]:
+        return self.layers[layer].self_attn.kv_cache_shape(num_blocks, block_size)
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.embed_tokens(input_ids)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [num_tokens]
+        meta: AttentionMetadata,
+        kv_caches: list[torch.Tensor],
+        capture_layer_ids: tuple[int, ...] = (),
+        inputs_embeds: torch.Tensor | None = None,  # [num_tokens, hidden_size], replaces the embedding
+    ) -> tuple[torch.Tensor, list[torch.Tensor]]:  # final-normed hidden [num_tokens, hidden], captured layers
+        h = self.embed(input_ids) if inputs_embeds is None else inputs_embeds
+        cos, sin = self.rotary.cos_sin(meta.positions, h.dtype)
+        captured = []
+        for i, layer in enumerate(self.layers):
+            h = layer(h, cos, sin, meta, kv_caches[i])
+            if i in capture_layer_ids:
+                captured.append(h)
+        return self.norm(h), captured
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [num_rows, hidden] -> [num_rows, vocab] fp32
+        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return torch.nn.functional.linear(hidden, weight).float()

@@ -1,0 +1,24 @@
+"""Errors raised while reading model checkpoints.
+
+`CheckpointError` is the one exception a loader raises for a file it cannot use (missing, truncated,
+corrupt, or of an unsupported kind). Its message is always a single line that names the file, so the
+CLI and the server can print it as is.
+"""
+
+from __future__ import annotations
+
+import os
+
+
+class CheckpointError(ValueError):
+    """A checkpoint file that cannot be loaded: `str(err)` is '<path>: <what is wrong>' on one line."""
+
+    def __init__(self, path: str | os.PathLike, problem: str):
+        self.path = os.fspath(path)
+        # Reader libraries put newlines in their messages; the one-line promise matters to log parsers.
+        self.problem = " ".join(str(problem).split())
+        super().__init__(f"{self.path}: {self.problem}")
+
+
+class ConfigError(ValueError):
+    """A model config is unsupported or inconsistent. str() names the field."""

@@ -1,0 +1,36 @@
+"""StepPlan and StepResult: the only contract between the scheduler and the runner."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from engine.request import Request
+
+
+@dataclass
+class ScheduledSeq:
+    request: Request
+    num_new_tokens: int  # known tokens fed this step: a prefill chunk, or the last sampled token when decoding
+    sample: bool  # the fed tokens reach the end of what is known, so the next token is produced this step
+    spec_budget: int = 0  # tree nodes this request may verify this step (0 = plain decoding)
+
+
+@dataclass
+class StepPlan:
+    seqs: list[ScheduledSeq] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)  # requests whose KV was dropped this step
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_new_tokens + s.spec_budget for s in self.seqs)
+
+
+@dataclass
+class StepResult:
+    # request_id -> tokens produced this step, in order (one when decoding plainly; accepted + bonus under DDTree)
+    new_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    # request_id -> per produced token (chosen logprob, [(token_id, logprob), ...]); only for requests asking for it
+    logprobs: dict[str, list[tuple[float, list[tuple[int, float]]]]] = field(default_factory=dict)
+    # request_id -> tokens verified in the tree this step (draft nodes, root excluded); only under speculation
+    num_draft_tokens: dict[str, int] = field(default_factory=dict)
+    # phase -> seconds spent this step (schedule, draft, tree_build, verify, accept, forward, sample)
+    timings: dict[str, float] = field(default_factory=dict)

@@ -1,0 +1,119 @@
+"""Continuous batching: which requests run this step and with how many tokens, under a token budget and the
+KV blocks available. Phase-free: every request catches its num_computed_tokens up to its known tokens, so
+chunked prefill and decode share one loop. When blocks run out the newest running request is preempted by
+recompute (its KV dropped, it re-queues at the front)."""
+from __future__ import annotations
+
+from collections import deque
+
+from engine.block_manager import BlockManager
+from engine.config import EngineConfig
+from engine.plan import ScheduledSeq, StepPlan, StepResult
+from engine.request import Request, Status
+
+
+class Scheduler:
+    def __init__(self, config: EngineConfig, block_manager: BlockManager, max_model_len: int):
+        self.config, self.blocks, self.max_model_len = config, block_manager, max_model_len
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.num_preemptions = 0
+
+    def add(self, request: Request) -> None:
+        self.waiting.append(request)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def abort(self, request_id: str) -> Request | None:
+        for queue in (self.running, self.waiting):
+            for req in queue:
+                if req.request_id == request_id:
+                    queue.remove(req)
+                    self.finish(req, "abort")
+                    return req
+        return None
+
+    def finish(self, request: Request, reason: str) -> None:
+        request.status, request.finish_reason = Status.FINISHED, reason
+        self.blocks.free(request)
+
+    def preempt(self, request: Request) -> None:
+        self.blocks.free(request)
+        request.status, request.num_computed_tokens = Status.PREEMPTED, 0
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(request)
+
+    def spec_budget(self, request: Request, num_running: int) -> int:
+        """Tree nodes this request may verify (0 here; the speculative scheduler overrides it)."""
+        return 0
+
+    def schedule(self) -> StepPlan:
+        plan = StepPlan()
+        budget = self.config.max_num_batched_tokens
+        scheduled: list[Request] = []
+        # 1. requests already running, oldest first; preempt from the newest end when blocks run out
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            sample = req.num_computed_tokens + n == req.num_tokens
+            lookahead = self.spec_budget(req, len(self.running)) if sample else 0
+            while not self.blocks.allocate(req, req.num_computed_tokens + n + lookahead):
+                victim = self.running.pop()
+                self.preempt(victim)
+                plan.preempted.append(victim)
+                if victim is req:
+                    break
+            else:
+                plan.seqs.append(ScheduledSeq(req, n, sample, lookahead))
+                scheduled.append(req)
+                budget -= n + lookahead
+                i += 1
+        # 2. admit waiting requests while seats, budget and blocks allow
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            req = self.waiting[0]
+            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            sample = req.num_computed_tokens + n == req.num_tokens
+            lookahead = self.spec_budget(req, len(self.running) + 1) if sample else 0
+            if not self.blocks.allocate(req, req.num_computed_tokens + n + lookahead):
+                break
+            self.waiting.popleft()
+            req.status = Status.RUNNING
+            self.running.append(req)
+            plan.seqs.append(ScheduledSeq(req, n, sample, lookahead))
+            budget -= n + lookahead
+        return plan
+
+    def update(self, plan: StepPlan, result: StepResult) -> list[Request]:
+        """Applies a step's result; returns the requests that finished this step."""
+        finished = []
+        for s in plan.seqs:
+            req = s.request
+            if req.finished:  # aborted while the step ran
+                continue
+            req.num_computed_tokens += s.num_new_tokens
+            new_ids = result.new_token_ids.get(req.request_id, [])
+            logprobs = result.logprobs.get(req.request_id)
+            for j, token in enumerate(new_ids):
+                req.output_token_ids.append(token)
+                if logprobs is not None:
+                    req.output_logprobs.append(logprobs[j])
+                reason = self.stop_reason(req, token)
+                if reason:
+                    self.running.remove(req)
+                    self.finish(req, reason)
+                    finished.append(req)
+                    break
+        return finished
+
+    def stop_reason(self, req: Request, token: int) -> str | None:
+        sp = req.sampling
+        num_out = len(req.output_token_ids)
+        if num_out >= sp.min_tokens:
+            if (token in req.eos_token_ids and not sp.ignore_eos) or token in sp.stop_token_ids:
+                return "stop"
+        if num_out >= sp.max_tokens or req.num_tokens >= self.max_model_len:
+            return "length"
+        return None

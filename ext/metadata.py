@@ -1,0 +1,87 @@
+"""Attention metadata for one step over the paged KV cache: the contract between the runner, which
+builds it once per step, and every attention op, which only reads it.
+
+Layout: the step's new tokens of all sequences are flattened to `num_tokens` rows; sequence `i` owns rows
+`query_start_loc[i]:query_start_loc[i+1]`. Its KV (context + new tokens) has `seq_lens[i]` logical slots,
+found through `block_tables[i]`; the new tokens are its last `query_len` logical slots. A query sees the whole
+context, and among the new tokens either a causal prefix (tree_mask is None: prefill chunks, decode) or the
+rows `tree_mask` marks (tree verify: ancestors and itself). Positions are explicit per token: tree siblings
+share one.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class AttentionMetadata:
+    positions: torch.Tensor  # [num_tokens] int64, rope position of every new token
+    slot_mapping: torch.Tensor  # [num_tokens] int64, cache slot (block * block_size + offset) for its K/V
+    query_start_loc: torch.Tensor  # [num_seqs + 1] int32, cumulative query lengths
+    seq_lens: torch.Tensor  # [num_seqs] int32, KV length per sequence including the new tokens
+    block_tables: torch.Tensor  # [num_seqs, max_blocks] int32
+    block_size: int
+    # [num_tokens, max_query_len] bool: visibility among the new tokens of the same sequence; None = causal
+    tree_mask: torch.Tensor | None = None
+    # host copies, so the reference path and the runner never sync on device tensors
+    query_lens_host: list[int] = field(default_factory=list)
+    seq_lens_host: list[int] = field(default_factory=list)
+    _kv_slots: list[torch.Tensor] | None = field(default=None, repr=False)
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.seq_lens_host)
+
+    def kv_slots(self, seq: int) -> torch.Tensor:
+        """Cache slots of sequence `seq`'s logical KV positions 0..seq_len-1, computed once per step."""
+        if self._kv_slots is None:
+            self._kv_slots = []
+            for i, seq_len in enumerate(self.seq_lens_host):
+                logical = torch.arange(seq_len, device=self.block_tables.device)
+                blocks = self.block_tables[i, logical // self.block_size].long()
+                self._kv_slots.append(blocks * self.block_size + logical % self.block_size)
+        return self._kv_slots[seq]
+
+
+def build_metadata(
+    positions: list[int],
+    slot_mapping: list[int],
+    query_lens: list[int],
+    seq_lens: list[int],
+    block_tables: list[list[int]],
+    block_size: int,
+    tree_masks: list[torch.Tensor | None] | None = None,
+    device: torch.device | str = "cpu",
+) -> AttentionMetadata:
+    """Packs host lists into device tensors. tree_masks[i] is [query_len_i, query_len_i] bool or None (causal)."""
+    num_seqs = len(query_lens)
+    max_blocks = max((len(t) for t in block_tables), default=1) or 1
+    table = torch.zeros(num_seqs, max_blocks, dtype=torch.int32)
+    for i, blocks in enumerate(block_tables):
+        table[i, : len(blocks)] = torch.tensor(blocks, dtype=torch.int32)
+    cu = [0]
+    for n in query_lens:
+        cu.append(cu[-1] + n)
+    mask = None
+    if tree_masks is not None and any(m is not None for m in tree_masks):
+        max_q = max(query_lens)
+        mask = torch.zeros(cu[-1], max_q, dtype=torch.bool)
+        for i, n in enumerate(query_lens):
+            m = tree_masks[i]
+            if m is None:
+                m = torch.ones(n, n, dtype=torch.bool).tril()
+            mask[cu[i] : cu[i + 1], :n] = m
+        mask = mask.to(device)
+    return AttentionMetadata(
+        positions=torch.tensor(positions, dtype=torch.int64, device=device),
+        slot_mapping=torch.tensor(slot_mapping, dtype=torch.int64, device=device),
+        query_start_loc=torch.tensor(cu, dtype=torch.int32, device=device),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
+        block_tables=table.to(device),
+        block_size=block_size,
+        tree_mask=mask,
+        query_lens_host=list(query_lens),
+        seq_lens_host=list(seq_lens),
+    )

@@ -1,0 +1,38 @@
+"""The single door to every custom op: one Python signature each. The CUDA extension serves an op when it is
+built and the tensors are on CUDA; otherwise `ext.reference` does, with the same signature and semantics."""
+from __future__ import annotations
+
+import torch
+
+from ext import reference
+from ext.metadata import AttentionMetadata
+
+
+def _cuda_ops(t: torch.Tensor):
+    """The built extension's op namespace when `t` is on CUDA and the extension loads, else None."""
+    if t.device.type != "cuda":
+        return None
+    from ext import build  # imported lazily: CPU machines never touch the toolchain
+
+    return build.load_ops()
+
+
+def write_kv(cache: torch.Tensor, rows: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Scatter rows [num_tokens, ...] into cache [num_blocks, block_size, ...] at slot_mapping (-1 skips)."""
+    reference.write_kv(cache, rows, slot_mapping)
+
+
+def paged_attention(q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """GQA attention of q [num_tokens, num_heads, head_dim] over the paged cache -> [num_tokens, num_heads, head_dim]."""
+    ops = _cuda_ops(q)
+    if ops is not None and hasattr(ops, "paged_attention"):
+        return ops.paged_attention(q, k_cache, v_cache, meta, scale)
+    return reference.paged_attention(q, k_cache, v_cache, meta, scale)
+
+
+def mla_paged_attention(q_latent, q_rope, latent_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """Absorbed MLA attention over the latent cache -> [num_tokens, num_heads, kv_lora_rank]."""
+    ops = _cuda_ops(q_latent)
+    if ops is not None and hasattr(ops, "mla_paged_attention"):
+        return ops.mla_paged_attention(q_latent, q_rope, latent_cache, meta, scale)
+    return reference.mla_paged_attention(q_latent, q_rope, latent_cache, meta, scale)

@@ -6,5 +6,5 @@ import functools
 
 
 @functools.cache
-def load_ops():
+def load_ops(verbose: bool = False):
     return None

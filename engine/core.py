@@ -3,27 +3,16 @@ returning what changed for each request. It owns the loaded model, the KV cache 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
 
 import torch
 
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
+from engine.messages import Delta, StepStats
 from engine.model.loader import load_model, resolve_dtype
 from engine.request import Request, SamplingParams
 from engine.runner import ModelRunner
 from engine.scheduler import Scheduler
-
-
-@dataclass
-class RequestOutput:
-    request_id: str
-    prompt_token_ids: list[int]
-    token_ids: list[int]  # all generated so far
-    new_token_ids: list[int]  # generated this step
-    finished: bool
-    finish_reason: str | None
-    logprobs: list | None = None  # per generated token, when asked for
 
 
 def eos_token_ids(hf_config: dict, tokenizer) -> tuple[int, ...]:
@@ -87,30 +76,43 @@ class EngineCore:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
-    def step(self) -> list[RequestOutput]:
+    def step(self) -> list[Delta]:
+        """One engine step; returns a Delta for every request that produced tokens or finished."""
         t0 = time.perf_counter()
+        preemptions_before = self.scheduler.num_preemptions
         plan = self.scheduler.schedule()
         if not plan.seqs:
+            self.last_stats = None
             return []
         now = time.monotonic()
         for s in plan.seqs:
             s.request.first_scheduled_time = s.request.first_scheduled_time or now
         schedule_time = time.perf_counter() - t0
+        before = {s.request.request_id: len(s.request.output_token_ids) for s in plan.seqs}
         result = self.runner.execute(plan)
         result.timings["schedule"] = schedule_time
-        self.last_result, self.last_plan = result, plan
-        before = {s.request.request_id: len(s.request.output_token_ids) for s in plan.seqs}
         self.scheduler.update(plan, result)
-        outputs = []
+        deltas = []
         for s in plan.seqs:
             req = s.request
-            new = req.output_token_ids[before[req.request_id]:]
+            n0 = before[req.request_id]
+            new = req.output_token_ids[n0:]
             if new and req.first_token_time is None:
                 req.first_token_time = time.monotonic()
-            if new or req.finished:
-                outputs.append(RequestOutput(req.request_id, req.prompt_token_ids, list(req.output_token_ids), new,
-                                             req.finished, req.finish_reason,
-                                             req.output_logprobs if req.sampling.logprobs is not None else None))
+            if not new and not req.finished:
+                continue
+            delta = Delta(req.request_id, new, req.finished, req.finish_reason,
+                          req.output_logprobs[n0:] if req.sampling.logprobs is not None else None,
+                          num_prompt_tokens=req.num_prompt_tokens)
             if req.finished:
+                delta.queue_time = (req.first_scheduled_time or now) - req.arrival_time
+                delta.accept_lengths = list(req.accept_lengths)
                 self.requests.pop(req.request_id, None)
-        return outputs
+            deltas.append(delta)
+        self.last_stats = StepStats(
+            num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
+            kv_cache_usage=self.blocks.usage, batch_size=len(plan.seqs),
+            num_preemptions=self.scheduler.num_preemptions - preemptions_before, timings=result.timings,
+            accept_lengths=result.accept_lengths, tree_nodes=result.tree_nodes,
+            accepted_per_position=result.accepted_per_position)
+        return deltas

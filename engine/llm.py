@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 from engine.config import EngineConfig, SpecConfig
 from engine.core import EngineCore
+from engine.messages import Delta
 from engine.request import SamplingParams
 
 
@@ -44,19 +45,36 @@ class LLM:
             prompts = [prompts]
         token_lists = [p if isinstance(p, list) else self.encode(p, chat) for p in prompts]
         ids = [self.engine.add_request(t, SamplingParams(**vars(sampling))) for t in token_lists]
-        done: dict[str, object] = {}
+        tokens = {rid: [] for rid in ids}
+        logprobs = {rid: [] for rid in ids}
+        done: dict[str, Delta] = {}
         start = time.perf_counter()
         steps = 0
         while len(done) < len(ids):
-            for out in self.engine.step():
-                if out.finished:
-                    done[out.request_id] = out
+            for delta in self.engine.step():
+                tokens[delta.request_id].extend(delta.new_token_ids)
+                logprobs[delta.request_id].extend(delta.new_logprobs or [])
+                if delta.finished:
+                    done[delta.request_id] = delta
             steps += 1
         elapsed = time.perf_counter() - start
         results = []
         for rid, prompt_ids in zip(ids, token_lists):
             out = done[rid]
-            text = self.tokenizer.decode(out.token_ids, skip_special_tokens=True) if self.tokenizer else None
-            results.append(GenerationOutput(prompt_ids, out.token_ids, text, out.finish_reason, out.logprobs,
-                                            {"elapsed_s": elapsed, "steps": steps}))
+            text = self.tokenizer.decode(tokens[rid], skip_special_tokens=True) if self.tokenizer else None
+            stats = {"elapsed_s": elapsed, "steps": steps}
+            if out.accept_lengths:
+                stats["spec"] = spec_summary(out.accept_lengths)
+            results.append(GenerationOutput(prompt_ids, tokens[rid], text, out.finish_reason,
+                                            logprobs[rid] if sampling.logprobs is not None else None, stats))
         return results
+
+
+def spec_summary(accept_lengths: list[int]) -> dict:
+    """Steps, mean accept length tau (tokens per verify step, bonus included) and per-depth acceptance counts."""
+    depth_counts = [0] * (max(accept_lengths) - 1 if accept_lengths else 0)
+    for n in accept_lengths:
+        for d in range(n - 1):
+            depth_counts[d] += 1
+    return {"steps": len(accept_lengths), "mean_accept_length": sum(accept_lengths) / len(accept_lengths),
+            "accepted_per_depth": depth_counts}

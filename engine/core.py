@@ -13,6 +13,8 @@ from engine.model.loader import load_model, resolve_dtype
 from engine.request import Request, SamplingParams
 from engine.runner import ModelRunner
 from engine.scheduler import Scheduler
+from engine.spec.drafter import make_drafter
+from engine.spec.speculator import Speculator
 
 
 def eos_token_ids(hf_config: dict, tokenizer) -> tuple[int, ...]:
@@ -25,7 +27,7 @@ def eos_token_ids(hf_config: dict, tokenizer) -> tuple[int, ...]:
 
 
 class EngineCore:
-    def __init__(self, config: EngineConfig, loaded=None):
+    def __init__(self, config: EngineConfig, loaded=None, drafter=None):
         self.config = config
         self.dtype = resolve_dtype(config.dtype, config.device)
         self.loaded = loaded or load_model(config.model, self.dtype, config.device)
@@ -37,10 +39,25 @@ class EngineCore:
             1, config.kv_cache_memory // ModelRunner.kv_bytes_per_block(self.model, config.block_size, self.dtype)
         )
         self.blocks = BlockManager(num_blocks, config.block_size)
-        self.runner = ModelRunner(self.model, num_blocks, config.block_size, config.device, self.dtype)
-        self.scheduler = Scheduler(config, self.blocks, self.max_model_len)
+        self.speculator = self.make_speculator(drafter)
+        self.runner = ModelRunner(self.model, num_blocks, config.block_size, config.device, self.dtype,
+                                  self.speculator)
+        max_budget = 0 if self.speculator is None else self.speculator.max_budget
+        self.scheduler = Scheduler(config, self.blocks, self.max_model_len, max_budget)
         self.rng = torch.Generator().manual_seed(config.seed)
         self.requests: dict[str, Request] = {}
+
+    def make_speculator(self, drafter) -> Speculator | None:
+        """The DDTree half of the runner, or None for plain decoding. `drafter` overrides the configured one
+        (tests pass an oracle drafter object)."""
+        spec = self.config.spec
+        if drafter is None:
+            if not spec.enabled:
+                return None
+            drafter = make_drafter(spec, self.model, self.model.vocab_size, device=self.config.device,
+                                   dtype=self.dtype)
+        budget = drafter.horizon if spec.chain else spec.budget
+        return Speculator(drafter, budget, chain=spec.chain) if budget > 0 else None
 
     @property
     def vocab_size(self) -> int:
@@ -71,6 +88,7 @@ class EngineCore:
     def abort(self, request_id: str) -> bool:
         req = self.scheduler.abort(request_id)
         self.requests.pop(request_id, None)
+        self.runner.release(request_id)
         return req is not None
 
     def has_unfinished(self) -> bool:
@@ -92,6 +110,8 @@ class EngineCore:
         result = self.runner.execute(plan)
         result.timings["schedule"] = schedule_time
         self.scheduler.update(plan, result)
+        for req in plan.preempted:
+            self.runner.release(req.request_id)
         deltas = []
         for s in plan.seqs:
             req = s.request
@@ -108,6 +128,7 @@ class EngineCore:
                 delta.queue_time = (req.first_scheduled_time or now) - req.arrival_time
                 delta.accept_lengths = list(req.accept_lengths)
                 self.requests.pop(req.request_id, None)
+                self.runner.release(req.request_id)
             deltas.append(delta)
         self.last_stats = StepStats(
             num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),

@@ -23,10 +23,14 @@ class GenerationOutput:
 
 class LLM:
     def __init__(self, model: str | None = None, dtype: str | None = None, device: str = "cpu",
-                 drafter: str = "none", spec_budget: int = 16, draft_model: str | None = None, **engine_kwargs):
-        spec = SpecConfig(drafter=drafter, budget=spec_budget, draft_model=draft_model)
+                 drafter="none", spec_budget: int = 16, draft_model: str | None = None, chain: bool = False,
+                 **engine_kwargs):
+        """drafter: none | ngram | dflash | oracle, or a drafter object (engine.spec.drafter.Drafter)."""
+        drafter_obj = None if isinstance(drafter, str) else drafter
+        name = drafter if drafter_obj is None else "oracle"
+        spec = SpecConfig(drafter=name, budget=spec_budget, draft_model=draft_model, chain=chain)
         self.config = EngineConfig(model=model, dtype=dtype, device=device, spec=spec, **engine_kwargs)
-        self.engine = EngineCore(self.config)
+        self.engine = EngineCore(self.config, drafter=drafter_obj)
         self.tokenizer = self.engine.tokenizer
 
     def encode(self, prompt: str, chat: bool = False) -> list[int]:

@@ -13,8 +13,10 @@ from engine.request import Request, Status
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, block_manager: BlockManager, max_model_len: int):
+    def __init__(self, config: EngineConfig, block_manager: BlockManager, max_model_len: int,
+                 max_budget: int = 0):
         self.config, self.blocks, self.max_model_len = config, block_manager, max_model_len
+        self.max_budget = max_budget  # tree nodes per request at low load (0 = no speculation)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
@@ -46,8 +48,14 @@ class Scheduler:
         self.waiting.appendleft(request)
 
     def spec_budget(self, request: Request, num_running: int) -> int:
-        """Tree nodes this request may verify (0 here; the speculative scheduler overrides it)."""
-        return 0
+        """Tree nodes this request may verify this step: the configured budget, never past the request's
+        remaining tokens or the context, and shrinking as the batch grows so that trees take at most half
+        of the step's token budget (DDTree must not cost throughput at high load)."""
+        if self.max_budget == 0 or request.num_tokens - request.num_computed_tokens != 1:
+            return 0  # a tree needs a decoding request: only its root (last token) lacks KV
+        remaining = request.sampling.max_tokens - len(request.output_token_ids)
+        share = self.config.max_num_batched_tokens // (2 * max(1, num_running)) - 1
+        return max(0, min(self.max_budget, remaining - 1, self.max_model_len - request.num_tokens - 1, share))
 
     def schedule(self) -> StepPlan:
         plan = StepPlan()
@@ -93,7 +101,9 @@ class Scheduler:
             req = s.request
             if req.finished:  # aborted while the step ran
                 continue
-            req.num_computed_tokens += s.num_new_tokens
+            req.num_computed_tokens += s.num_new_tokens + result.num_accepted.get(req.request_id, 0)
+            if req.request_id in result.num_accepted:
+                req.accept_lengths.append(len(result.new_token_ids[req.request_id]))
             new_ids = result.new_token_ids.get(req.request_id, [])
             logprobs = result.logprobs.get(req.request_id)
             for j, token in enumerate(new_ids):
@@ -106,6 +116,8 @@ class Scheduler:
                     self.finish(req, reason)
                     finished.append(req)
                     break
+            if not req.finished and s.spec_budget:
+                self.blocks.trim(req, req.num_tokens)  # hand back the rejected tree rows' blocks
         return finished
 
     def stop_reason(self, req: Request, token: int) -> str | None:

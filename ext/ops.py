@@ -36,3 +36,35 @@ def mla_paged_attention(q_latent, q_rope, latent_cache, meta: AttentionMetadata,
     if ops is not None and hasattr(ops, "mla_paged_attention"):
         return ops.mla_paged_attention(q_latent, q_rope, latent_cache, meta, scale)
     return reference.mla_paged_attention(q_latent, q_rope, latent_cache, meta, scale)
+
+
+def topk_logprobs(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits [N, L, V] -> (log-probs [N, L, K] fp32 sorted descending, token ids [N, L, K]); ties -> lower id."""
+    ops = _cuda_ops(logits)
+    if ops is not None and hasattr(ops, "topk_logprobs"):
+        return ops.topk_logprobs(logits, k)
+    return reference.topk_logprobs(logits, k)
+
+
+def build_tree(draft_logprobs, draft_token_ids, budgets, max_budget: int) -> reference.TreeBuild:
+    """Best-first DDTree build (paper Alg. 1) for N requests at once; see ext.reference.tree.build_tree."""
+    ops = _cuda_ops(draft_logprobs)
+    if ops is not None and hasattr(ops, "build_tree"):
+        return ops.build_tree(draft_logprobs, draft_token_ids, budgets, max_budget)
+    return reference.build_tree(draft_logprobs, draft_token_ids, budgets, max_budget)
+
+
+def tree_accept(target_token_ids, node_token_ids, parents, num_nodes, max_depth: int):
+    """Walk each tree along the target's tokens -> (accepted_nodes [N, L+1], accept_len [N], bonus [N])."""
+    ops = _cuda_ops(target_token_ids)
+    if ops is not None and hasattr(ops, "tree_accept"):
+        return ops.tree_accept(target_token_ids, node_token_ids, parents, num_nodes, max_depth)
+    return reference.tree_accept(target_token_ids, node_token_ids, parents, num_nodes, max_depth)
+
+
+def kv_compact(caches: list[torch.Tensor], src_slots: torch.Tensor, dst_slots: torch.Tensor) -> None:
+    """For every slot-major cache view [num_slots, ...]: cache[dst] = old cache[src], gathered before scattered."""
+    ops = _cuda_ops(src_slots)
+    if ops is not None and hasattr(ops, "kv_compact"):
+        return ops.kv_compact(caches, src_slots, dst_slots)
+    return reference.kv_compact(caches, src_slots, dst_slots)

@@ -1,0 +1,1 @@
+"""DDTree speculative decoding: draft trees (tree.py) and their verification (verify.py)."""

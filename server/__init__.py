@@ -1,0 +1,1 @@
+"""HTTP front end: OpenAI-compatible API, tokenization and Prometheus metrics; knows nothing about tensors."""

@@ -1,0 +1,222 @@
+"""Prometheus metrics of the server: every metric name, label and bucket lives here.
+
+One `Metrics` object owns its own CollectorRegistry (no process-global state, so tests and several apps in
+one process do not collide). Names follow vLLM's (prefix `ddtree:` instead of `vllm:`) so existing
+dashboards and PromQL recipes carry over; every series has a `model_name` label.
+
+Inputs are plain numbers. The engine reports a step as a `StepStats`-shaped object (this module's
+dataclass, engine.messages.StepStats, or a dict with the same keys); the front end reports a finished request
+as a `RequestStats`. PromQL recipes (tree speculation):
+  mean accepted tokens per step = rate(spec_decode_num_accepted_tokens_total) / rate(spec_decode_num_drafts_total) + 1
+  acceptance at depth d          = rate(..._per_pos_total{position="d-1"}) / rate(spec_decode_num_drafts_total)
+With a tree, draft tokens are tree nodes, so accepted / draft_tokens is far below a chain's acceptance rate
+for the same quality of drafter and must not be compared across methods.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Optional, Sequence, Union
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+PREFIX = "ddtree:"
+PHASES = ("schedule", "draft", "tree_build", "verify", "accept")  # pre-created; other phase names also record
+FINISHED_REASONS = ("stop", "length", "abort")
+
+REQUEST_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
+                           7.5, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0, 600.0)
+TOKEN_LATENCY_BUCKETS = (0.0005, 0.001, 0.002, 0.003, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.04, 0.05, 0.075,
+                         0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 60.0)
+STEP_TIME_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.003, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.05,
+                     0.075, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
+ACCEPT_LENGTH_BUCKETS = tuple(float(i) for i in range(1, 17)) + (20.0, 24.0, 32.0)
+TREE_NODES_BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 1024)
+BATCH_SIZE_BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 1024)
+
+
+@dataclass
+class StepStats:
+    """One engine step. Field names match engine.messages.StepStats, which record_step also accepts."""
+    num_running: int = 0  # requests holding KV after the step
+    num_waiting: int = 0  # requests queued for admission (preempted ones included)
+    kv_cache_usage: float = 0.0  # fraction of KV blocks in use, 0..1
+    batch_size: int = 0  # requests that ran in the step (prefill chunks + decodes)
+    num_preemptions: int = 0  # preemptions during the step
+    timings: dict[str, float] = field(default_factory=dict)  # phase -> seconds (PHASES, plus any others)
+    # speculation: one entry per request of the step that verified a tree, in the same order
+    accept_lengths: list[int] = field(default_factory=list)  # tokens committed (accepted drafts + 1 bonus), >= 1
+    tree_nodes: list[int] = field(default_factory=list)  # draft nodes verified (the root is not a draft)
+    accepted_per_position: list[int] = field(default_factory=list)  # [d]: drafts accepted at depth d+1;
+    # derived from accept_lengths when empty
+    num_prompt_tokens: int = 0  # prompt tokens of requests whose prefill completed (prefix-cache hits included)
+    num_generation_tokens: int = 0  # output tokens committed in the step
+
+
+@dataclass
+class RequestStats:
+    """One finished request, measured by whoever sees it finish (times in seconds; None = not observed)."""
+    finished_reason: str  # stop | length | abort (anything else is recorded under its own label)
+    queue_time: Optional[float] = None  # arrival -> first scheduled
+    time_to_first_token: Optional[float] = None  # arrival -> first output token
+    e2e_latency: Optional[float] = None  # arrival -> finished
+    # each output emission after the first: (seconds since the previous emission, tokens it carried)
+    token_intervals: Sequence[tuple[float, int]] = ()
+
+
+class _WithoutCreated:
+    """A view of a registry without the `*_created` timestamp series that prometheus_client adds to every
+    counter and histogram; they double the scrape and no dashboard reads them. (disable_created_metrics()
+    would do the same, but process-wide.)"""
+
+    def __init__(self, registry: CollectorRegistry):
+        self._registry = registry
+
+    def collect(self):
+        for family in self._registry.collect():
+            family.samples = [s for s in family.samples if not s.name.endswith("_created")]
+            yield family
+
+
+def _get(stats: Any, name: str, default: Any) -> Any:
+    if isinstance(stats, Mapping):
+        return stats.get(name, default)
+    return getattr(stats, name, default)
+
+
+class Metrics:
+    def __init__(self, model_name: str, registry: Optional[CollectorRegistry] = None):
+        self.model_name = model_name
+        self.registry = registry if registry is not None else CollectorRegistry()
+        self.content_type = CONTENT_TYPE_LATEST
+        r, m = self.registry, ["model_name"]
+
+        def counter(name: str, doc: str, labels: Sequence[str] = ()) -> Counter:
+            return Counter(PREFIX + name, doc, m + list(labels), registry=r)  # exposed as <name>_total
+
+        def gauge(name: str, doc: str) -> Gauge:
+            return Gauge(PREFIX + name, doc, m, registry=r).labels(model_name)
+
+        def histogram(name: str, doc: str, buckets: Sequence[float], labels: Sequence[str] = ()) -> Histogram:
+            return Histogram(PREFIX + name, doc, m + list(labels), buckets=buckets, registry=r)
+
+        self.num_requests_running = gauge("num_requests_running", "Requests holding KV in the engine.")
+        self.num_requests_waiting = gauge("num_requests_waiting", "Requests waiting for admission.")
+        self.kv_cache_usage_perc = gauge("kv_cache_usage_perc", "Fraction of KV-cache blocks in use (0-1).")
+
+        self.prompt_tokens = counter("prompt_tokens", "Prompt tokens processed.").labels(model_name)
+        self.generation_tokens = counter("generation_tokens", "Output tokens generated.").labels(model_name)
+        self.request_success = counter("request_success", "Finished requests by finish reason.",
+                                       ["finished_reason"])
+        self.num_preemptions = counter("num_preemptions", "Recompute preemptions.").labels(model_name)
+        self.spec_num_drafts = counter("spec_decode_num_drafts", "Draft trees verified.").labels(model_name)
+        self.spec_num_draft_tokens = counter("spec_decode_num_draft_tokens",
+                                             "Draft tokens (tree nodes) verified.").labels(model_name)
+        self.spec_num_accepted_tokens = counter("spec_decode_num_accepted_tokens",
+                                                "Draft tokens accepted (bonus tokens excluded).").labels(model_name)
+        self.spec_accepted_per_pos = counter("spec_decode_num_accepted_tokens_per_pos",
+                                             "Draft tokens accepted at each tree depth (position 0 = depth 1).",
+                                             ["position"])
+        self.http_requests = counter("http_requests", "HTTP responses by status code.", ["status"])
+
+        self.time_to_first_token = histogram("time_to_first_token_seconds", "Time to first output token.",
+                                             REQUEST_LATENCY_BUCKETS).labels(model_name)
+        self.inter_token_latency = histogram(
+            "inter_token_latency_seconds", "Time between output tokens (a multi-token emission is spread evenly "
+            "over its tokens).", TOKEN_LATENCY_BUCKETS).labels(model_name)
+        self.e2e_request_latency = histogram("e2e_request_latency_seconds", "Request latency, arrival to finish.",
+                                             REQUEST_LATENCY_BUCKETS).labels(model_name)
+        self.request_queue_time = histogram("request_queue_time_seconds", "Time waiting before first scheduled.",
+                                            REQUEST_LATENCY_BUCKETS).labels(model_name)
+        self.spec_accept_length = histogram(
+            "spec_decode_accept_length", "Tokens committed per request per speculative step (accepted + bonus).",
+            ACCEPT_LENGTH_BUCKETS).labels(model_name)
+        self.spec_tree_nodes = histogram("spec_decode_tree_nodes", "Draft-tree nodes per request per step.",
+                                         TREE_NODES_BUCKETS).labels(model_name)
+        self.step_time = histogram("step_time_seconds", "Engine step time by phase.", STEP_TIME_BUCKETS,
+                                   ["phase"])
+        self.batch_size = histogram("batch_size", "Requests per engine step.", BATCH_SIZE_BUCKETS).labels(model_name)
+
+        # Create the fixed label values now so dashboards see zero-valued series before the first event.
+        for reason in FINISHED_REASONS:
+            self.request_success.labels(model_name, reason)
+        for phase in PHASES:
+            self.step_time.labels(model_name, phase)
+
+    # ------------------------------------------------------------------------------------------ inputs
+
+    def set_scheduler_state(self, num_running: int, num_waiting: int, kv_cache_usage: float) -> None:
+        self.num_requests_running.set(num_running)
+        self.num_requests_waiting.set(num_waiting)
+        self.kv_cache_usage_perc.set(kv_cache_usage)
+
+    def record_tokens(self, prompt_tokens: int = 0, generation_tokens: int = 0) -> None:
+        if prompt_tokens:
+            self.prompt_tokens.inc(prompt_tokens)
+        if generation_tokens:
+            self.generation_tokens.inc(generation_tokens)
+
+    def record_step(self, stats: Union[StepStats, Mapping[str, Any], Any]) -> None:
+        """Record one engine step (a StepStats, engine.messages.StepStats, or a dict of the same fields)."""
+        self.set_scheduler_state(_get(stats, "num_running", 0), _get(stats, "num_waiting", 0),
+                                 _get(stats, "kv_cache_usage", 0.0))
+        self.record_tokens(_get(stats, "num_prompt_tokens", 0), _get(stats, "num_generation_tokens", 0))
+        batch = _get(stats, "batch_size", 0)
+        if batch:
+            self.batch_size.observe(batch)
+        preempted = _get(stats, "num_preemptions", 0)
+        if preempted:
+            self.num_preemptions.inc(preempted)
+        for phase, seconds in (_get(stats, "timings", None) or {}).items():
+            self.step_time.labels(self.model_name, phase).observe(seconds)
+
+        accept = list(_get(stats, "accept_lengths", None) or ())
+        nodes = list(_get(stats, "tree_nodes", None) or ())
+        if len(accept) != len(nodes):
+            raise ValueError(f"accept_lengths ({len(accept)}) and tree_nodes ({len(nodes)}) must pair up per request")
+        if not accept:
+            return
+        for a, n in zip(accept, nodes):
+            self.spec_accept_length.observe(a)
+            self.spec_tree_nodes.observe(n)
+        self.spec_num_drafts.inc(len(accept))
+        self.spec_num_draft_tokens.inc(sum(nodes))
+        self.spec_num_accepted_tokens.inc(sum(max(a - 1, 0) for a in accept))
+        per_pos = list(_get(stats, "accepted_per_position", None) or ())
+        if not per_pos:
+            per_pos = [0] * max(max(accept) - 1, 0)
+            for a in accept:
+                for d in range(a - 1):
+                    per_pos[d] += 1
+        for position, count in enumerate(per_pos):
+            if count:
+                self.spec_accepted_per_pos.labels(self.model_name, str(position)).inc(count)
+
+    def observe_inter_token_latency(self, interval: float, num_tokens: int = 1) -> None:
+        """One emission of num_tokens after `interval` seconds: interval/num_tokens, num_tokens times, so a
+        speculative burst reads as its per-token cost instead of one long gap and several zero gaps."""
+        if num_tokens <= 0 or not math.isfinite(interval) or interval < 0:
+            return
+        per_token = interval / num_tokens
+        for _ in range(num_tokens):
+            self.inter_token_latency.observe(per_token)
+
+    def record_request(self, stats: Union[RequestStats, Mapping[str, Any], Any]) -> None:
+        """Record one finished request (a RequestStats or a dict of its fields)."""
+        self.request_success.labels(self.model_name, _get(stats, "finished_reason", None) or "unknown").inc()
+        for name, hist in (("queue_time", self.request_queue_time), ("time_to_first_token", self.time_to_first_token),
+                           ("e2e_latency", self.e2e_request_latency)):
+            value = _get(stats, name, None)
+            if value is not None and math.isfinite(value) and value >= 0:
+                hist.observe(value)
+        for interval, num_tokens in _get(stats, "token_intervals", None) or ():
+            self.observe_inter_token_latency(interval, num_tokens)
+
+    def record_http_response(self, status_code: int) -> None:
+        self.http_requests.labels(self.model_name, str(int(status_code))).inc()
+
+    # ------------------------------------------------------------------------------------------ output
+
+    def render(self) -> bytes:
+        """The text exposition for GET /metrics; serve it with `self.content_type`."""
+        return generate_latest(_WithoutCreated(self.registry))  # type: ignore[arg-type]

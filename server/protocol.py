@@ -1,0 +1,622 @@
+"""OpenAI-compatible wire schema of the HTTP server.
+
+Owns the pydantic models of /v1/chat/completions, /v1/completions, /v1/models, /tokenize and /detokenize
+(requests, responses, stream chunks, usage, logprobs), the error envelope, and `error_response()`, which turns
+any validation failure into that envelope with the offending `param`. Requests also hand the engine plain
+sampling values through `to_sampling_kwargs()`, so the engine never imports server code.
+
+Validation policy: wrong types are errors (no "5" -> 5 coercion); a JSON null means "not given"; fields we
+know but do not implement (tools, response_format, beam search, ...) are rejected by name unless they carry
+their neutral value; truly unknown fields are accepted and listed by `ignored_fields()` for the app to log.
+"""
+from __future__ import annotations
+
+import math
+import time
+import uuid
+from typing import Annotated, Any, ClassVar, Literal, Mapping, Optional, Union
+
+from pydantic import (BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, field_validator,
+                      model_serializer, model_validator)
+
+MAX_N = 16
+MAX_TOP_LOGPROBS = 20
+MAX_STOP_STRINGS = 16
+LOGPROB_FLOOR = -9999.0  # JSON has no -inf; what a fully masked token reports instead
+
+Float = Annotated[float, Field(strict=True)]  # strict float still accepts JSON integers
+TokenId = Annotated[int, Field(strict=True, ge=0)]
+
+# --------------------------------------------------------------------------------------------- errors
+
+
+class ProtocolError(ValueError):
+    """A request the server refuses. `loc` is the path of the offending field, relative to where it is
+    raised (pydantic prepends the field path when raised inside a field validator)."""
+
+    def __init__(self, message: str, *, loc: tuple = (), code: Optional[str] = "invalid_value",
+                 status_code: int = 400, type: Optional[str] = None):
+        super().__init__(message)
+        self.message, self.loc, self.code, self.status_code = message, tuple(loc), code, status_code
+        self.type = type or _type_for_status(status_code)
+
+    @property
+    def param(self) -> Optional[str]:
+        return param_path(self.loc)
+
+
+class ErrorInfo(BaseModel):
+    message: str
+    type: str
+    param: Optional[str] = None
+    code: Optional[Union[str, int]] = None
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorInfo
+    status_code: int = Field(400, exclude=True)  # for the app's HTTP status; never serialised
+
+    @classmethod
+    def make(cls, message: str, status_code: int = 400, *, param: Optional[str] = None,
+             code: Optional[Union[str, int]] = None, type: Optional[str] = None) -> "ErrorResponse":
+        info = ErrorInfo(message=message, type=type or _type_for_status(status_code), param=param, code=code)
+        return cls(error=info, status_code=status_code)
+
+
+_STATUS_TYPES = {401: "authentication_error", 429: "rate_limit_error", 503: "service_unavailable_error"}
+
+
+def _type_for_status(status: int) -> str:
+    return _STATUS_TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
+
+
+def model_not_found(model: str) -> ErrorResponse:
+    return ErrorResponse.make(f"The model `{model}` does not exist.", 404, param="model", code="model_not_found")
+
+
+def param_path(loc: tuple) -> Optional[str]:
+    """('messages', 0, 'content') -> 'messages[0].content'."""
+    out = ""
+    for part in loc:
+        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
+    return out or None
+
+
+def _type_name(value: Any) -> str:
+    names = {str: "a string", bool: "a boolean", int: "an integer", float: "a number", list: "an array",
+             dict: "an object", type(None): "null"}
+    return names.get(type(value), type(value).__name__)
+
+
+def _describe(err: Mapping[str, Any]) -> tuple[str, Optional[str], Optional[str]]:
+    """One pydantic error dict -> (message, param, code)."""
+    kind, loc, msg = err.get("type", ""), tuple(err.get("loc", ())), err.get("msg", "")
+    if loc and loc[0] == "body":  # FastAPI's RequestValidationError prefixes the body location
+        loc = loc[1:]
+    cause = (err.get("ctx") or {}).get("error")
+    if isinstance(cause, ProtocolError):
+        return cause.message, param_path(loc + cause.loc), cause.code
+    if kind == "json_invalid":
+        return f"Request body is not valid JSON: {(err.get('ctx') or {}).get('error', msg)}", None, "invalid_json"
+    param = param_path(loc)
+    if not loc and kind in ("model_type", "model_attributes_type", "dict_type"):
+        return "Request body must be a JSON object.", None, "invalid_type"
+    if kind == "missing":
+        return f"Missing required parameter: '{param}'.", param, "missing_required_parameter"
+    if kind == "extra_forbidden":
+        return f"Unrecognized request argument supplied: '{param}'.", param, "unknown_parameter"
+    if kind == "literal_error":
+        return f"Invalid value for '{param}': {msg} (got {err.get('input')!r}).", param, "invalid_value"
+    if kind.endswith("_type") or kind == "is_instance_of":
+        return f"Invalid type for '{param}': {msg} (got {_type_name(err.get('input'))}).", param, "invalid_type"
+    if msg.startswith("Value error, "):
+        msg = msg[len("Value error, "):]
+    return f"Invalid value for '{param}': {msg}.", param, "invalid_value"
+
+
+def error_response(exc: BaseException) -> ErrorResponse:
+    """Any request-validation failure -> OpenAI envelope. Accepts pydantic's ValidationError, FastAPI's
+    RequestValidationError (anything with `.errors()`), a ProtocolError, or a plain ValueError (400)."""
+    if isinstance(exc, ProtocolError):
+        return ErrorResponse.make(exc.message, exc.status_code, param=exc.param, code=exc.code, type=exc.type)
+    errors = exc.errors() if callable(getattr(exc, "errors", None)) else None
+    if not errors:
+        return ErrorResponse.make(str(exc) or type(exc).__name__, 400)
+    described = [_describe(e) for e in errors]
+    message, param, code = described[0]
+    if len(described) > 1:
+        message += " Also: " + " ".join(m for m, _, _ in described[1:4])
+        if len(described) > 4:
+            message += f" (and {len(described) - 4} more)"
+    return ErrorResponse.make(message, 400, param=param, code=code)
+
+
+# ------------------------------------------------------------------------------------------- requests
+
+# Known fields we do not implement -> the value that means "feature not used" (accepted silently).
+_NO_NEUTRAL = object()
+_UNSUPPORTED_COMMON: dict[str, Any] = {
+    "response_format": {"type": "text"}, "guided_json": _NO_NEUTRAL, "guided_regex": _NO_NEUTRAL,
+    "guided_choice": _NO_NEUTRAL, "guided_grammar": _NO_NEUTRAL, "structured_outputs": _NO_NEUTRAL,
+    "use_beam_search": False, "length_penalty": _NO_NEUTRAL, "prompt_logprobs": _NO_NEUTRAL,
+    "logits_processors": _NO_NEUTRAL, "allowed_token_ids": _NO_NEUTRAL, "bad_words": [],
+    "truncate_prompt_tokens": _NO_NEUTRAL, "spaces_between_special_tokens": True, "best_of": 1,
+}
+_UNSUPPORTED_CHAT: dict[str, Any] = {
+    **_UNSUPPORTED_COMMON, "tools": _NO_NEUTRAL, "tool_choice": "none", "functions": _NO_NEUTRAL,
+    "function_call": "none", "parallel_tool_calls": _NO_NEUTRAL, "audio": _NO_NEUTRAL, "modalities": ["text"],
+    "prediction": _NO_NEUTRAL, "web_search_options": _NO_NEUTRAL, "reasoning_effort": _NO_NEUTRAL,
+    "echo": False, "continue_final_message": False, "add_generation_prompt": True, "chat_template": _NO_NEUTRAL,
+    "documents": _NO_NEUTRAL, "store": False,
+}
+_UNSUPPORTED_COMPLETION: dict[str, Any] = {**_UNSUPPORTED_COMMON, "suffix": _NO_NEUTRAL}
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    include_usage: StrictBool = False
+    continuous_usage_stats: StrictBool = False  # usage on every chunk (vLLM/SGLang extension)
+
+
+class _Request(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    unsupported_fields: ClassVar[Mapping[str, Any]] = {}
+
+    @model_validator(mode="before")
+    @classmethod
+    def _screen(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        data = {k: v for k, v in data.items() if v is not None}  # null == not given (OpenAI fields are nullable)
+        for name, neutral in cls.unsupported_fields.items():
+            if name not in data:
+                continue
+            if data[name] != neutral and not (name == "best_of" and data[name] == data.get("n", 1)):
+                raise ProtocolError(f"Unsupported parameter: '{name}' is not supported by this server.",
+                                    loc=(name,), code="unsupported_parameter")
+            del data[name]  # known and neutral: not an "ignored unknown field"
+        return data
+
+    def ignored_fields(self) -> list[str]:
+        """Unknown fields that were accepted and ignored (for the app to log, as vLLM does)."""
+        return sorted(self.model_extra or ())
+
+
+class _SamplingRequest(_Request):
+    model: Optional[StrictStr] = None
+    max_tokens: Optional[StrictInt] = Field(None, ge=1)
+    temperature: Optional[Float] = Field(None, ge=0, le=2)
+    top_p: Optional[Float] = Field(None, gt=0, le=1)
+    top_k: Optional[StrictInt] = Field(None, ge=-1)  # -1 and 0 both mean "disabled"
+    min_p: Optional[Float] = Field(None, ge=0, le=1)
+    seed: Optional[StrictInt] = Field(None, ge=-(2 ** 63), lt=2 ** 64)
+    stop: list[StrictStr] = Field(default_factory=list, max_length=MAX_STOP_STRINGS)
+    stop_token_ids: list[TokenId] = Field(default_factory=list)
+    n: StrictInt = Field(1, ge=1, le=MAX_N)
+    stream: StrictBool = False
+    stream_options: Optional[StreamOptions] = None
+    presence_penalty: Float = Field(0.0, ge=-2, le=2)
+    frequency_penalty: Float = Field(0.0, ge=-2, le=2)
+    repetition_penalty: Optional[Float] = Field(None, gt=0)
+    logit_bias: dict[StrictStr, Annotated[float, Field(strict=True, ge=-100, le=100)]] = Field(default_factory=dict)
+    ignore_eos: StrictBool = False
+    min_tokens: StrictInt = Field(0, ge=0)  # extension: EOS and stop tokens are masked until this many
+    user: Optional[StrictStr] = None
+    skip_special_tokens: StrictBool = True  # extension, applied by the detokenizer
+    include_stop_str_in_output: StrictBool = False  # extension, applied by the stop-string matcher
+
+    @field_validator("stop", mode="before")
+    @classmethod
+    def _stop_list(cls, v: Any) -> Any:
+        v = [v] if isinstance(v, str) else v
+        if isinstance(v, list) and any(s == "" for s in v):
+            raise ProtocolError("Stop strings must not be empty.")
+        return v
+
+    @field_validator("logit_bias", mode="before")
+    @classmethod
+    def _bias_keys(cls, v: Any) -> Any:
+        if not isinstance(v, dict):
+            return v
+        v = {str(k) if type(k) is int else k: x for k, x in v.items()}
+        for key in v:
+            if not isinstance(key, str) or not key.isascii() or not key.isdigit():
+                raise ProtocolError(f"Invalid key {key!r} in 'logit_bias': keys must be token ids (integers "
+                                    f"as strings); biasing by token text is not supported.")
+        return v
+
+    @model_validator(mode="after")
+    def _cross_checks(self) -> "_SamplingRequest":
+        if self.stream_options is not None and not self.stream:
+            raise ProtocolError("'stream_options' is only allowed when 'stream' is true.", loc=("stream_options",))
+        limit = self._max_new_tokens()
+        if limit is not None and self.min_tokens > limit:
+            raise ProtocolError(f"'min_tokens' ({self.min_tokens}) exceeds the maximum number of new tokens "
+                                f"({limit}).", loc=("min_tokens",))
+        return self
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+    def _max_new_tokens(self) -> Optional[int]:
+        return self.max_tokens
+
+    def _logprobs_count(self) -> Optional[int]:
+        raise NotImplementedError
+
+    def to_sampling_kwargs(self, defaults: Optional[Mapping[str, Any]] = None) -> dict[str, Any]:
+        """Plain-Python sampling fields for the engine's SamplingParams. `defaults` (e.g. from the model's
+        generation_config) fills fields the client left out; OpenAI's defaults fill the rest.
+        max_tokens None means "up to the context limit" (the app resolves it); top_k 0 means disabled;
+        logprobs None means none, 0 means the sampled token only, k adds the top-k alternatives."""
+        d = dict(defaults or {})
+
+        def pick(name: str, fallback: Any) -> Any:
+            value = getattr(self, name)
+            return value if value is not None else d.get(name, fallback)
+
+        top_k = pick("top_k", 0)
+        return {
+            "n": self.n, "max_tokens": self._max_new_tokens() or d.get("max_tokens"),
+            "temperature": float(pick("temperature", 1.0)), "top_p": float(pick("top_p", 1.0)),
+            "top_k": 0 if top_k in (None, -1) else int(top_k), "min_p": float(pick("min_p", 0.0)),
+            "seed": self.seed, "stop": list(self.stop), "stop_token_ids": list(self.stop_token_ids),
+            "ignore_eos": self.ignore_eos, "min_tokens": self.min_tokens,
+            "presence_penalty": float(self.presence_penalty), "frequency_penalty": float(self.frequency_penalty),
+            "repetition_penalty": float(pick("repetition_penalty", 1.0)),
+            "logit_bias": {int(k): float(v) for k, v in self.logit_bias.items()},
+            "logprobs": self._logprobs_count(),
+        }
+
+    def check_token_ids(self, vocab_size: int) -> None:
+        """Reject token ids the model does not have (the schema alone cannot know the vocabulary)."""
+        _check_ids(self.stop_token_ids, vocab_size, ("stop_token_ids",))
+        _check_ids([int(k) for k in self.logit_bias], vocab_size, ("logit_bias",), per_item=False)
+
+
+def _check_ids(ids: list[int], vocab_size: int, loc: tuple, per_item: bool = True) -> None:
+    for i, t in enumerate(ids):
+        if t >= vocab_size:
+            raise ProtocolError(f"Token id {t} is out of range (vocabulary size {vocab_size}).",
+                                loc=loc + (i,) if per_item else loc)
+
+
+class TextContentPart(BaseModel):
+    type: Literal["text"]
+    text: StrictStr
+
+
+class ChatMessage(BaseModel):
+    """One input message. Content is a string or a list of text parts; tool calls are not supported."""
+    model_config = ConfigDict(extra="allow")  # replayed SDK messages carry refusal/annotations: null
+    role: Literal["system", "user", "assistant", "developer"]
+    content: Union[StrictStr, list[TextContentPart]]
+    name: Optional[StrictStr] = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _screen(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            for name in ("tool_calls", "function_call", "audio", "tool_call_id"):
+                if data.get(name):
+                    raise ProtocolError(f"Unsupported parameter: '{name}' in messages is not supported by this "
+                                        f"server.", loc=(name,), code="unsupported_parameter")
+            if data.get("role") in ("tool", "function"):
+                raise ProtocolError(f"Unsupported role {data['role']!r}: tool messages are not supported; use "
+                                    f"'system', 'user', 'assistant' or 'developer'.", loc=("role",))
+        return data
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _parts(cls, v: Any) -> Any:
+        # Checked by hand: a failed Union would report one error per branch, with branch names in the path.
+        if isinstance(v, str):
+            return v
+        if not isinstance(v, list):
+            raise ProtocolError(f"Invalid type for content: expected a string or an array of text parts (got "
+                                f"{_type_name(v)}).", code="invalid_type")
+        for i, part in enumerate(v):
+            if not isinstance(part, dict):
+                raise ProtocolError(f"Invalid content part: expected an object (got {_type_name(part)}).",
+                                    loc=(i,), code="invalid_type")
+            if part.get("type") != "text":
+                raise ProtocolError(f"Unsupported content part type {part.get('type')!r}; only 'text' parts are "
+                                    f"supported.", loc=(i, "type"), code="unsupported_value")
+            if not isinstance(part.get("text"), str):
+                raise ProtocolError("A text content part needs a string 'text'.", loc=(i, "text"),
+                                    code="invalid_type")
+        return v
+
+    @property
+    def text(self) -> str:
+        if isinstance(self.content, str):
+            return self.content
+        return "\n".join(p.text for p in self.content)
+
+    def to_template_dict(self) -> dict[str, Any]:
+        # HF chat templates know "system" but rarely "developer", which OpenAI defines as its successor.
+        out: dict[str, Any] = {"role": "system" if self.role == "developer" else self.role, "content": self.text}
+        if self.name is not None:
+            out["name"] = self.name
+        return out
+
+
+class ChatCompletionRequest(_SamplingRequest):
+    unsupported_fields = _UNSUPPORTED_CHAT
+    messages: list[ChatMessage]
+    max_completion_tokens: Optional[StrictInt] = Field(None, ge=1)
+    logprobs: StrictBool = False
+    top_logprobs: Optional[StrictInt] = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    chat_template_kwargs: dict[StrictStr, Any] = Field(default_factory=dict)  # extension, e.g. enable_thinking
+
+    @field_validator("messages")
+    @classmethod
+    def _nonempty(cls, v: list[ChatMessage]) -> list[ChatMessage]:
+        if not v:
+            raise ProtocolError("'messages' must contain at least one message.", code="empty_array")
+        return v
+
+    @model_validator(mode="after")
+    def _chat_checks(self) -> "ChatCompletionRequest":
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ProtocolError("'top_logprobs' requires 'logprobs' to be true.", loc=("top_logprobs",))
+        if None not in (self.max_tokens, self.max_completion_tokens) and self.max_tokens != self.max_completion_tokens:
+            raise ProtocolError("'max_tokens' and 'max_completion_tokens' disagree; send only "
+                                "'max_completion_tokens'.", loc=("max_completion_tokens",))
+        return self
+
+    def _max_new_tokens(self) -> Optional[int]:
+        return self.max_completion_tokens or self.max_tokens
+
+    def _logprobs_count(self) -> Optional[int]:
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+
+PromptInput = Union[StrictStr, list[StrictStr], list[TokenId], list[list[TokenId]]]
+
+
+class CompletionRequest(_SamplingRequest):
+    unsupported_fields = _UNSUPPORTED_COMPLETION
+    prompt: PromptInput
+    max_tokens: Optional[StrictInt] = Field(16, ge=1)  # the legacy endpoint's OpenAI default
+    logprobs: Optional[StrictInt] = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    echo: StrictBool = False
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _prompt_shape(cls, v: Any) -> Any:
+        if isinstance(v, str):
+            if not v:
+                raise ProtocolError("'prompt' must not be empty.")
+            return v
+        # Checked by hand for the same reason as message content: clear errors instead of per-branch ones.
+        if not isinstance(v, list) or not v:
+            raise ProtocolError("'prompt' must be a non-empty string, array of strings, array of token ids or "
+                                "array of token-id arrays.", code="invalid_type")
+        kinds = {"str" if isinstance(x, str) else "ids" if isinstance(x, list) else
+                 "int" if type(x) is int else "bad" for x in v}
+        if len(kinds) != 1 or "bad" in kinds:
+            raise ProtocolError("'prompt' array must hold only strings, only token ids, or only token-id "
+                                "arrays.", code="invalid_type")
+        for i, x in enumerate(v):
+            ids = x if isinstance(x, list) else [x] if type(x) is int else None
+            if not x and x != 0:
+                raise ProtocolError("'prompt' must not contain an empty prompt.", loc=(i,))
+            if ids is not None and any(type(t) is not int or t < 0 for t in ids):
+                raise ProtocolError("Token ids in 'prompt' must be non-negative integers.", loc=(i,),
+                                    code="invalid_type")
+        return v
+
+    @model_validator(mode="after")
+    def _completion_checks(self) -> "CompletionRequest":
+        if self.echo and self.logprobs is not None:
+            raise ProtocolError("'echo' together with 'logprobs' (prompt logprobs) is not supported.", loc=("echo",),
+                                code="unsupported_value")
+        return self
+
+    def prompts(self) -> list[Union[str, list[int]]]:
+        """The prompt(s) as a list; each is text or token ids. Choice index = prompt_index * n + j."""
+        p = self.prompt
+        if isinstance(p, str) or (p and isinstance(p[0], int)):
+            return [p]  # type: ignore[list-item]
+        return list(p)  # type: ignore[arg-type]
+
+    def _logprobs_count(self) -> Optional[int]:
+        return self.logprobs
+
+    def check_token_ids(self, vocab_size: int) -> None:
+        super().check_token_ids(vocab_size)
+        if isinstance(self.prompt, list) and isinstance(self.prompt[0], int):
+            _check_ids(self.prompt, vocab_size, ("prompt",))  # type: ignore[arg-type]
+        for i, prompt in enumerate(self.prompts() if isinstance(self.prompt[0], list) else ()):
+            _check_ids(prompt, vocab_size, ("prompt", i), per_item=False)  # type: ignore[arg-type]
+
+
+class TokenizeRequest(_Request):
+    """Either `prompt` (text) or `messages` (rendered with the chat template), as vLLM's /tokenize."""
+    model: Optional[StrictStr] = None
+    prompt: Optional[StrictStr] = None
+    messages: Optional[list[ChatMessage]] = None
+    add_special_tokens: Optional[StrictBool] = None  # default: True for prompt, False for messages
+    add_generation_prompt: StrictBool = True
+    chat_template_kwargs: dict[StrictStr, Any] = Field(default_factory=dict)
+
+    @model_validator(mode="after")
+    def _one_input(self) -> "TokenizeRequest":
+        if (self.prompt is None) == (self.messages is None):
+            raise ProtocolError("Provide exactly one of 'prompt' or 'messages'.", loc=("prompt",))
+        if self.messages is not None and not self.messages:
+            raise ProtocolError("'messages' must contain at least one message.", loc=("messages",))
+        return self
+
+    @property
+    def use_special_tokens(self) -> bool:
+        return self.add_special_tokens if self.add_special_tokens is not None else self.messages is None
+
+
+class DetokenizeRequest(_Request):
+    model: Optional[StrictStr] = None
+    tokens: list[TokenId]
+
+    def check_token_ids(self, vocab_size: int) -> None:
+        _check_ids(self.tokens, vocab_size, ("tokens",))
+
+
+# ------------------------------------------------------------------------------------------ responses
+
+FinishReason = Literal["stop", "length", "abort"]
+
+
+def random_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def finite_logprob(x: float) -> float:
+    return float(x) if math.isfinite(x) else LOGPROB_FLOOR
+
+
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = 0
+
+
+class Usage(BaseModel):
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    total_tokens: int = 0
+    prompt_tokens_details: Optional[PromptTokensDetails] = None
+
+    @classmethod
+    def of(cls, prompt_tokens: int, completion_tokens: int, cached_tokens: Optional[int] = None) -> "Usage":
+        details = PromptTokensDetails(cached_tokens=cached_tokens) if cached_tokens is not None else None
+        return cls(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                   total_tokens=prompt_tokens + completion_tokens, prompt_tokens_details=details)
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: Optional[list[int]] = None
+
+
+class ChatCompletionTokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob] = Field(default_factory=list)
+
+
+class ChoiceLogprobs(BaseModel):
+    content: Optional[list[ChatCompletionTokenLogprob]] = None
+
+
+class CompletionLogprobs(BaseModel):
+    tokens: list[str] = Field(default_factory=list)
+    token_logprobs: list[Optional[float]] = Field(default_factory=list)
+    top_logprobs: list[Optional[dict[str, float]]] = Field(default_factory=list)
+    text_offset: list[int] = Field(default_factory=list)
+
+
+class ChatCompletionMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: Optional[str] = None
+
+
+class ChatCompletionChoice(BaseModel):
+    index: int
+    message: ChatCompletionMessage
+    logprobs: Optional[ChoiceLogprobs] = None
+    finish_reason: Optional[FinishReason] = None
+    stop_reason: Optional[Union[int, str]] = None  # vLLM extension: the matched stop string or token id
+
+
+class ChatCompletion(BaseModel):
+    id: str = Field(default_factory=lambda: random_id("chatcmpl"))
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[ChatCompletionChoice]
+    usage: Usage
+
+
+class ChatCompletionDelta(BaseModel):
+    role: Optional[Literal["assistant"]] = None
+    content: Optional[str] = None
+
+    @model_serializer(mode="wrap")
+    def _omit_unset(self, handler: Any) -> dict[str, Any]:
+        # A delta names only what changed: {"role":"assistant","content":""}, {"content":"x"}, or {}.
+        return {k: v for k, v in handler(self).items() if v is not None}
+
+
+class ChatCompletionStreamChoice(BaseModel):
+    index: int
+    delta: ChatCompletionDelta = Field(default_factory=ChatCompletionDelta)
+    logprobs: Optional[ChoiceLogprobs] = None
+    finish_reason: Optional[FinishReason] = None
+    stop_reason: Optional[Union[int, str]] = None
+
+
+class ChatCompletionChunk(BaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatCompletionStreamChoice] = Field(default_factory=list)
+    usage: Optional[Usage] = None
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: Optional[CompletionLogprobs] = None
+    finish_reason: Optional[FinishReason] = None
+    stop_reason: Optional[Union[int, str]] = None
+
+
+class Completion(BaseModel):
+    id: str = Field(default_factory=lambda: random_id("cmpl"))
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage
+
+
+class CompletionChunk(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"  # OpenAI streams legacy completions under this name
+    created: int
+    model: str
+    choices: list[CompletionChoice] = Field(default_factory=list)
+    usage: Optional[Usage] = None
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    owned_by: str = "ddtree"
+    root: Optional[str] = None
+    max_model_len: Optional[int] = None
+    speculative_config: Optional[dict[str, Any]] = None
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard] = Field(default_factory=list)
+
+
+class TokenizeResponse(BaseModel):
+    tokens: list[int]
+    count: int
+    max_model_len: Optional[int] = None
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
+
+
+SSE_DONE = "data: [DONE]\n\n"
+
+
+def sse_event(payload: BaseModel) -> str:
+    """One server-sent event; a mid-stream error is sse_event(ErrorResponse) followed by SSE_DONE."""
+    return f"data: {payload.model_dump_json()}\n\n"

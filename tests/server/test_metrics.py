@@ -1,0 +1,129 @@
+"""server/metrics.py: exposed names (parsed back with prometheus_client's own parser), the model_name label,
+per-instance registries, and the values that step and request records produce."""
+from __future__ import annotations
+
+import prometheus_client
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from server.metrics import PHASES, Metrics, RequestStats, StepStats
+
+COUNTERS = ["prompt_tokens_total", "generation_tokens_total", "request_success_total", "num_preemptions_total",
+            "spec_decode_num_drafts_total", "spec_decode_num_draft_tokens_total",
+            "spec_decode_num_accepted_tokens_total", "spec_decode_num_accepted_tokens_per_pos_total",
+            "http_requests_total"]
+GAUGES = ["num_requests_running", "num_requests_waiting", "kv_cache_usage_perc"]
+HISTOGRAMS = ["time_to_first_token_seconds", "inter_token_latency_seconds", "e2e_request_latency_seconds",
+              "request_queue_time_seconds", "spec_decode_accept_length", "spec_decode_tree_nodes",
+              "step_time_seconds", "batch_size"]
+
+
+def samples(metrics: Metrics) -> dict[tuple[str, frozenset], float]:
+    out = {}
+    for family in text_string_to_metric_families(metrics.render().decode()):
+        for s in family.samples:
+            out[(s.name, frozenset(s.labels.items()))] = s.value
+    return out
+
+
+def value(metrics: Metrics, name: str, **labels) -> float:
+    labels = {"model_name": metrics.model_name, **{k: str(v) for k, v in labels.items()}}
+    return samples(metrics).get(("ddtree:" + name, frozenset(labels.items())), 0.0)
+
+
+def busy_metrics() -> Metrics:
+    m = Metrics("tiny-model")
+    m.record_step(StepStats(num_running=3, num_waiting=2, kv_cache_usage=0.25, batch_size=3, num_preemptions=1,
+                            timings={"schedule": 0.0002, "draft": 0.003, "tree_build": 0.0004, "verify": 0.008,
+                                     "accept": 0.0003},
+                            accept_lengths=[3, 1, 5], tree_nodes=[16, 16, 32], num_prompt_tokens=40,
+                            num_generation_tokens=9))
+    m.record_request(RequestStats("stop", queue_time=0.01, time_to_first_token=0.05, e2e_latency=1.5,
+                                  token_intervals=[(0.02, 1), (0.03, 3)]))
+    m.record_http_response(200)
+    m.record_http_response(400)
+    return m
+
+
+def test_every_metric_is_exposed_under_its_exact_name_with_model_name():
+    m = busy_metrics()
+    text = m.render().decode()
+    found = samples(m)
+    names = {name for name, _ in found}
+    expected = ([f"ddtree:{c}" for c in COUNTERS] + [f"ddtree:{g}" for g in GAUGES] +
+                [f"ddtree:{h}_{suffix}" for h in HISTOGRAMS for suffix in ("bucket", "count", "sum")])
+    for name in expected:
+        assert name in names, name
+        assert f"\n{name}{{" in text  # the literal exposed sample name, e.g. ddtree:prompt_tokens_total{...}
+    for name, labels in found:
+        assert dict(labels).get("model_name") == "tiny-model", (name, labels)
+    assert not any(n.endswith(("_total_total", "_created")) for n in names)
+    assert m.content_type.startswith("text/plain")
+
+
+def test_zero_valued_series_exist_before_any_event():
+    m = Metrics("m")
+    assert ("ddtree:request_success_total", frozenset({("model_name", "m"), ("finished_reason", "abort")})) \
+        in samples(m)
+    for phase in PHASES:
+        assert value(m, "step_time_seconds_count", phase=phase) == 0.0
+
+
+def test_step_record_values():
+    m = busy_metrics()
+    assert value(m, "num_requests_running") == 3 and value(m, "num_requests_waiting") == 2
+    assert value(m, "kv_cache_usage_perc") == 0.25
+    assert value(m, "prompt_tokens_total") == 40 and value(m, "generation_tokens_total") == 9
+    assert value(m, "num_preemptions_total") == 1
+    assert value(m, "spec_decode_num_drafts_total") == 3
+    assert value(m, "spec_decode_num_draft_tokens_total") == 64
+    assert value(m, "spec_decode_num_accepted_tokens_total") == 2 + 0 + 4
+    # accepted path lengths 2, 0, 4 -> depth 1: 2 requests, depth 2: 2, depth 3: 1, depth 4: 1
+    per_pos = [value(m, "spec_decode_num_accepted_tokens_per_pos_total", position=p) for p in range(5)]
+    assert per_pos == [2, 2, 1, 1, 0]
+    assert value(m, "spec_decode_accept_length_count") == 3 and value(m, "spec_decode_accept_length_sum") == 9
+    assert value(m, "spec_decode_accept_length_bucket", le="1.0") == 1
+    assert value(m, "spec_decode_tree_nodes_bucket", le="16.0") == 2
+    assert value(m, "batch_size_count") == 1 and value(m, "batch_size_sum") == 3
+    assert value(m, "step_time_seconds_count", phase="verify") == 1
+    assert value(m, "step_time_seconds_sum", phase="verify") == pytest.approx(0.008)
+    m.record_step({"timings": {"sample": 0.001}, "accept_lengths": [2], "tree_nodes": [8],
+                   "accepted_per_position": [1]})  # a dict, an extra phase, explicit per-position counts
+    assert value(m, "step_time_seconds_count", phase="sample") == 1
+    assert value(m, "spec_decode_num_accepted_tokens_per_pos_total", position=0) == 3
+    with pytest.raises(ValueError):
+        m.record_step(StepStats(accept_lengths=[1, 2], tree_nodes=[4]))
+
+
+def test_request_record_values_and_itl_spreading():
+    m = busy_metrics()
+    assert value(m, "request_success_total", finished_reason="stop") == 1
+    assert value(m, "request_success_total", finished_reason="length") == 0
+    assert value(m, "time_to_first_token_seconds_sum") == pytest.approx(0.05)
+    assert value(m, "e2e_request_latency_seconds_bucket", le="1.0") == 0
+    assert value(m, "e2e_request_latency_seconds_bucket", le="2.5") == 1
+    assert value(m, "request_queue_time_seconds_count") == 1
+    # (0.02 s, 1 token) + (0.03 s, 3 tokens): four samples, three of them 0.01 s
+    assert value(m, "inter_token_latency_seconds_count") == 4
+    assert value(m, "inter_token_latency_seconds_sum") == pytest.approx(0.05)
+    assert value(m, "inter_token_latency_seconds_bucket", le="0.01") == 3
+    m.record_request({"finished_reason": "abort", "time_to_first_token": None})
+    assert value(m, "request_success_total", finished_reason="abort") == 1
+    assert value(m, "time_to_first_token_seconds_count") == 1
+    assert value(m, "http_requests_total", status=400) == 1 and value(m, "http_requests_total", status=200) == 1
+
+
+def test_accepts_the_engines_step_stats():
+    messages = pytest.importorskip("engine.messages")
+    m = Metrics("m")
+    m.record_step(messages.StepStats(num_running=1, num_waiting=0, kv_cache_usage=0.5, batch_size=1,
+                                     num_preemptions=0, timings={"verify": 0.01}, accept_lengths=[4],
+                                     tree_nodes=[8]))
+    assert value(m, "spec_decode_num_accepted_tokens_total") == 3 and value(m, "kv_cache_usage_perc") == 0.5
+
+
+def test_registries_are_per_instance():
+    a, b = Metrics("a"), Metrics("b")
+    a.record_tokens(prompt_tokens=5)
+    assert value(a, "prompt_tokens_total") == 5 and value(b, "prompt_tokens_total") == 0
+    assert "ddtree:" not in prometheus_client.generate_latest(prometheus_client.REGISTRY).decode()

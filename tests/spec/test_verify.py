@@ -1,0 +1,193 @@
+"""Tree walk (ext.reference.tree.tree_accept) and verification (engine.spec.verify)."""
+
+import pytest
+import torch
+
+from engine.spec.tree import DraftTree
+from engine.spec.verify import (
+    accept,
+    apply_top_k_top_p,
+    sample_target_token_ids,
+    verify_greedy,
+    verify_sampled,
+)
+from ext.reference.tree import build_tree, topk_logprobs, tree_accept
+
+
+def v1_tree(root: int = 7, max_budget: int = 4) -> DraftTree:
+    logits = torch.full((1, 3, 6), -10.0)
+    logits[0, 0, 1], logits[0, 0, 2], logits[0, 1, 3], logits[0, 1, 4], logits[0, 2, 5] = 4, 3, 5, 1, 6
+    return DraftTree.from_draft_logits(logits, torch.tensor([root]), torch.tensor([4]), max_budget)
+
+
+def one_hot_logits(token_ids: torch.Tensor, vocab: int) -> torch.Tensor:
+    """[N, R] target tokens -> [N, R, vocab] logits whose argmax is that token."""
+    return torch.nn.functional.one_hot(token_ids, vocab).float() * 5.0
+
+
+def test_vector_v1_walk():
+    tree = v1_tree()
+    result = accept(tree, torch.tensor([[1, 3, 5, 0, 0]]))
+    assert result.accepted_nodes.tolist() == [[0, 1, 2, 3]]
+    assert result.accept_len.tolist() == [4] and result.bonus_token_ids.tolist() == [0]
+    assert result.emitted_token_ids.tolist() == [[1, 3, 5, 0]]  # 3 drafts + bonus = tau tokens
+
+
+def test_walk_partial_sibling_and_immediate_reject():
+    tree = v1_tree()
+    cases = [  # target tokens at rows 0..4 -> (accepted rows, bonus)
+        ([2, 0, 0, 0, 4], [0, 4, -1, -1], 4),  # the rank-1 sibling wins, then its target token
+        ([1, 4, 0, 0, 0], [0, 1, -1, -1], 4),  # depth 2 rejects: bonus is row 1's target token
+        ([3, 3, 5, 0, 0], [0, -1, -1, -1], 3),  # immediate reject: bonus = target at the root
+    ]
+    for target, accepted, bonus in cases:
+        result = accept(tree, torch.tensor([target]))
+        assert result.accepted_nodes.tolist() == [accepted]
+        assert result.bonus_token_ids.tolist() == [bonus]
+        tau = sum(a >= 0 for a in accepted)
+        assert result.accept_len.tolist() == [tau]
+        assert result.emitted_token_ids[0, :tau].tolist()[-1] == bonus
+        assert (result.emitted_token_ids[0, tau:] == -1).all()
+
+
+def test_walk_accepts_token_zero_and_ignores_padding_rows():
+    logits = torch.full((1, 3, 4), -5.0)
+    logits[..., 0] = 5.0  # the spine is token 0 at every depth
+    lp, ids = topk_logprobs(logits, 2)
+    built = build_tree(lp, ids, torch.tensor([3]), 6)
+    tokens = built.node_token_ids.clone()
+    tokens[0, 0] = 0
+    target = torch.zeros(1, 7, dtype=torch.long)
+    acc, tau, bonus = tree_accept(target, tokens, built.parents, built.num_nodes, 3)
+    assert acc.tolist() == [[0, 1, 2, 3]] and tau.tolist() == [4] and bonus.tolist() == [0]
+    # Padding rows that look like children of the root must never be accepted.
+    tokens[0, 4:], parents = 9, built.parents.clone()
+    parents[0, 4:] = 0
+    acc, tau, bonus = tree_accept(torch.full((1, 7), 9), tokens, parents, built.num_nodes, 3)
+    assert acc.tolist() == [[0, -1, -1, -1]] and bonus.tolist() == [9]
+
+
+def test_walk_properties_random():
+    gen = torch.Generator().manual_seed(0)
+    num_reqs, depth_count, vocab, budget = 64, 5, 6, 20
+    logits = torch.randn(num_reqs, depth_count, vocab, generator=gen)
+    budgets = torch.randint(0, budget + 1, (num_reqs,), generator=gen)
+    tree = DraftTree.from_draft_logits(logits, torch.randint(0, vocab, (num_reqs,), generator=gen), budgets, budget)
+    # Target tokens: a child's token most of the time (deep walks), else any token.
+    target = torch.randint(0, vocab, (num_reqs, budget + 1), generator=gen)
+    for n in range(num_reqs):
+        for i in range(int(tree.num_nodes[n])):
+            children = (tree.parents[n] == i).nonzero().flatten()
+            if len(children) and torch.rand((), generator=gen) < 0.8:
+                pick = children[torch.randint(0, len(children), (1,), generator=gen)]
+                target[n, i] = tree.node_token_ids[n, pick]
+    result = accept(tree, target)
+    assert result.accepted_nodes.shape == (num_reqs, depth_count + 1)
+    assert (result.accept_len > 2).any()
+    for n in range(num_reqs):
+        tau = int(result.accept_len[n])
+        acc = result.accepted_nodes[n].tolist()
+        assert acc[0] == 0 and all(a == -1 for a in acc[tau:]) and all(a >= 0 for a in acc[:tau])
+        assert 1 <= tau <= depth_count + 1 and tau <= int(tree.num_nodes[n])
+        for prev, cur in zip(acc[: tau - 1], acc[1:tau]):
+            assert tree.parents[n, cur] == prev and tree.node_token_ids[n, cur] == target[n, prev]
+        last = acc[tau - 1]
+        assert result.bonus_token_ids[n] == target[n, last]
+        children = (tree.parents[n] == last) & (torch.arange(budget + 1) < tree.num_nodes[n])
+        assert result.bonus_token_ids[n] not in tree.node_token_ids[n, children].tolist()
+        emitted = result.emitted_token_ids[n].tolist()
+        assert emitted[: tau - 1] == tree.node_token_ids[n, acc[1:tau]].tolist()
+        assert emitted[tau - 1] == result.bonus_token_ids[n] and all(e == -1 for e in emitted[tau:])
+
+
+def test_verify_greedy_uses_argmax_per_row():
+    tree = v1_tree(max_budget=6)
+    target = torch.tensor([[1, 3, 4, 0, 0, 2, 2]])
+    result = verify_greedy(tree, one_hot_logits(target, 6))
+    assert result.accepted_nodes.tolist() == [[0, 1, 2, -1]] and result.bonus_token_ids.tolist() == [4]
+
+
+def test_sampling_greedy_limits_and_seeds():
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(4, 7, 30, generator=gen)
+    argmax = logits.argmax(-1)
+    ones, full = torch.ones(4), torch.ones(4)
+
+    def draw(temperature, top_k, seed):
+        g = torch.Generator().manual_seed(seed)
+        return sample_target_token_ids(logits, temperature, top_k, full, g)
+
+    assert torch.equal(draw(torch.zeros(4), torch.zeros(4, dtype=torch.long), 0), argmax)
+    assert torch.equal(draw(ones, torch.ones(4, dtype=torch.long), 0), argmax)  # top_k = 1
+    mixed = draw(torch.tensor([0.0, 1.0, 0.0, 1.0]), torch.zeros(4, dtype=torch.long), 3)
+    assert torch.equal(mixed[[0, 2]], argmax[[0, 2]])
+    a, b = draw(ones, torch.zeros(4, dtype=torch.long), 5), draw(ones, torch.zeros(4, dtype=torch.long), 5)
+    assert torch.equal(a, b) and not torch.equal(a, draw(ones * 2, torch.zeros(4, dtype=torch.long), 6))
+    # One generator per request: a request's draws do not depend on its batch neighbours.
+    per_request = [torch.Generator().manual_seed(s) for s in (1, 2, 3, 4)]
+    batch = sample_target_token_ids(logits, ones, torch.zeros(4, dtype=torch.long), full, per_request)
+    alone = sample_target_token_ids(logits[2:3], ones[:1], torch.zeros(1, dtype=torch.long), full[:1],
+                                    [torch.Generator().manual_seed(3)])
+    assert torch.equal(batch[2:3], alone)
+
+
+def test_top_k_top_p_masks():
+    logits = torch.log(torch.tensor([[[0.5, 0.05, 0.3, 0.15]], [[0.25, 0.25, 0.25, 0.25]]]))
+    kept = apply_top_k_top_p(logits, torch.tensor([2, 0]), torch.tensor([1.0, 1.0])).isfinite()
+    assert kept.tolist() == [[[True, False, True, False]], [[True] * 4]]
+    kept = apply_top_k_top_p(logits, torch.tensor([0, 0]), torch.tensor([0.75, 0.3])).isfinite()
+    assert kept[0].tolist() == [[True, False, True, False]]  # 0.5 + 0.3 reaches 0.75
+    assert kept[1].tolist() == [[True] * 4]  # ties with the last kept value stay
+    kept = apply_top_k_top_p(logits[:1], torch.tensor([3]), torch.tensor([0.5])).isfinite()
+    assert kept.tolist() == [[[True, False, False, False]]]
+
+
+@pytest.mark.parametrize(("temperature", "top_k", "top_p"), [(0.7, 0, 1.0), (1.3, 3, 1.0), (1.0, 0, 0.8)])
+def test_sampled_row_distribution(temperature, top_k, top_p):
+    num_samples = 20000
+    logits = torch.tensor([1.0, 0.2, -0.5, 0.8, -2.0])
+    ref = apply_top_k_top_p((logits / temperature)[None, None], torch.tensor([top_k]),
+                            torch.tensor([top_p])).softmax(-1).flatten()
+    tokens = sample_target_token_ids(
+        logits.expand(num_samples, 1, 5), torch.full((num_samples,), temperature),
+        torch.full((num_samples,), top_k), torch.full((num_samples,), top_p), torch.Generator().manual_seed(0))
+    freq = torch.bincount(tokens.flatten(), minlength=5).float() / num_samples
+    assert (freq[ref == 0] == 0).all()
+    assert (freq - ref).abs().max() < 0.015
+
+
+def test_tree_sampling_is_lossless():
+    # Target = bigram model P[prev, next]. With target-only sampling, the first emitted token must
+    # follow P[root] and, given it was an accepted draft a, the second must follow P[a], whatever the
+    # (deliberately bushy, partly wrong) draft tree is.
+    vocab, num_samples, root = 4, 24000, 2
+    bigram = torch.tensor([[0.1, 0.5, 0.3, 0.1], [0.4, 0.1, 0.1, 0.4],
+                           [0.3, 0.3, 0.2, 0.2], [0.05, 0.15, 0.7, 0.1]])
+    draft_logits = torch.tensor([[[0.3, 0.0, 0.1, 0.2], [0.0, 0.2, 0.1, 0.3], [0.1, 0.0, 0.3, 0.2]]])
+    one = DraftTree.from_draft_logits(draft_logits, torch.tensor([root]), torch.tensor([8]), 8)
+    tree = DraftTree(*(getattr(one, f).expand(num_samples, *getattr(one, f).shape[1:])
+                       for f in ("node_token_ids", "parents", "depths", "num_nodes", "visibility", "scores")),
+                     max_depth=one.max_depth)
+    target_logits = bigram.log()[one.node_token_ids[0].clamp(min=0)]  # [B+1, V]: row i conditions on its token
+    ones = torch.ones(num_samples)
+    result = verify_sampled(tree, target_logits.expand(num_samples, -1, -1), ones,
+                            torch.zeros(num_samples, dtype=torch.long), ones, torch.Generator().manual_seed(0))
+    first, second = result.emitted_token_ids[:, 0], result.emitted_token_ids[:, 1]
+    assert (result.accept_len >= 2).float().mean() > 0.5  # the tree is actually used
+    freq = torch.bincount(first, minlength=vocab).float() / num_samples
+    assert (freq - bigram[root]).abs().sum() < 0.03
+    for a in one.node_token_ids[0, 1:][one.parents[0, 1:] == 0].tolist():  # root's children
+        picked = (first == a) & (result.accept_len >= 2)
+        cond = torch.bincount(second[picked], minlength=vocab).float() / picked.sum()
+        assert (cond - bigram[a]).abs().sum() < 0.06, (a, cond)
+
+
+def test_min_p_drops_unlikely_tokens():
+    num_samples = 4000
+    logits = torch.log(torch.tensor([0.5, 0.05, 0.3, 0.15])).expand(num_samples, 1, 4)
+    ones = torch.ones(num_samples)
+    tokens = sample_target_token_ids(logits, ones, torch.zeros(num_samples, dtype=torch.long), ones,
+                                     torch.Generator().manual_seed(0), min_p=torch.full((num_samples,), 0.5))
+    freq = torch.bincount(tokens.flatten(), minlength=4).float() / num_samples
+    assert freq[1] == 0 and freq[3] == 0  # below 0.5 * max probability
+    assert abs(freq[0] - 0.5 / 0.8) < 0.03

@@ -35,9 +35,10 @@ class EngineCore:
         cfg = self.loaded.hf_config
         self.max_model_len = config.max_model_len or min(cfg.get("max_position_embeddings") or 2048, 32768)
         self.eos_token_ids = eos_token_ids(cfg, self.tokenizer)
-        num_blocks = config.num_kv_blocks or max(
-            1, config.kv_cache_memory // ModelRunner.kv_bytes_per_block(self.model, config.block_size, self.dtype)
-        )
+        # never more blocks than max_num_seqs full-length sequences can use
+        useful = -(-config.max_num_seqs * self.max_model_len // config.block_size)
+        per_block = ModelRunner.kv_bytes_per_block(self.model, config.block_size, self.dtype)
+        num_blocks = config.num_kv_blocks or max(1, min(useful, config.kv_cache_memory // per_block))
         self.blocks = BlockManager(num_blocks, config.block_size)
         self.speculator = self.make_speculator(drafter)
         self.runner = ModelRunner(self.model, num_blocks, config.block_size, config.device, self.dtype,
@@ -73,9 +74,10 @@ class EngineCore:
         if len(prompt_token_ids) >= self.max_model_len:
             raise ValueError(f"the prompt has {len(prompt_token_ids)} tokens; the maximum context length is "
                              f"{self.max_model_len} tokens")
-        if -(-self.max_model_len // self.config.block_size) > self.blocks.num_blocks and \
-                -(-(len(prompt_token_ids) + sampling.max_tokens) // self.config.block_size) > self.blocks.num_blocks:
-            raise ValueError("the request cannot fit in the KV cache even alone; raise kv_cache_memory")
+        longest = min(len(prompt_token_ids) + sampling.max_tokens, self.max_model_len)
+        if -(-longest // self.config.block_size) > self.blocks.num_blocks:
+            raise ValueError(f"the request needs {longest} tokens of KV cache but the cache holds "
+                             f"{self.blocks.num_blocks * self.config.block_size}; raise kv_cache_memory")
         seed = sampling.seed if sampling.seed is not None else int(torch.randint(0, 2**62, (1,), generator=self.rng))
         req = Request(list(prompt_token_ids), sampling, self.eos_token_ids,
                       generator=torch.Generator().manual_seed(seed))

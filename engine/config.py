@@ -42,6 +42,7 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048
     max_model_len: int | None = None  # default: the model's max_position_embeddings, capped at 32768
     seed: int = 0
+    enable_prefix_caching: bool = True
     spec: SpecConfig = field(default_factory=SpecConfig)
 
     def __post_init__(self):

@@ -39,8 +39,11 @@ class EngineCore:
         useful = -(-config.max_num_seqs * self.max_model_len // config.block_size)
         per_block = ModelRunner.kv_bytes_per_block(self.model, config.block_size, self.dtype)
         num_blocks = config.num_kv_blocks or max(1, min(useful, config.kv_cache_memory // per_block))
-        self.blocks = BlockManager(num_blocks, config.block_size)
         self.speculator = self.make_speculator(drafter)
+        # a drafter fed by target features needs them for every prompt token, so cached prefixes would starve it
+        needs_features = self.speculator is not None and bool(self.speculator.capture_layer_ids)
+        self.blocks = BlockManager(num_blocks, config.block_size,
+                                   enable_prefix_caching=config.enable_prefix_caching and not needs_features)
         self.runner = ModelRunner(self.model, num_blocks, config.block_size, config.device, self.dtype,
                                   self.speculator)
         max_budget = 0 if self.speculator is None else self.speculator.max_budget
@@ -125,7 +128,7 @@ class EngineCore:
                 continue
             delta = Delta(req.request_id, new, req.finished, req.finish_reason,
                           req.output_logprobs[n0:] if req.sampling.logprobs is not None else None,
-                          num_prompt_tokens=req.num_prompt_tokens)
+                          num_prompt_tokens=req.num_prompt_tokens, num_cached_tokens=req.num_cached_tokens)
             if req.finished:
                 delta.queue_time = (req.first_scheduled_time or now) - req.arrival_time
                 delta.accept_lengths = list(req.accept_lengths)

@@ -74,6 +74,8 @@ class Request:
     status: Status = Status.WAITING
     num_computed_tokens: int = 0  # tokens whose KV is in the cache
     block_ids: list[int] = field(default_factory=list)
+    block_digests: list[bytes] = field(default_factory=list)  # prefix-cache digests of the full blocks
+    num_cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
     finish_reason: str | None = None  # stop | length | abort
     generator: torch.Generator | None = None
     arrival_time: float = field(default_factory=time.monotonic)

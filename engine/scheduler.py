@@ -82,11 +82,16 @@ class Scheduler:
         # 2. admit waiting requests while seats, budget and blocks allow
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             req = self.waiting[0]
+            cached = self.blocks.match_prefix(req)
             n = min(req.num_tokens - req.num_computed_tokens, budget)
             sample = req.num_computed_tokens + n == req.num_tokens
             lookahead = self.spec_budget(req, len(self.running) + 1) if sample else 0
             if not self.blocks.allocate(req, req.num_computed_tokens + n + lookahead):
+                self.blocks.free(req)  # give the adopted prefix blocks back; retry next step
+                req.num_computed_tokens = 0
                 break
+            if req.num_preemptions == 0:
+                req.num_cached_tokens = cached
             self.waiting.popleft()
             req.status = Status.RUNNING
             self.running.append(req)
@@ -102,6 +107,7 @@ class Scheduler:
             if req.finished:  # aborted while the step ran
                 continue
             req.num_computed_tokens += s.num_new_tokens + result.num_accepted.get(req.request_id, 0)
+            self.blocks.commit(req)
             if req.request_id in result.num_accepted:
                 req.accept_lengths.append(len(result.new_token_ids[req.request_id]))
             new_ids = result.new_token_ids.get(req.request_id, [])

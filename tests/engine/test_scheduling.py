@@ -1,0 +1,96 @@
+"""Scheduler and block manager: chunked prefill under a small token budget, recompute preemption when KV runs
+out, and prefix caching all leave greedy output unchanged; blocks are never leaked."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine import LLM, SamplingParams
+from engine.block_manager import BlockManager
+from engine.request import Request
+
+
+def prompts(n=6, vocab=1000):
+    g = torch.Generator().manual_seed(7)
+    return [torch.randint(0, vocab, (int(torch.randint(3, 40, (1,), generator=g)),), generator=g).tolist()
+            for _ in range(n)]
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_checkpoints):
+    folder, _ = tiny_checkpoints("llama")
+    llm = LLM(folder, dtype="fp32", enable_prefix_caching=False)
+    sp = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    return folder, [o.token_ids for o in llm.generate(prompts(), sp)]
+
+
+def greedy(llm, ps):
+    return [o.token_ids for o in llm.generate(ps, SamplingParams(max_tokens=24, temperature=0, ignore_eos=True))]
+
+
+def test_chunked_prefill_under_small_token_budget(reference):
+    folder, ref = reference
+    llm = LLM(folder, dtype="fp32", max_num_batched_tokens=7)
+    assert greedy(llm, prompts()) == ref
+
+
+def test_recompute_preemption_keeps_outputs(reference):
+    folder, ref = reference
+    llm = LLM(folder, dtype="fp32", num_kv_blocks=12, block_size=8, enable_prefix_caching=False)
+    assert greedy(llm, prompts()) == ref
+    assert llm.engine.scheduler.num_preemptions > 0
+    assert llm.engine.blocks.num_free_blocks == 12
+
+
+@pytest.mark.parametrize("drafter", ["none", "ngram"])
+def test_prefix_cache_hits_and_keeps_outputs(reference, drafter):
+    folder, ref = reference
+    ps = prompts()
+    shared = ps[0] * 3  # a long shared prefix
+    llm = LLM(folder, dtype="fp32", block_size=4, drafter=drafter)
+    first = greedy(llm, [shared + [5, 6]])
+    core = llm.engine
+    rid = core.add_request(shared + [5, 6], SamplingParams(max_tokens=24, temperature=0, ignore_eos=True))
+    req = core.requests[rid]
+    out = []
+    while core.has_unfinished():
+        for d in core.step():
+            out.extend(d.new_token_ids)
+    assert req.num_cached_tokens >= len(shared) - 4
+    assert out == first[0]
+    assert greedy(llm, ps) == ref
+    assert core.blocks.usage == 0.0
+
+
+def test_block_manager_refcounts_and_eviction():
+    bm = BlockManager(num_blocks=4, block_size=2)
+    a = Request([1, 2, 3, 4, 5], SamplingParams())
+    assert bm.allocate(a, 5) and len(a.block_ids) == 3
+    a.num_computed_tokens = 5
+    bm.commit(a)  # blocks [1,2] and [3,4] are full
+    assert len(a.block_digests) == 2
+    b = Request([1, 2, 3, 4, 9, 9], SamplingParams())
+    assert bm.match_prefix(b) == 4 and b.block_ids == a.block_ids[:2]
+    assert bm.ref_counts[a.block_ids[0]] == 2
+    bm.free(a)
+    assert bm.num_free_blocks == 2  # b still holds the two shared blocks
+    bm.free(b)
+    assert bm.num_free_blocks == 4 and bm.usage == 0.0
+    c = Request([1, 2, 3, 4, 7], SamplingParams())
+    assert bm.match_prefix(c) == 4  # freed blocks stay reusable
+    bm.free(c)
+    d = Request(list(range(100, 108)), SamplingParams())
+    assert bm.allocate(d, 8)  # takes every block, evicting the cached ones
+    assert bm.digest_to_block == {} and bm.num_free_blocks == 0
+    e = Request([1, 2, 3, 4, 7], SamplingParams())
+    assert bm.match_prefix(e) == 0 and not bm.allocate(e, 5)
+
+
+def test_prompt_fully_cached_still_computes_last_token():
+    bm = BlockManager(num_blocks=8, block_size=2)
+    a = Request([1, 2, 3, 4], SamplingParams())
+    bm.allocate(a, 4)
+    a.num_computed_tokens = 4
+    bm.commit(a)
+    b = Request([1, 2, 3, 4], SamplingParams())
+    assert bm.match_prefix(b) == 2  # the last block is recomputed: its last token's logits are needed

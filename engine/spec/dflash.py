@@ -1,0 +1,387 @@
+"""DFlash block-diffusion drafter (ddtree.md §1), loaded from a z-lab checkpoint folder.
+
+Model: the target features of the context (outputs of target decoder layers `target_layer_ids`, concatenated)
+go through `fc` + `hidden_norm` into `ctx`. Each Qwen3-style layer (q/k/v/o, per-head q_norm/k_norm before
+rope, GQA, SwiGLU) attends from the block only, over keys/values [context K/V | block K/V], non-causal and
+unmasked; context K = rope(k_norm(k_proj(ctx))), V = v_proj(ctx). The block [bonus, MASK x (bs-1)] at
+positions start..start+bs-1 is embedded with the target's embedding; after the final norm the target's
+lm_head gives logits, and block row j+1 predicts depth j+1 (horizon L = bs - 1). The full block always runs.
+
+Draft KV: per request and layer, the context K/V of every committed token the drafter has been shown
+("draft-KV materialization": each call appends the K/V of its `new_hidden` rows); block K/V are never kept.
+
+Checkpoint: config.json (block_size top level or in dflash_config; mask_token_id in dflash_config or top level;
+dflash_config.target_layer_ids, else the build_target_layer_ids rule; rope_theta top level or in
+rope_parameters) and safetensors weights fc / hidden_norm / norm / layers.*, with or without a `model.`
+prefix. DFlash2 checkpoints (conv layers, candidate selector) are a different architecture and are refused.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.model.errors import CheckpointError, ConfigError
+from engine.model.layers import GatedMLP, RMSNorm, RotaryEmbedding, apply_rope, rope_parameters
+from engine.model.loader import read_config, read_safetensors, safetensors_files
+from engine.spec.drafter import DraftRequest, proposal_width
+from ext.reference.tree import topk_logprobs
+
+DFLASH2_MARKERS = ("attention_conv", "mlp_conv", "candidate_selector")
+IGNORED_KEYS = ("embed_tokens.weight", "lm_head.weight", "rotary_emb.inv_freq")
+
+
+def build_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
+    """Default target layers (ddtree.md §1.2): the middle layer for one draft layer, else num_draft_layers
+    ids spread evenly over [1, num_target_layers - 3], rounded half up and clamped to the target's layers."""
+    if num_draft_layers == 1:
+        return [num_target_layers // 2]
+    start, end = 1, num_target_layers - 3
+    ids = [math.floor(start + i * (end - start) / (num_draft_layers - 1) + 0.5) for i in range(num_draft_layers)]
+    return [min(max(i, 0), num_target_layers - 1) for i in ids]
+
+
+def _field(cfg: dict, name: str):
+    if cfg.get(name) is None:
+        raise ConfigError(f"config field {name!r} is missing")
+    return cfg[name]
+
+
+@dataclass(frozen=True)
+class DFlashConfig:
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    rms_norm_eps: float
+    rope: dict
+    max_position_embeddings: int
+    attention_bias: bool
+    block_size: int
+    mask_token_id: int
+    target_layer_ids: tuple[int, ...]
+    target_hidden_size: int
+    vocab_size: int | None
+
+    @classmethod
+    def from_hf(cls, cfg: dict, num_target_layers: int | None = None) -> "DFlashConfig":
+        dcfg = cfg.get("dflash_config") or {}
+        if cfg.get("hidden_act", "silu") != "silu":
+            raise ConfigError(f"config field 'hidden_act'={cfg['hidden_act']!r} is not supported (only 'silu')")
+        if any(t != "full_attention" for t in cfg.get("layer_types") or []) or cfg.get("use_sliding_window"):
+            raise ConfigError("config field 'layer_types'/'use_sliding_window': sliding-window drafter layers "
+                              "are not supported")
+        hidden, heads = _field(cfg, "hidden_size"), _field(cfg, "num_attention_heads")
+        layers = _field(cfg, "num_hidden_layers")
+        block = dcfg.get("block_size", cfg.get("block_size"))
+        if block is None or int(block) < 2:
+            raise ConfigError(f"config field 'block_size' must be an integer >= 2 (top level or in dflash_config), "
+                              f"got {block!r}")
+        mask = dcfg.get("mask_token_id", cfg.get("mask_token_id"))
+        if mask is None:
+            raise ConfigError("config field 'dflash_config.mask_token_id' (or top-level 'mask_token_id') is missing")
+        ids = dcfg.get("target_layer_ids")
+        if ids is None:
+            n_target = cfg.get("num_target_layers") or num_target_layers
+            if n_target is None:
+                raise ConfigError("config field 'dflash_config.target_layer_ids' is missing (and no num_target_layers)")
+            ids = build_target_layer_ids(int(n_target), int(layers))
+        if not ids:
+            raise ConfigError("config field 'dflash_config.target_layer_ids' is empty")
+        return cls(
+            hidden_size=int(hidden), num_layers=int(layers), num_heads=int(heads),
+            num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
+            head_dim=int(cfg.get("head_dim") or 128),  # the HF Qwen3Config default, as for the target
+            intermediate_size=int(_field(cfg, "intermediate_size")),
+            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)), rope=rope_parameters(cfg),
+            max_position_embeddings=int(cfg.get("max_position_embeddings", 32768)),
+            attention_bias=bool(cfg.get("attention_bias", False)), block_size=int(block), mask_token_id=int(mask),
+            target_layer_ids=tuple(int(i) for i in ids),
+            target_hidden_size=int(cfg.get("target_hidden_size") or hidden),
+            vocab_size=cfg.get("vocab_size"),
+        )
+
+
+class DFlashAttention(nn.Module):
+    def __init__(self, c: DFlashConfig):
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = c.num_heads, c.num_kv_heads, c.head_dim
+        self.q_proj = nn.Linear(c.hidden_size, c.num_heads * c.head_dim, bias=c.attention_bias)
+        self.k_proj = nn.Linear(c.hidden_size, c.num_kv_heads * c.head_dim, bias=c.attention_bias)
+        self.v_proj = nn.Linear(c.hidden_size, c.num_kv_heads * c.head_dim, bias=c.attention_bias)
+        self.o_proj = nn.Linear(c.num_heads * c.head_dim, c.hidden_size, bias=c.attention_bias)
+        self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps)
+        self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps)
+
+    def key_value(self, x, cos, sin):  # x [T, H] -> K, V [T, n_kv, hd] (K after k_norm + rope)
+        k = self.k_norm(self.k_proj(x).view(x.shape[0], self.num_kv_heads, self.head_dim))
+        return apply_rope(k, cos, sin), self.v_proj(x).view(x.shape[0], self.num_kv_heads, self.head_dim)
+
+    def forward(self, x, cos, sin, contexts, block_size: int):
+        """x [N*bs, H] block rows; contexts: per request (K, V) [S_r, n_kv, hd] -> [N*bs, H]."""
+        q = apply_rope(self.q_norm(self.q_proj(x).view(x.shape[0], self.num_heads, self.head_dim)), cos, sin)
+        k, v = self.key_value(x, cos, sin)
+        outs = []
+        for r, (kc, vc) in enumerate(contexts):
+            rows = slice(r * block_size, (r + 1) * block_size)
+            keys = torch.cat([kc, k[rows]]).transpose(0, 1)[None]  # [1, n_kv, S_r + bs, hd]
+            values = torch.cat([vc, v[rows]]).transpose(0, 1)[None]
+            o = F.scaled_dot_product_attention(q[rows].transpose(0, 1)[None], keys, values,
+                                               scale=self.head_dim**-0.5, enable_gqa=True)  # [1, nh, bs, hd]
+            outs.append(o[0].transpose(0, 1))
+        return self.o_proj(torch.cat(outs).reshape(x.shape[0], self.num_heads * self.head_dim))
+
+
+class DFlashLayer(nn.Module):
+    def __init__(self, c: DFlashConfig):
+        super().__init__()
+        self.self_attn = DFlashAttention(c)
+        self.mlp = GatedMLP(c.hidden_size, c.intermediate_size)
+        self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+
+
+class DFlashModel(nn.Module):
+    """The drafter's own weights (no embedding, no head). Parameter names = checkpoint names."""
+
+    def __init__(self, c: DFlashConfig):
+        super().__init__()
+        self.config = c
+        self.fc = nn.Linear(len(c.target_layer_ids) * c.target_hidden_size, c.hidden_size, bias=False)
+        self.hidden_norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.layers = nn.ModuleList(DFlashLayer(c) for _ in range(c.num_layers))
+        self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.rotary = RotaryEmbedding(c.rope, c.head_dim, c.max_position_embeddings)
+
+    def context_kv(self, feats: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """feats [T, F] target features at `positions` [T] -> K, V [num_layers, T, n_kv, hd]."""
+        ctx = self.hidden_norm(self.fc(feats))  # [T, H]
+        cos, sin = self.rotary.cos_sin(positions, ctx.dtype)
+        kvs = [layer.self_attn.key_value(ctx, cos, sin) for layer in self.layers]
+        return torch.stack([k for k, _ in kvs]), torch.stack([v for _, v in kvs])
+
+    def block_forward(self, h: torch.Tensor, positions: torch.Tensor, contexts: list) -> torch.Tensor:
+        """h [N*bs, H] embedded blocks at `positions` [N*bs]; contexts: per request (K, V)
+        [num_layers, S_r, n_kv, hd] -> final-normed hidden [N*bs, H]."""
+        cos, sin = self.rotary.cos_sin(positions, h.dtype)
+        bs = self.config.block_size
+        for i, layer in enumerate(self.layers):
+            per_req = [(k[i], v[i]) for k, v in contexts]
+            h = h + layer.self_attn(layer.input_layernorm(h), cos, sin, per_req, bs)
+            h = h + layer.mlp(layer.post_attention_layernorm(h))
+        return self.norm(h)
+
+
+class _DraftKV:
+    """One request's context K/V for all draft layers, in a buffer that grows by doubling."""
+
+    def __init__(self, like: torch.Tensor):  # like [num_layers, T, n_kv, hd]
+        self.length = 0
+        self.k = like.new_empty((like.shape[0], max(64, like.shape[1]), *like.shape[2:]))
+        self.v = torch.empty_like(self.k)
+
+    def append(self, k: torch.Tensor, v: torch.Tensor) -> None:  # [num_layers, T, n_kv, hd]
+        end = self.length + k.shape[1]
+        if end > self.k.shape[1]:
+            cap = max(end, 2 * self.k.shape[1])
+            for name in ("k", "v"):
+                old = getattr(self, name)
+                new = old.new_empty((old.shape[0], cap, *old.shape[2:]))
+                new[:, : self.length] = old[:, : self.length]
+                setattr(self, name, new)
+        self.k[:, self.length : end], self.v[:, self.length : end] = k, v
+        self.length = end
+
+    def view(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.k[:, : self.length], self.v[:, : self.length]
+
+
+class DFlashDrafter:
+    """The DFlash drafter behind the Drafter protocol, bound to a target model's embedding and lm_head."""
+
+    def __init__(self, model: DFlashModel, target_model, vocab_size: int):
+        c = model.config
+        self.model, self.target, self.vocab_size = model, target_model, vocab_size
+        self.block_size, self.horizon, self.mask_token_id = c.block_size, c.block_size - 1, c.mask_token_id
+        self.target_layer_ids = c.target_layer_ids
+        param = next(model.parameters())
+        self.device, self.dtype = param.device, param.dtype
+        self._kv: dict[str, _DraftKV] = {}
+
+    def context_len(self, request_id: str) -> int:
+        """Committed tokens whose draft K/V are cached (the first position new_hidden must start at)."""
+        kv = self._kv.get(request_id)
+        return 0 if kv is None else kv.length
+
+    def release(self, request_id: str) -> None:
+        self._kv.pop(request_id, None)
+
+    def _check(self, batch: list[DraftRequest]) -> list[int]:
+        """Validates the whole batch before any state changes; returns new context rows per request."""
+        if len({r.request_id for r in batch}) != len(batch):
+            raise ValueError("dflash drafter: a request appears twice in one batch")
+        width = len(self.target_layer_ids) * self.model.config.target_hidden_size
+        counts = []
+        for r in batch:
+            if not r.token_ids:
+                raise ValueError(f"request {r.request_id}: no committed tokens (the bonus token is needed)")
+            seen, want = self.context_len(r.request_id), len(r.token_ids) - 1 - self.context_len(r.request_id)
+            got = 0 if r.new_hidden is None else r.new_hidden.shape[0]
+            if want < 0 or got != want:
+                raise ValueError(f"request {r.request_id}: new_hidden has {got} rows, expected {max(want, 0)} "
+                                 f"(drafter has seen {seen} of {len(r.token_ids) - 1} context tokens)")
+            if got and (r.new_hidden.dim() != 2 or r.new_hidden.shape[1] != width):
+                raise ValueError(f"request {r.request_id}: new_hidden has shape {tuple(r.new_hidden.shape)}, "
+                                 f"expected [{got}, {width}] (target layers {list(self.target_layer_ids)})")
+            counts.append(got)
+        return counts
+
+    @torch.inference_mode()
+    def forward_logits(self, batch: list[DraftRequest]) -> torch.Tensor:
+        """Materializes the new context K/V, runs the full block -> logits [N, L, V] fp32 (mask not excluded)."""
+        counts = self._check(batch)
+        bs, n = self.block_size, len(batch)
+        if n == 0:
+            return torch.empty((0, self.horizon, self.vocab_size), device=self.device)
+        if any(counts):  # 1. draft-KV materialization, one batched projection for all requests' new rows
+            feats = torch.cat([r.new_hidden for r, c in zip(batch, counts) if c]).to(self.device, self.dtype)
+            positions = torch.cat([torch.arange(self.context_len(r.request_id), len(r.token_ids) - 1)
+                                   for r, c in zip(batch, counts) if c]).to(self.device)
+            k, v = self.model.context_kv(feats, positions)  # [num_layers, sum(counts), n_kv, hd]
+            row = 0
+            for r, c in zip(batch, counts):
+                if c:
+                    if r.request_id not in self._kv:
+                        self._kv[r.request_id] = _DraftKV(k[:, :c])
+                    self._kv[r.request_id].append(k[:, row : row + c], v[:, row : row + c])
+                    row += c
+        # 2. the block [bonus, MASK x (bs-1)] of every request, at positions start..start+bs-1
+        ids = torch.full((n, bs), self.mask_token_id, dtype=torch.int64)
+        ids[:, 0] = torch.tensor([r.token_ids[-1] for r in batch], dtype=torch.int64)
+        starts = torch.tensor([len(r.token_ids) - 1 for r in batch], dtype=torch.int64)
+        positions = (starts[:, None] + torch.arange(bs)).reshape(-1).to(self.device)  # [N*bs]
+        embedded = self.target.embed(ids.reshape(-1).to(self.device))  # [N*bs, H], the target's dtype
+        empty = self._empty_context()
+        contexts = [self._kv[r.request_id].view() if r.request_id in self._kv else empty for r in batch]
+        h = self.model.block_forward(embedded.to(self.dtype), positions, contexts).view(n, bs, -1)
+        rows = h[:, 1:].reshape(n * self.horizon, -1).to(embedded.dtype)
+        logits = self.target.compute_logits(rows)  # [N*L, V] fp32; row j predicts depth j + 1
+        return logits.view(n, self.horizon, -1)
+
+    def _empty_context(self) -> tuple[torch.Tensor, torch.Tensor]:
+        c = self.model.config
+        k = torch.empty((c.num_layers, 0, c.num_kv_heads, c.head_dim), device=self.device, dtype=self.dtype)
+        return k, k
+
+    @torch.inference_mode()
+    def propose(self, batch: list[DraftRequest], top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """([N, L, K] f32 log-probs sorted descending, [N, L, K] int64 ids); the mask token is never proposed
+        (its logit is removed before the softmax, so the rest renormalise)."""
+        logits = self.forward_logits(batch)  # [N, L, V]
+        k = proposal_width(top_k, logits.shape[-1], 1)
+        logits[..., self.mask_token_id] = float("-inf")
+        return topk_logprobs(logits, k)
+
+
+def load_dflash(folder: str, target_model, vocab_size: int, device: torch.device | str = "cpu",
+                dtype: torch.dtype = torch.float32) -> DFlashDrafter:
+    """Loads a z-lab DFlash folder against `target_model`. Errors: one-line ValueError naming the problem."""
+    folder = os.path.expanduser(str(folder))
+    if not os.path.isdir(folder):
+        raise CheckpointError(folder, "DFlash drafter: expected a checkpoint folder (config.json + *.safetensors)")
+    where = os.path.join(folder, "config.json")
+    raw = read_config(folder)
+    if any("dflash2" in str(a).lower() for a in raw.get("architectures") or []):
+        raise CheckpointError(where, f"DFlash2 checkpoints ({raw['architectures'][0]}) are not supported, "
+                                     f"only DFlash v1")
+    try:
+        c = DFlashConfig.from_hf(raw, num_target_layers=target_model.num_layers)
+    except ConfigError as e:
+        raise ConfigError(f"{where}: {e}") from None
+    if c.hidden_size != target_model.hidden_size or c.target_hidden_size != target_model.hidden_size:
+        raise ConfigError(f"{where}: DFlash drafter hidden_size {c.hidden_size} does not match the target's "
+                          f"hidden_size {target_model.hidden_size}")
+    if c.vocab_size is not None and int(c.vocab_size) != vocab_size:
+        raise ConfigError(f"{where}: DFlash drafter vocab_size {c.vocab_size} does not match the target's "
+                          f"vocab_size {vocab_size}")
+    if not 0 <= c.mask_token_id < vocab_size:
+        raise ConfigError(f"{where}: DFlash mask_token_id {c.mask_token_id} is outside the target's vocabulary "
+                          f"(size {vocab_size})")
+    if raw.get("num_target_layers") is not None and int(raw["num_target_layers"]) != target_model.num_layers:
+        raise ConfigError(f"{where}: DFlash drafter num_target_layers {raw['num_target_layers']} does not match "
+                          f"the target's {target_model.num_layers} layers")
+    bad = [i for i in c.target_layer_ids if not 0 <= i < target_model.num_layers]
+    if bad:
+        raise ConfigError(f"{where}: DFlash target_layer_ids {list(c.target_layer_ids)} name layers outside the "
+                          f"target's {target_model.num_layers}")
+    state = read_safetensors(safetensors_files(folder))
+    dflash2 = next((k for k in state if any(m in k for m in DFLASH2_MARKERS)), None)
+    if dflash2 is not None:
+        raise CheckpointError(folder, f"tensor {dflash2!r} is from a DFlash2 checkpoint, which is not supported "
+                                      f"(only DFlash v1)")
+    state = {k.removeprefix("model."): t for k, t in state.items()}
+    with torch.device("meta"):
+        model = DFlashModel(c)
+    model.to_empty(device=device)
+    params = dict(model.named_parameters())
+    for key in state:
+        if key not in params and not key.endswith(IGNORED_KEYS):
+            raise CheckpointError(folder, f"unexpected tensor {key!r} for a DFlash drafter")
+    with torch.no_grad():
+        for name, dst in params.items():
+            if name not in state:
+                raise CheckpointError(folder, f"tensor {name!r} is missing")
+            if tuple(state[name].shape) != tuple(dst.shape):
+                raise CheckpointError(folder, f"tensor {name!r} has shape {tuple(state[name].shape)}, "
+                                              f"expected {tuple(dst.shape)}")
+            dst.data = state[name].to(device=device, dtype=dtype)
+    model.rotary.init_buffers(device)
+    return DFlashDrafter(model.eval(), target_model, vocab_size)
+
+
+def save_random_dflash(folder: str, target_hf_config_dict, num_layers: int = 1, block_size: int = 8,
+                       mask_token_id: int | None = None, target_layer_ids=None, seed: int = 0,
+                       intermediate_size: int | None = None, prefix: str = "") -> dict:
+    """Writes a randomly initialised DFlash checkpoint (config.json + model.safetensors, z-lab layout) for a
+    target with HF config `target_hf_config_dict`; returns the config dict. mask_token_id defaults to the last
+    vocabulary id; target_layer_ids to the build_target_layer_ids rule."""
+    from safetensors.torch import save_file
+
+    t = target_hf_config_dict if isinstance(target_hf_config_dict, dict) else target_hf_config_dict.to_dict()
+    hidden, heads = int(t["hidden_size"]), int(t["num_attention_heads"])
+    n_target = int(t["num_hidden_layers"])
+    ids = list(target_layer_ids) if target_layer_ids is not None else build_target_layer_ids(n_target, num_layers)
+    cfg = {
+        "architectures": ["DFlashDraftModel"], "model_type": "qwen3", "hidden_size": hidden,
+        "num_hidden_layers": num_layers, "num_attention_heads": heads,
+        "num_key_value_heads": int(t.get("num_key_value_heads") or heads),
+        "head_dim": int(t.get("head_dim") or hidden // heads),
+        "intermediate_size": int(intermediate_size or t.get("intermediate_size") or 4 * hidden),
+        "hidden_act": "silu", "vocab_size": int(t["vocab_size"]), "rms_norm_eps": float(t.get("rms_norm_eps", 1e-6)),
+        "rope_theta": float(rope_parameters(t)["rope_theta"]),
+        "max_position_embeddings": int(t.get("max_position_embeddings", 2048)), "attention_bias": False,
+        "block_size": block_size, "num_target_layers": n_target,
+        "dflash_config": {"mask_token_id": int(t["vocab_size"]) - 1 if mask_token_id is None else int(mask_token_id),
+                          "target_layer_ids": ids},
+    }
+    model = DFlashModel(DFlashConfig.from_hf(cfg))
+    g = torch.Generator().manual_seed(seed)
+    state = {}
+    for name, p in model.named_parameters():
+        if p.dim() == 1:  # norm weights around 1 so that they matter
+            value = 1.0 + 0.1 * torch.randn(p.shape, generator=g)
+        else:
+            value = torch.randn(p.shape, generator=g) * p.shape[1] ** -0.5
+        state[prefix + name] = value.contiguous()
+    os.makedirs(folder, exist_ok=True)
+    with open(os.path.join(folder, "config.json"), "w") as f:
+        json.dump(cfg, f, indent=2)
+    save_file(state, os.path.join(folder, "model.safetensors"), metadata={"format": "pt"})
+    return cfg

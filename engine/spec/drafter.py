@@ -1,0 +1,158 @@
+"""The drafter protocol of DDTree: from each request's committed state a drafter returns, for depths 1..L
+after the root (the last committed token, not yet seen by the target), the top-K log-probs and token ids that
+the tree builder (ext.reference.tree.build_tree) expands best-first.
+
+Contract of every `propose` result ([N, L, K] float32 log-probs, [N, L, K] int64 ids):
+  - each row (request, depth) holds K distinct token ids, sorted by log-prob descending, all finite;
+  - a drafter with fewer real candidates pads with other tokens at least PAD_GAP below its last real one;
+  - excluded ids (the DFlash mask token) never appear; token id 0 is an ordinary token;
+  - K = min(top_k, number of proposable tokens), which is top_k for any real vocabulary.
+
+Drafters: "ngram" (engine.spec.ngram, no weights), "dflash" (engine.spec.dflash, a z-lab DFlash checkpoint),
+"oracle" (engine.spec.oracle, golden continuations, for tests).
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
+
+import torch
+
+PAD_GAP = 1.0e4  # padding tokens sit at least this far below the last real candidate of their row
+
+
+@dataclass
+class DraftRequest:
+    request_id: str
+    # all committed tokens (prompt + output); the LAST one is the root/bonus token, which the target has not
+    # processed yet; its position is len(token_ids) - 1
+    token_ids: list[int]
+    # [num_new, len(target_layer_ids) * hidden] target features (outputs of decoder layers target_layer_ids,
+    # concatenated in that order) of the committed tokens the drafter has not seen yet, i.e. positions
+    # drafter_context_len .. len(token_ids) - 2; None for drafters that need no features
+    new_hidden: torch.Tensor | None = None
+
+    @property
+    def root_position(self) -> int:
+        return len(self.token_ids) - 1
+
+
+@runtime_checkable
+class Drafter(Protocol):
+    horizon: int  # L: depths proposed per call
+    target_layer_ids: tuple[int, ...]  # () when no target features are needed
+
+    def propose(self, batch: list[DraftRequest], top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """([N, L, K] f32 log-probs sorted descending per depth, [N, L, K] int64 token ids)."""
+        ...
+
+    def release(self, request_id: str) -> None:
+        """Forget per-request state (finish, abort, preempt)."""
+        ...
+
+
+def proposal_width(top_k: int, vocab_size: int, num_excluded: int = 0) -> int:
+    """K actually returned for a requested top_k: at most the number of proposable tokens."""
+    if top_k < 1:
+        raise ValueError(f"top_k must be >= 1, got {top_k}")
+    return min(int(top_k), vocab_size - num_excluded)
+
+
+def pack_candidates(
+    rows: Sequence[Sequence[tuple[int, float]]],  # per row: (token id, log-prob), sorted descending, distinct
+    top_k: int,
+    vocab_size: int,
+    exclude: Iterable[int] = (),
+    device: torch.device | str = "cpu",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sparse per-row candidates -> dense ([R, K] f32 log-probs, [R, K] int64 ids) meeting the contract above.
+
+    Real candidates come first (truncated to K); the remaining slots take the smallest token ids that are
+    neither candidates nor excluded, at log-probs PAD_GAP, PAD_GAP+1, ... below the row's last real one
+    (below 0 when the row has none). Vectorized over rows; only the real candidates go through Python.
+    """
+    excluded = sorted({int(t) for t in exclude if 0 <= int(t) < vocab_size})
+    k = proposal_width(top_k, vocab_size, len(excluded))
+    num_rows = len(rows)
+    rows = [list(r[:k]) for r in rows]
+    width = max((len(r) for r in rows), default=0)  # M: most real candidates in a row
+    real_ids = torch.full((num_rows, max(width, 1)), -1, dtype=torch.int64)
+    real_lp = torch.zeros((num_rows, max(width, 1)), dtype=torch.float32)
+    counts = torch.tensor([len(r) for r in rows], dtype=torch.int64)  # [R]
+    flat_rows = [i for i, r in enumerate(rows) for _ in r]
+    flat_cols = [j for r in rows for j in range(len(r))]
+    if flat_rows:
+        real_ids[flat_rows, flat_cols] = torch.tensor([int(t) for r in rows for t, _ in r], dtype=torch.int64)
+        real_lp[flat_rows, flat_cols] = torch.tensor([float(lp) for r in rows for _, lp in r], dtype=torch.float32)
+    if not bool(torch.isfinite(real_lp).all()):
+        raise ValueError("candidate log-probs must be finite")
+    if bool(((real_ids >= vocab_size) | (real_ids < -1)).any()):
+        raise ValueError("candidate token id outside the vocabulary")
+    if excluded and bool(torch.isin(real_ids, torch.tensor(excluded)).any()):
+        raise ValueError("an excluded token id was given as a candidate")
+
+    ids = torch.empty((num_rows, k), dtype=torch.int64)
+    lps = torch.empty((num_rows, k), dtype=torch.float32)
+    cols = torch.arange(max(width, 1))
+    is_real = cols[None, :] < counts[:, None]  # [R, M]
+    r_idx, c_idx = is_real.nonzero(as_tuple=True)
+    ids[r_idx, c_idx] = real_ids[r_idx, c_idx]
+    lps[r_idx, c_idx] = real_lp[r_idx, c_idx]
+
+    # Padding: a pool of the smallest ids, large enough to hold every row's fillers after removing its
+    # candidates and the excluded ids.
+    pool = min(vocab_size, k + width + len(excluded))
+    ok = torch.ones((num_rows, pool), dtype=torch.bool)  # [R, P]
+    if excluded:
+        ok[:, [t for t in excluded if t < pool]] = False
+    in_pool = is_real & (real_ids < pool)
+    pr, pc = in_pool.nonzero(as_tuple=True)
+    ok[pr, real_ids[pr, pc]] = False
+    rank = ok.to(torch.int64).cumsum(dim=1) - 1  # [R, P] rank of each allowed pool token among its row's
+    take = ok & (rank < (k - counts)[:, None])
+    fr, ftok = take.nonzero(as_tuple=True)
+    frank = rank[fr, ftok]
+    last = torch.where(counts > 0, real_lp.gather(1, (counts - 1).clamp(min=0)[:, None])[:, 0], torch.zeros(()))
+    ids[fr, counts[fr] + frank] = ftok
+    lps[fr, counts[fr] + frank] = last[fr] - PAD_GAP - frank.to(torch.float32)
+    return lps.to(device), ids.to(device)
+
+
+def make_drafter(
+    spec,  # engine.config.SpecConfig (or anything with .drafter, .budget, .draft_model)
+    target_model,  # engine.model.base.CausalLM
+    vocab_size: int,
+    *,
+    horizon: int | None = None,  # ngram / oracle depths per call (default 8); DFlash's is block_size - 1
+    oracle: Mapping[str, Sequence[int]] | Callable[[DraftRequest], Sequence[int] | None] | None = None,
+    device: torch.device | str | None = None,
+    dtype: torch.dtype | None = None,
+) -> Drafter | None:
+    """The drafter `spec` names, or None when speculation is off. Every problem is a one-line ValueError."""
+    name = getattr(spec, "drafter", None)
+    if name not in ("none", "ngram", "dflash", "oracle"):
+        raise ValueError(f"unknown drafter {name!r} (choose none, ngram, dflash or oracle)")
+    if name == "none" or getattr(spec, "budget", 1) <= 0:
+        return None
+    if horizon is not None and horizon < 1:
+        raise ValueError(f"drafter horizon must be >= 1, got {horizon}")
+    param = next(target_model.parameters(), None) if target_model is not None else None
+    if device is None:
+        device = param.device if param is not None else "cpu"
+    if name == "ngram":
+        from engine.spec.ngram import NgramDrafter
+
+        return NgramDrafter(vocab_size, horizon=horizon or 8, device=device)
+    if name == "oracle":
+        from engine.spec.oracle import OracleDrafter
+
+        if oracle is None:
+            raise ValueError("the oracle drafter needs golden continuations (make_drafter(..., oracle=...))")
+        return OracleDrafter(oracle, vocab_size, horizon=horizon or 8, device=device)
+    from engine.spec.dflash import load_dflash
+
+    if not getattr(spec, "draft_model", None):
+        raise ValueError("the dflash drafter needs --draft-model PATH")
+    return load_dflash(spec.draft_model, target_model, vocab_size, device=device,
+                       dtype=dtype or (param.dtype if param is not None else torch.float32))

@@ -1,0 +1,112 @@
+"""Oracle drafter for tests: proposes a known ("golden") continuation, e.g. a reference greedy run.
+
+`golden` gives, for a request, the whole golden token sequence (prompt + continuation, indexed by absolute
+position): a mapping request_id -> tokens, or a function DraftRequest -> tokens | None. At depth d the golden
+token is t[len(token_ids) - 1 + d], known while that position is inside the golden sequence and (with
+check_prefix) the committed tokens still equal the golden prefix.
+
+Ranks per depth: the golden token sits at rank 0, with `num_distractors` deterministic distractors below it
+at log-probs base - spread * rank. In noise mode each depth independently, with probability `noise`, puts the
+golden token at a rank r in 1..noise_rank instead (distractors fill ranks 0..r-1); when r >= K it is not
+proposed at all. Unknown depths get distractors only, at a much lower base. Everything is a deterministic
+function of (seed, request_id, position), see `golden_rank`.
+"""
+from __future__ import annotations
+
+import random
+from collections.abc import Callable, Iterable, Mapping, Sequence
+
+import torch
+
+from engine.spec.drafter import DraftRequest, pack_candidates, proposal_width
+
+KNOWN_BASE, UNKNOWN_BASE = -0.1, -8.0  # log-prob of rank 0 when the golden token is known / unknown
+
+
+class OracleDrafter:
+    target_layer_ids: tuple[int, ...] = ()
+
+    def __init__(
+        self,
+        golden: Mapping[str, Sequence[int]] | Callable[[DraftRequest], Sequence[int] | None],
+        vocab_size: int,
+        horizon: int = 8,
+        *,
+        num_distractors: int = 3,
+        noise: float = 0.0,  # probability that a depth's golden token is demoted to rank 1..noise_rank
+        noise_rank: int = 1,
+        spread: float = 2.0,
+        seed: int = 0,
+        exclude: Iterable[int] = (),  # never proposed (e.g. a DFlash mask token)
+        check_prefix: bool = True,
+        device: torch.device | str = "cpu",
+    ):
+        if horizon < 1 or num_distractors < 0 or noise_rank < 1 or not 0 <= noise <= 1:
+            raise ValueError("oracle drafter: need horizon >= 1, num_distractors >= 0, noise_rank >= 1, "
+                             "0 <= noise <= 1")
+        self.golden, self.vocab_size, self.horizon = golden, vocab_size, horizon
+        self.num_distractors, self.noise, self.noise_rank = num_distractors, noise, noise_rank
+        self.spread, self.seed, self.check_prefix, self.device = spread, seed, check_prefix, device
+        self.exclude = frozenset(int(t) for t in exclude)
+
+    def release(self, request_id: str) -> None:
+        pass  # stateless
+
+    def golden_sequence(self, req: DraftRequest) -> Sequence[int] | None:
+        """The golden sequence for `req`, or None when unknown or (check_prefix) diverged from it."""
+        seq = self.golden(req) if callable(self.golden) else self.golden.get(req.request_id)
+        if seq is None:
+            return None
+        if self.check_prefix:
+            n = len(req.token_ids)
+            if len(seq) < n or list(seq[:n]) != list(req.token_ids):
+                return None
+        return seq
+
+    def golden_rank(self, request_id: str, position: int) -> int:
+        """Rank of the golden token for absolute position `position` (before the K cut-off)."""
+        if self.noise <= 0:
+            return 0
+        rng = random.Random(f"{self.seed}:{request_id}:{position}:rank")
+        return rng.randint(1, self.noise_rank) if rng.random() < self.noise else 0
+
+    def _distractors(self, request_id: str, position: int, count: int, avoid: set[int]) -> list[int]:
+        rng = random.Random(f"{self.seed}:{request_id}:{position}:distractors")
+        count = min(count, self.vocab_size - len(avoid | self.exclude))
+        out: list[int] = []
+        while len(out) < count:
+            t = rng.randrange(self.vocab_size)
+            if t not in avoid and t not in self.exclude:
+                avoid.add(t)
+                out.append(t)
+        return out
+
+    def candidates(self, req: DraftRequest, k: int) -> list[list[tuple[int, float]]]:
+        """Per depth 1..L: [(token id, log-prob)], descending."""
+        seq = self.golden_sequence(req)
+        root = len(req.token_ids) - 1
+        rows = []
+        for d in range(1, self.horizon + 1):
+            pos = root + d
+            gold = int(seq[pos]) if seq is not None and pos < len(seq) else None
+            if gold is not None and gold in self.exclude:
+                gold = None
+            if gold is None:
+                toks = self._distractors(req.request_id, pos, min(k, self.num_distractors + 1), set())
+                rows.append([(t, UNKNOWN_BASE - self.spread * i) for i, t in enumerate(toks)])
+                continue
+            rank = self.golden_rank(req.request_id, pos)
+            if rank >= k:  # demoted out of the top-K: K distractors, so padding cannot bring it back
+                toks = self._distractors(req.request_id, pos, k, {gold})
+            else:
+                width = min(k, max(self.num_distractors + 1, rank + 1))
+                others = self._distractors(req.request_id, pos, width - 1, {gold})
+                toks = others[:rank] + [gold] + others[rank:]
+            rows.append([(t, KNOWN_BASE - self.spread * i) for i, t in enumerate(toks)])
+        return rows
+
+    def propose(self, batch: list[DraftRequest], top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        k = proposal_width(top_k, self.vocab_size, len({t for t in self.exclude if 0 <= t < self.vocab_size}))
+        rows = [row for req in batch for row in self.candidates(req, k)]
+        lp, ids = pack_candidates(rows, k, self.vocab_size, self.exclude, device=self.device)  # [N*L, K]
+        return lp.view(len(batch), self.horizon, k), ids.view(len(batch), self.horizon, k)

@@ -48,12 +48,15 @@ class CausalLM(nn.Module):
     ) -> tuple[torch.Tensor, list[torch.Tensor]]:  # final-normed hidden [num_tokens, hidden], captured layers
         h = self.embed(input_ids) if inputs_embeds is None else inputs_embeds
         cos, sin = self.rotary.cos_sin(meta.positions, h.dtype)
-        captured = []
+        captured = {}
         for i, layer in enumerate(self.layers):
             h = layer(h, cos, sin, meta, kv_caches[i])
             if i in capture_layer_ids:
-                captured.append(h)
-        return self.norm(h), captured
+                captured[i] = h
+        out = self.norm(h)
+        if self.num_layers - 1 in captured:  # HF's hidden_states[-1] is taken after the final norm
+            captured[self.num_layers - 1] = out
+        return out, [captured[i] for i in capture_layer_ids]  # in the order asked for
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [num_rows, hidden] -> [num_rows, vocab] fp32
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight

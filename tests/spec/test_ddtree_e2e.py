@@ -50,9 +50,13 @@ def run(folder, drafter, budget, block_size, max_tokens, batch=True):
     return [llm.generate([p], sp)[0] for p in prompts()]
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen3", "deepseek_v3"])
-@pytest.mark.parametrize("block_size", [1, 16])
-@pytest.mark.parametrize("budget", [1, 4, 16, 64])
+FAMILIES = ["llama", "qwen3", "deepseek_v3"]
+# every budget and every page size at least once per family and drafter, without the full product's run time
+BUDGET_PAGE = [(1, 16), (4, 1), (16, 16), (64, 1)]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("budget,block_size", BUDGET_PAGE)
 def test_oracle_ddtree_equals_plain(tiny_checkpoints, plain_outputs, family, block_size, budget):
     folder, _ = tiny_checkpoints(family)
     expected = float(min(budget, HORIZON) + 1)  # golden path at rank 0: the whole chain the budget allows
@@ -67,7 +71,7 @@ def test_oracle_ddtree_equals_plain(tiny_checkpoints, plain_outputs, family, blo
     assert taus == [expected] * len(outs)
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen3", "deepseek_v3"])
+@pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("block_size", [1, 16])
 def test_oracle_with_demoted_golden_tokens_accepts_siblings(tiny_checkpoints, plain_outputs, family, block_size,
                                                             monkeypatch):
@@ -91,14 +95,76 @@ def test_oracle_with_demoted_golden_tokens_accepts_siblings(tiny_checkpoints, pl
     assert moved, "no step accepted a non-spine path"
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen3", "deepseek_v3"])
-@pytest.mark.parametrize("budget", [1, 4, 16, 64])
-def test_ngram_ddtree_equals_plain(tiny_checkpoints, plain_outputs, family, budget):
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("budget,block_size", BUDGET_PAGE)
+def test_ngram_ddtree_equals_plain(tiny_checkpoints, plain_outputs, family, budget, block_size):
     folder, _ = tiny_checkpoints(family)
     ref = plain_outputs(family, 40)
-    for block_size in (1, 16):
-        outs = run(folder, "ngram", budget, block_size, 40)
+    outs = run(folder, "ngram", budget, block_size, 40)
+    assert [o.token_ids for o in outs] == ref
+
+
+@pytest.fixture(scope="module")
+def random_dflash(tiny_checkpoints, tmp_path_factory):
+    """family -> folder of a randomly initialised DFlash drafter (block size 8) for that tiny target."""
+    import json
+
+    from engine.spec.dflash import save_random_dflash
+
+    cache = {}
+
+    def get(family):
+        if family not in cache:
+            target, _ = tiny_checkpoints(family)
+            with open(f"{target}/config.json") as f:
+                cfg = json.load(f)
+            folder = str(tmp_path_factory.mktemp(f"dflash-{family}"))
+            save_random_dflash(folder, cfg, num_layers=1, block_size=8, seed=1)
+            cache[family] = folder
+        return cache[family]
+
+    return get
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("budget,block_size", BUDGET_PAGE)
+def test_random_dflash_ddtree_equals_plain(tiny_checkpoints, plain_outputs, random_dflash, family, budget,
+                                           block_size):
+    """A random drafter rarely guesses right (low tau), yet the output stays exact."""
+    folder, _ = tiny_checkpoints(family)
+    ref = plain_outputs(family, 40)
+    llm = LLM(folder, dtype="fp32", drafter="dflash", draft_model=random_dflash(family), spec_budget=budget,
+              block_size=block_size)
+    outs = llm.generate(prompts(), SamplingParams(max_tokens=40, temperature=0, ignore_eos=True))
+    assert [o.token_ids for o in outs] == ref
+    assert all(o.stats["spec"]["steps"] > 0 for o in outs)
+
+
+def test_dflash_chain_mode_equals_plain(tiny_checkpoints, plain_outputs, random_dflash):
+    """Chain mode: top-1 per depth and B = horizon (block_size - 1), the plain DFlash recipe."""
+    folder, _ = tiny_checkpoints("qwen3")
+    llm = LLM(folder, dtype="fp32", drafter="dflash", draft_model=random_dflash("qwen3"), chain=True)
+    assert llm.engine.speculator.max_budget == 7
+    outs = llm.generate(prompts(), SamplingParams(max_tokens=40, temperature=0, ignore_eos=True))
+    assert [o.token_ids for o in outs] == plain_outputs("qwen3", 40)
+
+
+@pytest.mark.slow
+def test_smollm2_ddtree_equals_plain():
+    """The real embedded model: oracle and n-gram DDTree give plain greedy's tokens on chat prompts."""
+    llm = LLM(None, dtype="fp32")
+    chats = ["What is the capital of France?", "Repeat exactly: the quick brown fox jumps over the lazy dog.",
+             "Write a Python function that adds two numbers.", "List three colors."]
+    token_lists = [llm.encode(c, chat=True) for c in chats]
+    sp = SamplingParams(max_tokens=32, temperature=0)
+    ref = [o.token_ids for o in llm.generate(token_lists, sp)]
+    seqs = [(p + r, len(p)) for p, r in zip(token_lists, ref)]
+    for drafter in (OracleDrafter(golden_lookup(seqs), llm.engine.vocab_size, horizon=HORIZON), "ngram"):
+        spec = LLM(None, dtype="fp32", drafter=drafter, spec_budget=16)
+        outs = spec.generate(token_lists, sp)
         assert [o.token_ids for o in outs] == ref
+        if drafter != "ngram":
+            assert all(o.stats["spec"]["mean_accept_length"] > 4 for o in outs)
 
 
 def test_batch_equals_alone(tiny_checkpoints, plain_outputs):

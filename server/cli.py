@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import re
 import sys
 import time
 
@@ -29,14 +31,30 @@ def engine_kwargs(args) -> dict:
                 draft_model=args.draft_model, block_size=args.block_size, max_model_len=args.max_model_len)
 
 
+def token_id_list(text: str) -> list[int]:
+    try:
+        return [int(t) for t in text.split(",") if t.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+
+
 def cmd_generate(args) -> int:
     from engine import LLM, SamplingParams
 
-    llm = LLM(**engine_kwargs(args))
+    kwargs = engine_kwargs(args)
     sampling = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                               top_k=args.top_k, seed=args.seed_sampling)
+    if kwargs["drafter"] == "oracle":
+        # the oracle proposes a golden continuation: the target's own plain output, computed first
+        from engine.spec.oracle import OracleDrafter
+
+        plain = LLM(**dict(kwargs, drafter="none"))
+        prompt_ids = args.prompt_ids or plain.encode(args.prompt, args.chat)
+        golden = prompt_ids + plain.generate([prompt_ids], sampling)[0].token_ids
+        kwargs["drafter"] = OracleDrafter(lambda req: golden, plain.engine.vocab_size, horizon=7)
+    llm = LLM(**kwargs)
     t0 = time.perf_counter()
-    (out,) = llm.generate(args.prompt, sampling, chat=args.chat)
+    (out,) = llm.generate(args.prompt_ids or args.prompt, sampling, chat=args.chat)
     elapsed = time.perf_counter() - t0
     if args.json:
         record = {"text": out.text, "token_ids": out.token_ids, "finish_reason": out.finish_reason,
@@ -49,6 +67,37 @@ def cmd_generate(args) -> int:
     return 0
 
 
+def parse_bytes(text: str) -> int:
+    """'1073741824', '512M', '1G', '1.5GiB' -> bytes (binary units)."""
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b)?\s*", text, re.IGNORECASE)
+    if not m:
+        raise argparse.ArgumentTypeError(f"expected a size such as 536870912, 512M or 1G, got {text!r}")
+    unit = m.group(2).lower()
+    scale = 1024 ** ("kmgt".find(unit) + 1) if unit else 1
+    return int(float(m.group(1)) * scale)
+
+
+def cmd_serve(args) -> int:
+    from engine.config import EngineConfig, SpecConfig
+    from server.config import ServerConfig
+    from server.serve import serve
+
+    if args.model is not None:
+        if not os.path.exists(os.path.expanduser(args.model)):
+            raise ValueError(f"{args.model}: no such file or directory (expected an HF folder or a .gguf file)")
+    drafter = args.drafter or ("dflash" if args.draft_model else "ngram")
+    spec = SpecConfig(drafter=drafter, budget=args.budget, draft_model=args.draft_model)
+    engine = EngineConfig(model=args.model, dtype=args.dtype, device=args.device, block_size=args.block_size,
+                          kv_cache_memory=args.kv_cache_memory, max_num_seqs=args.max_num_seqs,
+                          max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
+                          seed=args.seed, spec=spec)
+    server = ServerConfig(host=args.host, port=args.port, api_key=args.api_key,
+                          served_model_name=args.served_model_name, max_queue_len=args.max_queue_len,
+                          max_body_bytes=args.max_body_bytes, drain_timeout_s=args.drain_timeout,
+                          log_level=args.log_level, access_log=not args.no_access_log)
+    return serve(server, engine)
+
+
 def cmd_build_ext(args) -> int:
     from ext import build
 
@@ -57,12 +106,21 @@ def cmd_build_ext(args) -> int:
     return 0 if ops is not None else 1
 
 
+class OneLineParser(argparse.ArgumentParser):
+    """Bad flags: one line on stderr and exit 2 (argparse would add a usage block)."""
+
+    def error(self, message):
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+
+
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="ddtree", description="LLM inference with DDTree speculative decoding")
-    sub = p.add_subparsers(dest="command", required=True)
+    p = OneLineParser(prog="ddtree", description="LLM inference with DDTree speculative decoding")
+    sub = p.add_subparsers(dest="command", required=True, parser_class=OneLineParser)
     g = sub.add_parser("generate", help="generate a completion offline")
     add_engine_flags(g)
-    g.add_argument("--prompt", required=True)
+    prompt = g.add_mutually_exclusive_group(required=True)
+    prompt.add_argument("--prompt", help="prompt text")
+    prompt.add_argument("--prompt-ids", type=token_id_list, help="comma-separated prompt token ids")
     g.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     g.add_argument("--max-tokens", type=int, default=64)
     g.add_argument("--temperature", type=float, default=0.0)
@@ -71,6 +129,23 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--seed-sampling", type=int, default=None, help="sampling seed")
     g.add_argument("--json", action="store_true", help="print one JSON object with text, token_ids and timing")
     g.set_defaults(func=cmd_generate)
+    s = sub.add_parser("serve", help="run the OpenAI-compatible HTTP server")
+    add_engine_flags(s)
+    s.set_defaults(drafter=None)  # serve: n-gram drafting unless --drafter or --draft-model says otherwise
+    s.add_argument("--host", default="127.0.0.1")
+    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/*")
+    s.add_argument("--served-model-name", default=None, help="the model id clients send (default: from MODEL)")
+    s.add_argument("--max-num-seqs", type=int, default=64, help="requests running in the engine at once")
+    s.add_argument("--max-num-batched-tokens", type=int, default=2048, help="token budget of one engine step")
+    s.add_argument("--kv-cache-memory", type=parse_bytes, default=1 << 30, help="KV cache size, e.g. 512M or 4G")
+    s.add_argument("--max-queue-len", type=int, default=1024,
+                   help="engine requests in flight (running + waiting) beyond which requests get a 429")
+    s.add_argument("--max-body-bytes", type=parse_bytes, default=4 << 20, help="request bodies above get a 413")
+    s.add_argument("--drain-timeout", type=float, default=30.0, help="seconds open streams get on shutdown")
+    s.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    s.add_argument("--no-access-log", action="store_true")
+    s.set_defaults(func=cmd_serve)
     b = sub.add_parser("build-ext", help="build the CUDA extension now instead of on first use")
     b.set_defaults(func=cmd_build_ext)
     return p

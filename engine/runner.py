@@ -9,6 +9,7 @@ import torch
 
 from engine import sampler
 from engine.plan import StepPlan, StepResult
+from engine.spec import verify
 from engine.spec.speculator import Speculator, TreeBatch
 from ext.metadata import AttentionMetadata, build_metadata
 
@@ -107,31 +108,30 @@ class ModelRunner:
             result.timings.update(forward=t2 - t1, sample=t3 - t2)
         return result
 
-    def accept_trees(self, tree: TreeBatch, rows: list[tuple[int, int]], hidden: torch.Tensor,
+    def accept_trees(self, batch: TreeBatch, rows: list[tuple[int, int]], hidden: torch.Tensor,
                      features: torch.Tensor | None, result: StepResult) -> None:
         spec = self.speculator
         logits = [self.model.compute_logits(hidden[r0 : r0 + n]) for r0, n in rows]  # each [n, vocab] fp32
-        targets = torch.stack([spec.target_tokens(tree, i, lg) for i, lg in enumerate(logits)])  # [N, B+1]
-        accepted, accept_len, bonus = spec.accept(tree, targets)
+        targets = torch.stack([spec.target_tokens(batch, i, lg) for i, lg in enumerate(logits)])  # [N, B+1]
+        walk = verify.accept(batch.tree, targets)
         row_slots, accepted_rows = [], []
-        for i, s in enumerate(tree.seqs):
-            req, tau = s.request, int(accept_len[i])
-            acc = accepted[i, :tau].tolist()
-            emitted = [int(tree.node_token_ids[i, a]) for a in acc[1:]] + [int(bonus[i])]
+        for i, s in enumerate(batch.seqs):
+            req, tau = s.request, int(walk.accept_len[i])
+            acc = walk.accepted_nodes[i, :tau].tolist()
+            emitted = walk.emitted_token_ids[i, :tau].tolist()  # accepted drafts, then the bonus
             start = req.num_computed_tokens
-            row_slots.append([self.slot(req.block_ids, start + j) for j in range(tree.num_nodes[i])])
+            row_slots.append([self.slot(req.block_ids, start + j) for j in range(batch.num_rows[i])])
             accepted_rows.append(acc)
             result.new_token_ids[req.request_id] = emitted
             result.num_accepted[req.request_id] = tau - 1
-            result.num_draft_tokens[req.request_id] = tree.num_nodes[i] - 1
-            if req.sampling.logprobs is not None:
+            result.num_draft_tokens[req.request_id] = batch.num_rows[i] - 1
+            if req.sampling.logprobs is not None:  # token j was chosen at accepted row acc[j]
                 result.logprobs[req.request_id] = [
                     sampler.token_logprobs(logits[i][a], t, req.sampling.logprobs) for a, t in zip(acc, emitted)]
             if features is not None:
-                r0 = rows[i][0]
-                spec.record_hidden(req.request_id, features[[r0 + a for a in acc]])
+                spec.record_hidden(req.request_id, features[[rows[i][0] + a for a in acc]])
             result.accept_lengths.append(tau)
-            result.tree_nodes.append(tree.num_nodes[i] - 1)
+            result.tree_nodes.append(batch.num_rows[i] - 1)
             for d in range(tau - 1):
                 if d >= len(result.accepted_per_position):
                     result.accepted_per_position.append(0)

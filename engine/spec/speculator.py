@@ -15,19 +15,19 @@ import torch
 
 from engine import sampler
 from engine.plan import ScheduledSeq
+from engine.spec import verify
 from engine.spec.drafter import DraftRequest
+from engine.spec.tree import DraftTree
 from ext import ops
 
 
 @dataclass
 class TreeBatch:
+    """The step's trees, one per scheduled request that got a tree budget, in plan order."""
+
     seqs: list[ScheduledSeq]
-    node_token_ids: torch.Tensor  # [N, B+1] root first, -1 padded
-    parents: torch.Tensor  # [N, B+1]
-    depths: torch.Tensor  # [N, B+1]
-    num_nodes: list[int]  # rows per request (root + drafted nodes)
-    visibility: torch.Tensor  # [N, B+1, B+1] bool
-    max_depth: int
+    tree: DraftTree  # [N, B+1] rows, root first
+    num_rows: list[int]  # host copy of tree.num_nodes: verify rows per request (root + drafted nodes)
 
 
 class Speculator:
@@ -58,31 +58,27 @@ class Speculator:
         top_k = 1 if self.chain else self.max_budget
         logprobs, token_ids = self.drafter.propose(batch, top_k)  # [N, L, K]
         budgets = torch.tensor([s.spec_budget for s in seqs], dtype=torch.int64, device=logprobs.device)
-        max_budget = max(s.spec_budget for s in seqs)
-        built = ops.build_tree(logprobs, token_ids, budgets, max_budget)
-        node_token_ids = built.node_token_ids.clone()
-        node_token_ids[:, 0] = torch.tensor([s.request.all_token_ids[-1] for s in seqs], device=node_token_ids.device)
-        return TreeBatch(seqs, node_token_ids, built.parents, built.depths, built.num_nodes.tolist(),
-                         built.visibility, logprobs.shape[1])
+        roots = torch.tensor([s.request.all_token_ids[-1] for s in seqs], device=logprobs.device)
+        tree = DraftTree.from_topk(logprobs, token_ids, roots, budgets, max(s.spec_budget for s in seqs))
+        return TreeBatch(seqs, tree, tree.num_nodes.tolist())
 
-    def verify_inputs(self, tree: TreeBatch, i: int) -> tuple[list[int], list[int], torch.Tensor]:
+    def verify_inputs(self, batch: TreeBatch, i: int) -> tuple[list[int], list[int], torch.Tensor]:
         """Request i's verify rows: token ids, rope positions (start + depth), visibility [n, n]."""
-        n, start = tree.num_nodes[i], tree.seqs[i].request.num_computed_tokens
-        ids = tree.node_token_ids[i, :n].tolist()
-        positions = (tree.depths[i, :n] + start).tolist()
-        return ids, positions, tree.visibility[i, :n, :n]
+        n, start = batch.num_rows[i], batch.seqs[i].request.num_computed_tokens
+        tree = batch.tree
+        return tree.node_token_ids[i, :n].tolist(), (tree.depths[i, :n] + start).tolist(), tree.visibility[i, :n, :n]
 
-    def target_tokens(self, tree: TreeBatch, i: int, logits: torch.Tensor) -> torch.Tensor:
-        """The target's token after every verify row of request i; logits [n, vocab] fp32 -> [B+1] (padded)."""
-        req = tree.seqs[i].request
+    def target_tokens(self, batch: TreeBatch, i: int, logits: torch.Tensor) -> torch.Tensor:
+        """The target's token after every verify row of request i; logits [n, vocab] fp32 -> [B+1] (padded).
+        Each row goes through engine.sampler exactly as a plain decoding step would, with the path to the row
+        as generated history, so the walk keeps plain sampling's distribution."""
+        req, n, tree = batch.seqs[i].request, batch.num_rows[i], batch.tree
         sp = req.sampling
-        n = tree.num_nodes[i]
-        out = torch.full((tree.node_token_ids.shape[1],), -1, dtype=torch.int64)
+        out = torch.full((tree.num_rows,), -1, dtype=torch.int64)
         if sp.greedy and not (sp.logit_bias or sp.presence_penalty or sp.frequency_penalty
                               or sp.repetition_penalty != 1.0):
-            out[:n] = logits.argmax(-1)
+            out[:n] = verify.greedy_target_token_ids(logits)
             return out
-        # per-row processing sees the path to the row as generated history, as plain decoding would
         parents, tokens = tree.parents[i].tolist(), tree.node_token_ids[i].tolist()
         for row in range(n):
             path, node = [], row
@@ -91,11 +87,6 @@ class Speculator:
                 node = parents[node]
             out[row] = sampler.choose(logits[row], req, req.output_token_ids + path[::-1])
         return out
-
-    def accept(self, tree: TreeBatch, target_token_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """target_token_ids [N, B+1] -> (accepted rows [N, L+1], accept_len [N], bonus [N])."""
-        num_nodes = torch.tensor(tree.num_nodes, dtype=torch.int64)
-        return ops.tree_accept(target_token_ids, tree.node_token_ids, tree.parents, num_nodes, tree.max_depth)
 
     @staticmethod
     def compact(slot_views: list[torch.Tensor], row_slots: list[list[int]], accepted: list[list[int]]) -> None:

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from ext.reference.tree import build_tree, topk_logprobs
+from ext import ops
 
 __all__ = ["DraftTree", "additive_mask"]
 
@@ -60,12 +60,18 @@ class DraftTree:
         """
         vocab_size = draft_logits.shape[-1]
         # Lemma 1: only the top min(B, V) tokens of each depth can enter a B-node tree.
-        logprobs, token_ids = topk_logprobs(draft_logits, max(1, min(max_budget, vocab_size)))
-        built = build_tree(logprobs, token_ids, budgets, max_budget)
+        logprobs, token_ids = ops.topk_logprobs(draft_logits, max(1, min(max_budget, vocab_size)))
+        return cls.from_topk(logprobs, token_ids, root_token_ids, budgets, max_budget)
+
+    @classmethod
+    def from_topk(cls, draft_logprobs: Tensor, draft_token_ids: Tensor, root_token_ids: Tensor,
+                  budgets: Tensor, max_budget: int) -> "DraftTree":
+        """Build the trees from a drafter's per-depth top-K ([N, L, K] log-probs sorted descending, ids)."""
+        built = ops.build_tree(draft_logprobs, draft_token_ids, budgets, max_budget)
         node_token_ids = built.node_token_ids.clone()
         node_token_ids[:, 0] = root_token_ids
         return cls(node_token_ids, built.parents, built.depths, built.num_nodes,
-                   built.visibility, built.scores, draft_logits.shape[1])
+                   built.visibility, built.scores, draft_logprobs.shape[1])
 
     @property
     def num_rows(self) -> int:

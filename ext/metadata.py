@@ -29,10 +29,23 @@ class AttentionMetadata:
     query_lens_host: list[int] = field(default_factory=list)
     seq_lens_host: list[int] = field(default_factory=list)
     _kv_slots: list[torch.Tensor] | None = field(default=None, repr=False)
+    # device-side, derived once per step on first use: tree_mask packed to [num_tokens, ceil(max_query_len/64)]
+    # int64 words (bit j of word w = new token 64*w + j), what the CUDA attention kernels read
+    _tree_bits: torch.Tensor | None = field(default=None, repr=False)
 
     @property
     def num_seqs(self) -> int:
         return len(self.seq_lens_host)
+
+    def packed_tree_mask(self) -> torch.Tensor | None:
+        """tree_mask as packed bits (see `pack_bits`), computed once and cached; None when causal."""
+        if self.tree_mask is None:
+            return None
+        if self._tree_bits is None:
+            from ext import ops  # lazily: ops imports this module
+
+            self._tree_bits = ops.pack_tree_mask(self.tree_mask)
+        return self._tree_bits
 
     def kv_slots(self, seq: int) -> torch.Tensor:
         """Cache slots of sequence `seq`'s logical KV positions 0..seq_len-1, computed once per step."""
@@ -43,6 +56,17 @@ class AttentionMetadata:
                 blocks = self.block_tables[i, logical // self.block_size].long()
                 self._kv_slots.append(blocks * self.block_size + logical % self.block_size)
         return self._kv_slots[seq]
+
+
+def pack_bits(mask: torch.Tensor) -> torch.Tensor:
+    """bool [T, Q] -> int64 [T, ceil(Q/64)], bit j of word w = column 64*w + j (pure torch, any device)."""
+    num_tokens, num_cols = mask.shape
+    words = (num_cols + 63) // 64
+    padded = torch.zeros(num_tokens, words * 64, dtype=torch.int64, device=mask.device)
+    padded[:, :num_cols] = mask.to(torch.int64)
+    shifts = torch.arange(64, dtype=torch.int64, device=mask.device)
+    # distinct powers of two never carry, so the (wrapping) sum is the bitwise or, bit 63 included
+    return (padded.view(num_tokens, words, 64) << shifts).sum(-1)
 
 
 def build_metadata(

@@ -1,11 +1,24 @@
 """The single door to every custom op: one Python signature each. The CUDA extension serves an op when it is
-built and the tensors are on CUDA; otherwise `ext.reference` does, with the same signature and semantics."""
+built and the tensors are on CUDA; otherwise `ext.reference` does, with the same signature and semantics.
+`cuda_calls()` counts the calls the CUDA extension served (per op name), so tests can prove it ran."""
 from __future__ import annotations
+
+from collections import Counter
 
 import torch
 
 from ext import reference
 from ext.metadata import AttentionMetadata
+
+_calls: Counter = Counter()
+_TOPK_MAX_K = 1024  # ext/csrc kernels.h kTopkMaxK
+_SMEM_LIMIT = 227 * 1024
+_FLOATS = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def cuda_calls() -> dict[str, int]:
+    """op name -> calls served by the CUDA extension in this process."""
+    return dict(_calls)
 
 
 def _cuda_ops(t: torch.Tensor):
@@ -17,54 +30,160 @@ def _cuda_ops(t: torch.Tensor):
     return build.load_ops()
 
 
+def _served(name: str, ops) -> bool:
+    if ops is None:
+        return False
+    _calls[name] += 1
+    return True
+
+
+def _metadata_tensors(meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int, int]:
+    """(query_start_loc, seq_lens, block_tables) as int32, plus host maxima (query length, KV length)."""
+    qsl, seq_lens, tables = meta.query_start_loc, meta.seq_lens, meta.block_tables
+    qsl = qsl if qsl.dtype == torch.int32 else qsl.int()
+    seq_lens = seq_lens if seq_lens.dtype == torch.int32 else seq_lens.int()
+    tables = tables if tables.dtype == torch.int32 and tables.stride(-1) == 1 else tables.int().contiguous()
+    max_q = max(meta.query_lens_host, default=0) if meta.query_lens_host else 0
+    max_kv = max(meta.seq_lens_host, default=0) if meta.seq_lens_host else 0
+    if not max_q:  # no host copies: fall back to capacities (still no device read)
+        max_q = meta.tree_mask.shape[1] if meta.tree_mask is not None else int(meta.positions.shape[0])
+    if not max_kv:
+        max_kv = int(tables.shape[1]) * meta.block_size
+    return qsl, seq_lens, tables, max_q, max_kv
+
+
+def _rows(t: torch.Tensor) -> torch.Tensor:
+    """The kernels read query rows with arbitrary token/head strides but a unit last-dim stride."""
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
 def write_kv(cache: torch.Tensor, rows: torch.Tensor, slot_mapping: torch.Tensor) -> None:
     """Scatter rows [num_tokens, ...] into cache [num_blocks, block_size, ...] at slot_mapping (-1 skips)."""
+    ops = _cuda_ops(cache)
+    if (ops is not None and cache.is_contiguous() and rows.is_cuda and slot_mapping.is_cuda
+            and slot_mapping.dtype == torch.int64 and rows.dtype in _FLOATS and cache.dtype in _FLOATS):
+        _served("write_kv", ops)
+        ops.write_kv(cache, rows, slot_mapping)
+        return
     reference.write_kv(cache, rows, slot_mapping)
+
 
 
 def paged_attention(q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
     """GQA attention of q [num_tokens, num_heads, head_dim] over the paged cache -> [num_tokens, num_heads, head_dim]."""
     ops = _cuda_ops(q)
-    if ops is not None and hasattr(ops, "paged_attention"):
-        return ops.paged_attention(q, k_cache, v_cache, meta, scale)
+    if (ops is not None and q.dtype in _FLOATS and k_cache.dtype == q.dtype == v_cache.dtype
+            and max(q.shape[-1], v_cache.shape[-1]) <= 1024 and k_cache.dim() == 4
+            and k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1):
+        _served("paged_attention", ops)
+        qsl, seq_lens, tables, max_q, max_kv = _metadata_tensors(meta)
+        return ops.paged_attention(_rows(q), k_cache, v_cache, qsl, seq_lens, tables, meta.packed_tree_mask(), max_q,
+                                   max_kv, float(scale))
     return reference.paged_attention(q, k_cache, v_cache, meta, scale)
 
 
 def mla_paged_attention(q_latent, q_rope, latent_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
     """Absorbed MLA attention over the latent cache -> [num_tokens, num_heads, kv_lora_rank]."""
     ops = _cuda_ops(q_latent)
-    if ops is not None and hasattr(ops, "mla_paged_attention"):
-        return ops.mla_paged_attention(q_latent, q_rope, latent_cache, meta, scale)
+    if (ops is not None and q_latent.dtype in _FLOATS and q_rope.dtype == q_latent.dtype == latent_cache.dtype
+            and latent_cache.shape[-1] <= 1024 and latent_cache.stride(-1) == 1):
+        _served("mla_paged_attention", ops)
+        qsl, seq_lens, tables, max_q, max_kv = _metadata_tensors(meta)
+        return ops.mla_paged_attention(_rows(q_latent), _rows(q_rope), latent_cache, qsl, seq_lens, tables,
+                                       meta.packed_tree_mask(), max_q, max_kv, float(scale))
     return reference.mla_paged_attention(q_latent, q_rope, latent_cache, meta, scale)
 
 
 def topk_logprobs(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """logits [N, L, V] -> (log-probs [N, L, K] fp32 sorted descending, token ids [N, L, K]); ties -> lower id."""
     ops = _cuda_ops(logits)
-    if ops is not None and hasattr(ops, "topk_logprobs"):
-        return ops.topk_logprobs(logits, k)
+    if (ops is not None and logits.dim() == 3 and logits.dtype in _FLOATS
+            and min(int(k), logits.shape[-1]) <= _TOPK_MAX_K and logits.shape[-1] < 2**31):
+        _served("topk_logprobs", ops)
+        return ops.topk_logprobs(logits, max(0, int(k)))
     return reference.topk_logprobs(logits, k)
+
+
+def _build_tree_fits(max_depth: int, k: int, max_budget: int) -> bool:
+    rows = max_budget + 1
+    smem = rows * 16 + max_depth * k * 4 + rows * 24 + rows * (max_depth + 1) * 2
+    return smem <= _SMEM_LIMIT and max_budget < 65535
 
 
 def build_tree(draft_logprobs, draft_token_ids, budgets, max_budget: int) -> reference.TreeBuild:
     """Best-first DDTree build (paper Alg. 1) for N requests at once; see ext.reference.tree.build_tree."""
     ops = _cuda_ops(draft_logprobs)
-    if ops is not None and hasattr(ops, "build_tree"):
-        return ops.build_tree(draft_logprobs, draft_token_ids, budgets, max_budget)
+    if ops is not None and draft_logprobs.dim() == 3 and _build_tree_fits(*draft_logprobs.shape[1:], max_budget):
+        _served("build_tree", ops)
+        device = draft_logprobs.device
+        out = ops.build_tree(draft_logprobs.float(), draft_token_ids.to(device, torch.int64),
+                             budgets.to(device, torch.int64), int(max_budget))
+        return reference.TreeBuild(*out)
     return reference.build_tree(draft_logprobs, draft_token_ids, budgets, max_budget)
 
 
 def tree_accept(target_token_ids, node_token_ids, parents, num_nodes, max_depth: int):
-    """Walk each tree along the target's tokens -> (accepted_nodes [N, L+1], accept_len [N], bonus [N])."""
-    ops = _cuda_ops(target_token_ids)
-    if ops is not None and hasattr(ops, "tree_accept"):
-        return ops.tree_accept(target_token_ids, node_token_ids, parents, num_nodes, max_depth)
+    """Walk each tree along the target's tokens -> (accepted_nodes [N, L+1], accept_len [N], bonus [N]).
+    Runs where the tree lives (node_token_ids' device); other inputs are moved there."""
+    ops = _cuda_ops(node_token_ids)
+    if ops is not None:
+        _served("tree_accept", ops)
+        device = node_token_ids.device
+        return ops.tree_accept(target_token_ids.to(device, torch.int64), node_token_ids.to(torch.int64),
+                               parents.to(device, torch.int64), num_nodes.to(device, torch.int64), int(max_depth))
     return reference.tree_accept(target_token_ids, node_token_ids, parents, num_nodes, max_depth)
+
+
+def _cache_views_ok(caches: list[torch.Tensor], device: torch.device) -> bool:
+    return all(c.device == device and c.is_contiguous() for c in caches)
 
 
 def kv_compact(caches: list[torch.Tensor], src_slots: torch.Tensor, dst_slots: torch.Tensor) -> None:
     """For every slot-major cache view [num_slots, ...]: cache[dst] = old cache[src], gathered before scattered."""
     ops = _cuda_ops(src_slots)
-    if ops is not None and hasattr(ops, "kv_compact"):
-        return ops.kv_compact(caches, src_slots, dst_slots)
+    if ops is not None and _cache_views_ok(caches, src_slots.device):
+        _served("kv_compact", ops)
+        return ops.kv_compact(list(caches), src_slots.to(torch.int64), dst_slots.to(src_slots.device, torch.int64))
     return reference.kv_compact(caches, src_slots, dst_slots)
+
+
+def kv_compact_tree(caches: list[torch.Tensor], accepted_nodes: torch.Tensor, tree_slots: torch.Tensor) -> None:
+    """DDTree compaction in one pass: accepted row accepted_nodes[n, j] moves to tree_slots[n, j] in every
+    slot-major cache view. accepted_nodes [N, A] as tree_accept returns it (root first, strictly increasing,
+    -1 padded); tree_slots [N, B+1] distinct slots. A request whose path is 0, 1, 2, ... moves nothing."""
+    ops = _cuda_ops(accepted_nodes)
+    if ops is not None and _cache_views_ok(caches, accepted_nodes.device):
+        _served("kv_compact_tree", ops)
+        return ops.kv_compact_tree(list(caches), accepted_nodes.to(torch.int64),
+                                   tree_slots.to(accepted_nodes.device, torch.int64))
+    src, dst, _ = reference.compaction_slots(accepted_nodes, tree_slots)
+    return reference.kv_compact(caches, src, dst)
+
+
+def sample_tokens(logits: torch.Tensor, temperature: torch.Tensor | None = None, seed: int = 0) -> torch.Tensor:
+    """logits [rows, V] -> [rows] int64: argmax (ties -> lower id) where temperature is None or < 1e-5, else one
+    Gumbel-max sample of softmax(logits / T) per row. Seeded but not the same stream on CPU and CUDA."""
+    ops = _cuda_ops(logits)
+    if ops is not None and logits.dim() == 2 and logits.dtype in _FLOATS:
+        _served("sample_tokens", ops)
+        temp = None if temperature is None else temperature.to(logits.device, torch.float32)
+        return ops.sample_tokens(logits, temp, int(seed))
+    greedy = logits.float().argmax(-1)
+    if temperature is None:
+        return greedy
+    temp = temperature.to(logits.device, torch.float32)
+    gen = torch.Generator(device=logits.device).manual_seed(int(seed))
+    u = torch.rand(logits.shape, generator=gen, device=logits.device).clamp_(1e-20, 1.0)
+    sampled = (logits.float() / temp.clamp(min=1e-5)[:, None] - torch.log(-torch.log(u))).argmax(-1)
+    return torch.where(temp < 1e-5, greedy, sampled)
+
+
+def pack_tree_mask(tree_mask: torch.Tensor) -> torch.Tensor:
+    """bool [T, Q] -> int64 [T, ceil(Q/64)]: bit j of word w is column 64*w + j (AttentionMetadata's tree bits)."""
+    ops = _cuda_ops(tree_mask)
+    if ops is not None and tree_mask.dtype == torch.bool and tree_mask.dim() == 2:
+        _served("pack_tree_mask", ops)
+        return ops.pack_tree_mask(tree_mask)
+    from ext.metadata import pack_bits
+
+    return pack_bits(tree_mask)

@@ -30,7 +30,7 @@ from engine.model.errors import CheckpointError, ConfigError
 from engine.model.layers import GatedMLP, RMSNorm, RotaryEmbedding, apply_rope, rope_parameters
 from engine.model.loader import read_config, read_safetensors, safetensors_files
 from engine.spec.drafter import DraftRequest, proposal_width
-from ext.reference.tree import topk_logprobs
+from ext.ops import topk_logprobs
 
 DFLASH2_MARKERS = ("attention_conv", "mlp_conv", "candidate_selector")
 IGNORED_KEYS = ("embed_tokens.weight", "lm_head.weight", "rotary_emb.inv_freq")

@@ -1,6 +1,6 @@
 """The drafter protocol of DDTree: from each request's committed state a drafter returns, for depths 1..L
 after the root (the last committed token, not yet seen by the target), the top-K log-probs and token ids that
-the tree builder (ext.reference.tree.build_tree) expands best-first.
+the tree builder (ext.ops.build_tree) expands best-first.
 
 Contract of every `propose` result ([N, L, K] float32 log-probs, [N, L, K] int64 ids):
   - each row (request, depth) holds K distinct token ids, sorted by log-prob descending, all finite;

@@ -1,8 +1,8 @@
-"""DraftTree: one batch of DDTree draft trees and the verify inputs derived from them.
+r"""DraftTree: one batch of DDTree draft trees and the verify inputs derived from them.
 
 Owns the engine-side view of the tree: building it from draft logits, the verify block's
 input ids, RoPE positions and attention mask. The tree math lives in the tree ops
-(ext.reference.tree for now; ext.ops once the CUDA kernels land).
+(ext.ops: CUDA kernels on CUDA, ext.reference elsewhere).
 
 Glossary
   root        tree row 0: last round's bonus token, at position `start`, not yet in the target

@@ -1,0 +1,204 @@
+// Paged attention entry points: the schedule (attn_plan), the SIMT kernel that serves every dtype and head
+// dim (fp32 engines, odd head sizes), and the split-KV combine. The tensor-core kernels live in
+// attention_mma.cuh (instantiated in attention_gqa.cu and attention_mla.cu).
+#include "common.cuh"
+
+namespace ddtree {
+
+namespace {
+
+constexpr int kSimtWarps = 4;
+
+// One warp per (token, head). Positions are visited in increasing order and invisible ones are skipped
+// outright, so a node's result does not depend on which other tree rows share the step (a tree row and the
+// same token decoded alone do identical arithmetic).
+template <typename T, int N>
+__global__ void __launch_bounds__(32 * kSimtWarps) attn_simt_kernel(const AttnParams p) {
+  const int warp = blockIdx.x * kSimtWarps + (threadIdx.x >> 5), lane = threadIdx.x & 31;
+  if (warp >= p.num_tokens * p.num_q_heads) return;
+  const int t = warp / p.num_q_heads, h = warp % p.num_q_heads, kvh = h / p.group;
+  int lo = 0, hi = p.num_seqs;  // query_start_loc[lo] <= t < query_start_loc[hi]
+  while (hi - lo > 1) {
+    const int mid = (lo + hi) >> 1;
+    if (p.query_start_loc[mid] <= t) lo = mid; else hi = mid;
+  }
+  const int seq = lo, q0 = p.query_start_loc[seq], qlen = p.query_start_loc[seq + 1] - q0, qi = t - q0;
+  const int kv_len = p.seq_lens[seq], ctx = kv_len - qlen;
+  const int kv_end = p.tree_bits ? kv_len : ctx + qi + 1;
+  const uint64_t* bits = p.tree_bits ? p.tree_bits + static_cast<int64_t>(t) * p.tree_words : nullptr;
+  const int* bt = p.block_tables + static_cast<int64_t>(seq) * p.bt_stride;
+
+  float q[N], acc[N];
+#pragma unroll
+  for (int i = 0; i < N; ++i) {
+    const int d = lane + 32 * i;
+    float x = 0.f;
+    if (d < p.qa_dim)
+      x = Num<T>::to_f(static_cast<const T*>(p.q_a)[static_cast<int64_t>(t) * p.qa_stride_t + static_cast<int64_t>(h) * p.qa_stride_h + d]);
+    else if (d < p.dk)
+      x = Num<T>::to_f(static_cast<const T*>(p.q_b)[static_cast<int64_t>(t) * p.qb_stride_t + static_cast<int64_t>(h) * p.qb_stride_h + d - p.qa_dim]);
+    q[i] = x;
+    acc[i] = 0.f;
+  }
+  float m = -CUDART_INF_F, l = 0.f;
+  const T* kb = static_cast<const T*>(p.k) + static_cast<int64_t>(kvh) * p.k_stride_head;
+  const T* vb = static_cast<const T*>(p.v) + static_cast<int64_t>(kvh) * p.v_stride_head;
+  constexpr int U = N >= 16 ? 1 : 4;  // wide rows: fewer positions in flight, no spills
+  for (int pos0 = 0; pos0 < kv_end; pos0 += U) {
+    bool vis[U];
+    int64_t slot[U];
+    float s[U];
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int pos = pos0 + u;
+      bool ok = pos < kv_end;
+      if (ok && bits && pos >= ctx) {
+        const int j = pos - ctx;
+        ok = ((bits[j >> 6] >> (j & 63)) & 1ull) != 0;
+      }
+      vis[u] = ok;
+      slot[u] = ok ? static_cast<int64_t>(bt[pos / p.block_size]) * p.block_size + pos % p.block_size : 0;
+      float part = 0.f;
+      if (ok) {
+#pragma unroll
+        for (int i = 0; i < N; ++i) {
+          const int d = lane + 32 * i;
+          if (d < p.dk) part += q[i] * Num<T>::to_f(kb[slot[u] * p.k_stride_slot + d]);
+        }
+      }
+      s[u] = part;
+    }
+#pragma unroll
+    for (int u = 0; u < U; ++u) s[u] = warp_sum(s[u]);
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      if (!vis[u]) continue;
+      const float x = s[u] * p.scale_log2;
+      const float mn = fmaxf(m, x);
+      const float corr = exp2f(m - mn), pe = exp2f(x - mn);
+      l = l * corr + pe;
+#pragma unroll
+      for (int i = 0; i < N; ++i) {
+        const int d = lane + 32 * i;
+        const float v = d < p.dv ? Num<T>::to_f(vb[slot[u] * p.v_stride_slot + d]) : 0.f;
+        acc[i] = acc[i] * corr + pe * v;
+      }
+      m = mn;
+    }
+  }
+  const float inv = l > 0.f ? 1.f / l : 0.f;
+  T* orow = static_cast<T*>(p.out) + static_cast<int64_t>(t) * p.o_stride_t + static_cast<int64_t>(h) * p.o_stride_h;
+#pragma unroll
+  for (int i = 0; i < N; ++i) {
+    const int d = lane + 32 * i;
+    if (d < p.dv) orow[d] = Num<T>::from_f(acc[i] * inv);
+  }
+}
+
+// out[t, h] = sum_s w_s o_part[s, t, h] / sum_s w_s with w_s = 2^(lse_s - max lse); empty splits skipped.
+template <typename T>
+__global__ void __launch_bounds__(128) attn_combine_kernel(const AttnParams p) {
+  __shared__ float w[64];
+  __shared__ float wsum;
+  const int th = blockIdx.x, t = th / p.num_q_heads, h = th % p.num_q_heads;
+  const int64_t plane = static_cast<int64_t>(p.num_tokens) * p.num_q_heads;
+  const int tid = threadIdx.x;
+  if (tid < 64) w[tid] = tid < p.num_splits ? p.lse_part[tid * plane + th] : -CUDART_INF_F;
+  __syncthreads();
+  if (tid < 32) {
+    float mx = fmaxf(w[tid], w[tid + 32]);
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, off));
+    const float a = w[tid] == -CUDART_INF_F ? 0.f : exp2f(w[tid] - mx);
+    const float b = w[tid + 32] == -CUDART_INF_F ? 0.f : exp2f(w[tid + 32] - mx);
+    const float tot = warp_sum(a + b);
+    w[tid] = a;
+    w[tid + 32] = b;
+    if (tid == 0) wsum = tot > 0.f ? 1.f / tot : 0.f;
+  }
+  __syncthreads();
+  T* orow = static_cast<T*>(p.out) + static_cast<int64_t>(t) * p.o_stride_t + static_cast<int64_t>(h) * p.o_stride_h;
+  for (int d = tid; d < p.dv; d += blockDim.x) {
+    float acc = 0.f;
+    for (int s = 0; s < p.num_splits; ++s)
+      if (w[s] != 0.f) acc += w[s] * p.o_part[(s * plane + th) * p.dv + d];
+    orow[d] = Num<T>::from_f(acc * wsum);
+  }
+}
+
+template <typename T>
+cudaError_t launch_simt(const AttnParams& p, cudaStream_t stream) {
+  const int dmax = p.dk > p.dv ? p.dk : p.dv;
+  const int warps = p.num_tokens * p.num_q_heads;
+  const dim3 grid((warps + kSimtWarps - 1) / kSimtWarps), block(32 * kSimtWarps);
+  if (dmax <= 32) attn_simt_kernel<T, 1><<<grid, block, 0, stream>>>(p);
+  else if (dmax <= 64) attn_simt_kernel<T, 2><<<grid, block, 0, stream>>>(p);
+  else if (dmax <= 128) attn_simt_kernel<T, 4><<<grid, block, 0, stream>>>(p);
+  else if (dmax <= 256) attn_simt_kernel<T, 8><<<grid, block, 0, stream>>>(p);
+  else if (dmax <= 512) attn_simt_kernel<T, 16><<<grid, block, 0, stream>>>(p);
+  else if (dmax <= 1024) attn_simt_kernel<T, 32><<<grid, block, 0, stream>>>(p);
+  else return cudaErrorNotSupported;
+  return cudaGetLastError();
+}
+
+template <typename T>
+cudaError_t launch_combine(const AttnParams& p, cudaStream_t stream) {
+  attn_combine_kernel<T><<<p.num_tokens * p.num_q_heads, 128, 0, stream>>>(p);
+  return cudaGetLastError();
+}
+
+int ceil_div(int a, int b) { return (a + b - 1) / b; }
+
+}  // namespace
+
+AttnPlan attn_plan(DType dtype, int dk, int dv, int qa_dim, bool shared_kv, bool aligned, int group, int num_seqs,
+                   int num_kv_heads, int max_query_len, int max_seq_len, int num_sms) {
+  AttnPlan plan{0, 0, 1, 1, 1, max_seq_len > 0 ? max_seq_len : 1};
+  const bool half = dtype == kBFloat16 || dtype == kFloat16;
+  const bool gqa = half && aligned && !shared_kv && dk == dv && (dk == 64 || dk == 128);
+  const bool mla = half && aligned && shared_kv && dk == 576 && dv == 512 && qa_dim == 512;
+  if (!gqa && !mla) return plan;
+  plan.kind = gqa ? 1 : 2;
+  const int rows = (max_query_len > 0 ? max_query_len : 1) * group;
+  plan.config = rows <= 16 ? 0 : 1;
+  plan.tile_rows = plan.config == 0 ? 16 : 64;
+  const int bn = (mla && plan.config == 1) ? 32 : 64;
+  plan.tiles_per_seq = ceil_div(rows, plan.tile_rows);
+  // Split KV so the grid fills the resident CTA slots in one wave (a partial second wave costs a whole
+  // CTA time); splits keep >= 2 KV tiles each.
+  const int ctas = num_seqs * plan.tiles_per_seq * num_kv_heads;
+  const int per_sm = gqa ? attn_mma_gqa_ctas_per_sm(dtype, dk, plan.config) : attn_mma_mla_ctas_per_sm(dtype, plan.config);
+  const int slots = per_sm * num_sms;
+  int splits = ctas >= slots ? 1 : slots / (ctas > 0 ? ctas : 1);
+  const int max_by_len = max_seq_len / (2 * bn) > 1 ? max_seq_len / (2 * bn) : 1;
+  splits = splits < max_by_len ? splits : max_by_len;
+  splits = splits < 64 ? splits : 64;
+  splits = splits > 1 ? splits : 1;
+  int split_tokens = ceil_div(ceil_div(max_seq_len > 0 ? max_seq_len : 1, splits), bn) * bn;
+  plan.split_tokens = split_tokens;
+  plan.num_splits = ceil_div(max_seq_len > 0 ? max_seq_len : 1, split_tokens);
+  return plan;
+}
+
+cudaError_t attn_launch(AttnParams p, const AttnPlan& plan, DType dtype, cudaStream_t stream) {
+  p.tiles_per_seq = plan.tiles_per_seq;
+  p.num_splits = plan.num_splits;
+  p.split_tokens = plan.split_tokens;
+  p.block_shift = -1;
+  for (int sh = 0; sh < 31; ++sh)
+    if ((1 << sh) == p.block_size) p.block_shift = sh;
+  if (p.num_tokens == 0) return cudaSuccess;
+  if (plan.kind == 0) {
+    p.num_splits = 1;
+    p.split_tokens = 1 << 30;
+    if (dtype == kFloat32) return launch_simt<float>(p, stream);
+    if (dtype == kFloat16) return launch_simt<__half>(p, stream);
+    return launch_simt<__nv_bfloat16>(p, stream);
+  }
+  cudaError_t err = plan.kind == 1 ? attn_mma_gqa(p, dtype, plan.config, stream)
+                                   : attn_mma_mla(p, dtype, plan.config, stream);
+  if (err != cudaSuccess || p.num_splits == 1) return err;
+  return dtype == kFloat16 ? launch_combine<__half>(p, stream) : launch_combine<__nv_bfloat16>(p, stream);
+}
+
+}  // namespace ddtree

@@ -1,0 +1,110 @@
+// Launch functions of the ddtree CUDA kernels: plain CUDA C++ (no torch headers), raw pointers plus a
+// cudaStream_t, so every .cu here compiles with nvcc alone. ops.cpp is the only torch-facing file: it checks
+// the tensors, allocates outputs and workspaces, and calls these on the current stream. Every launcher
+// returns the launch's cudaError_t; none synchronizes with the host.
+#pragma once
+#include <cuda_runtime.h>
+#include <stddef.h>
+#include <stdint.h>
+
+namespace ddtree {
+
+enum DType : int { kFloat32 = 0, kFloat16 = 1, kBFloat16 = 2 };
+
+// ---- attention ---------------------------------------------------------------------------------------------
+// One paged-attention call. Query token t (of sequence s, rows query_start_loc[s]..query_start_loc[s+1]),
+// head h reads kv head h / group. Its sequence has seq_lens[s] logical KV positions; the last q_len of them
+// are the step's new tokens. A query sees every context position, and among the new tokens either a causal
+// prefix (tree_bits == nullptr) or the columns whose bit is set in tree_bits[t] (bit j = new token j).
+struct AttnParams {
+  const void* q_a;            // [T, Hq, qa_dim] first part of each query row (dims 0..qa_dim-1)
+  const void* q_b;            // [T, Hq, dk - qa_dim] second part (MLA rope dims) or nullptr
+  int64_t qa_stride_t, qa_stride_h, qb_stride_t, qb_stride_h;  // element strides
+  int qa_dim;                 // dims taken from q_a (== dk without q_b)
+  const void* k;              // cache; key dim d of (slot, kv head) at k[slot*k_stride_slot + kvh*k_stride_head + d]
+  const void* v;              // cache for values (MLA: the same latent rows, first dv dims)
+  int64_t k_stride_slot, k_stride_head, v_stride_slot, v_stride_head;
+  void* out;                  // [T, Hq, dv] in the query dtype
+  int64_t o_stride_t, o_stride_h;
+  float* o_part;              // [num_splits, T, Hq, dv] fp32 split partials (normalized), nullptr if 1 split
+  float* lse_part;            // [num_splits, T, Hq] log2-sum-exp of each split (-inf = empty)
+  const int* query_start_loc; // [num_seqs + 1]
+  const int* seq_lens;        // [num_seqs]
+  const int* block_tables;    // [num_seqs, bt_stride] physical block of each logical block
+  int64_t bt_stride;
+  const uint64_t* tree_bits;  // [T, tree_words] ancestor bitmask over the new tokens, or nullptr (causal)
+  int tree_words;
+  int num_seqs, num_tokens, num_q_heads, num_kv_heads, group, block_size, dk, dv;
+  int block_shift;            // log2(block_size) when it is a power of two, else -1 (set by attn_launch)
+  float scale_log2;           // softmax scale * log2(e)
+  int tiles_per_seq;          // query tiles per sequence (grid.x = num_seqs * tiles_per_seq)
+  int num_splits, split_tokens;  // split-KV: split i covers KV positions [i*split_tokens, (i+1)*split_tokens)
+};
+
+struct AttnPlan {
+  int kind;          // 0 = SIMT (any dtype / head dim), 1 = tensor-core GQA, 2 = tensor-core MLA (576/512)
+  int config;        // tensor-core tile config: 0 = 16-row tiles (decode-shaped), 1 = 64-row tiles
+  int tile_rows;     // packed (token, head) rows per CTA
+  int tiles_per_seq, num_splits, split_tokens;
+};
+
+// Picks the kernel, tile and split-KV schedule from host-known maxima (no device reads).
+AttnPlan attn_plan(DType dtype, int dk, int dv, int qa_dim, bool shared_kv, bool aligned, int group,
+                   int num_seqs, int num_kv_heads, int max_query_len, int max_seq_len, int num_sms);
+// Runs the planned kernel (plus the split combine); p.o_part / p.lse_part must be set when num_splits > 1.
+cudaError_t attn_launch(AttnParams p, const AttnPlan& plan, DType dtype, cudaStream_t stream);
+cudaError_t attn_mma_gqa(const AttnParams& p, DType dtype, int config, cudaStream_t stream);
+cudaError_t attn_mma_mla(const AttnParams& p, DType dtype, int config, cudaStream_t stream);
+// Resident CTAs per SM of a tensor-core config (0 if not instantiated), for the split-KV schedule.
+int attn_mma_gqa_ctas_per_sm(DType dtype, int head_dim, int config);
+int attn_mma_mla_ctas_per_sm(DType dtype, int config);
+
+// ---- tree ops ---------------------------------------------------------------------------------------------
+// Top-K of log_softmax over V per row; ties -> lower id. rows = N*L. Needs k <= kTopkMaxK.
+constexpr int kTopkMaxK = 1024;
+int topk_num_chunks(int rows, int vocab, int k, int num_sms);
+size_t topk_workspace_bytes(int rows, int k, int chunks);
+cudaError_t topk_logprobs(const void* logits, DType dtype, int rows, int vocab, int k, int chunks,
+                          void* workspace, float* out_logprobs, int64_t* out_ids, cudaStream_t stream);
+
+// Best-first tree build, one warp per request; outputs as ext.reference.tree.TreeBuild.
+size_t build_tree_smem_bytes(int max_depth, int k, int max_budget);
+cudaError_t build_tree(const float* logprobs, const int64_t* token_ids, const int64_t* budgets, int num_reqs,
+                       int max_depth, int k, int max_budget, int64_t* node_token_ids, int64_t* parents,
+                       int64_t* depths, int64_t* num_nodes, bool* visibility, double* scores, int64_t* ranks,
+                       cudaStream_t stream);
+
+// Tree walk along the target's tokens (greedy or sampled), one warp per request.
+cudaError_t tree_accept(const int64_t* target_token_ids, const int64_t* node_token_ids, const int64_t* parents,
+                        const int64_t* num_nodes, int num_reqs, int num_rows, int max_depth,
+                        int64_t* accepted_nodes, int64_t* accept_len, int64_t* bonus, cudaStream_t stream);
+
+// Target token per row: argmax (ties -> lower id) where temperature is null or < 1e-5, else a Gumbel-max
+// sample of softmax(logits / temperature) keyed by (seed, row, token).
+cudaError_t sample_tokens(const void* logits, DType dtype, int rows, int vocab, const float* temperature,
+                          uint64_t seed, int64_t* out, cudaStream_t stream);
+
+// ---- cache ops --------------------------------------------------------------------------------------------
+cudaError_t write_kv(void* cache, DType cache_dtype, const void* rows, DType rows_dtype, int64_t rows_stride,
+                     const int64_t* slot_mapping, int num_tokens, int64_t row_elems, cudaStream_t stream);
+
+constexpr int kMaxCaches = 64;
+struct CacheList {
+  char* base[kMaxCaches];       // slot-major cache tensors [num_slots, ...]
+  int64_t row_bytes[kMaxCaches];
+  int64_t ws_offset[kMaxCaches];  // byte offset of cache i inside one workspace row
+  int count;
+  int64_t ws_row_bytes;         // sum of row_bytes
+  int granule;                  // copy width in bytes (16, 8, 4, 2, 1): divides every row and base
+};
+// Generic: cache[dst[m]] = old cache[src[m]] for every m, all gathered (into workspace) before scattered.
+cudaError_t kv_compact(const CacheList& caches, const int64_t* src, const int64_t* dst, int num_pairs,
+                       void* workspace, cudaStream_t stream);
+// DDTree: accepted row accepted[n, j] -> tree_slots[n, j], one pass, in place (accepted rows strictly increase).
+cudaError_t kv_compact_tree(const CacheList& caches, const int64_t* accepted_nodes, int num_reqs,
+                            int accepted_width, const int64_t* tree_slots, int num_rows, cudaStream_t stream);
+
+// bool [T, Q] -> uint64 [T, ceil(Q/64)]: bit j of word w = column 64*w + j.
+cudaError_t pack_tree_mask(const bool* mask, int num_tokens, int num_cols, uint64_t* bits, cudaStream_t stream);
+
+}  // namespace ddtree

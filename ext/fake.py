@@ -1,0 +1,65 @@
+"""Fake (meta) implementations of the ddtree CUDA ops, so torch.compile can trace them and shapes are known
+without running a kernel. Output shapes depend only on input shapes and int arguments (no data)."""
+from __future__ import annotations
+
+import torch
+
+_registered = False
+
+
+def register() -> None:
+    global _registered
+    if _registered:
+        return
+    _registered = True
+    fake = torch.library.register_fake
+
+    @fake("ddtree::write_kv")
+    def _(cache, rows, slot_mapping):
+        return None
+
+    @fake("ddtree::paged_attention")
+    def _(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, tree_bits, max_query_len, max_seq_len, scale):
+        return q.new_empty((q.shape[0], q.shape[1], v_cache.shape[-1]))
+
+    @fake("ddtree::mla_paged_attention")
+    def _(q_latent, q_rope, latent_cache, query_start_loc, seq_lens, block_tables, tree_bits, max_query_len,
+          max_seq_len, scale):
+        return q_latent.new_empty(q_latent.shape)
+
+    @fake("ddtree::topk_logprobs")
+    def _(logits, k):
+        n, l, v = logits.shape
+        k = max(0, min(k, v))
+        return (logits.new_empty((n, l, k), dtype=torch.float32), logits.new_empty((n, l, k), dtype=torch.int64))
+
+    @fake("ddtree::build_tree")
+    def _(draft_logprobs, draft_token_ids, budgets, max_budget):
+        n, rows = draft_logprobs.shape[0], max_budget + 1
+        i64 = dict(dtype=torch.int64)
+        return (draft_logprobs.new_empty((n, rows), **i64), draft_logprobs.new_empty((n, rows), **i64),
+                draft_logprobs.new_empty((n, rows), **i64), draft_logprobs.new_empty((n,), **i64),
+                draft_logprobs.new_empty((n, rows, rows), dtype=torch.bool),
+                draft_logprobs.new_empty((n, rows), dtype=torch.float64), draft_logprobs.new_empty((n, rows), **i64))
+
+    @fake("ddtree::tree_accept")
+    def _(target_token_ids, node_token_ids, parents, num_nodes, max_depth):
+        n = node_token_ids.shape[0]
+        return (node_token_ids.new_empty((n, max_depth + 1)), node_token_ids.new_empty((n,)),
+                node_token_ids.new_empty((n,)))
+
+    @fake("ddtree::kv_compact")
+    def _(caches, src_slots, dst_slots):
+        return None
+
+    @fake("ddtree::kv_compact_tree")
+    def _(caches, accepted_nodes, tree_slots):
+        return None
+
+    @fake("ddtree::sample_tokens")
+    def _(logits, temperature, seed):
+        return logits.new_empty((logits.shape[0],), dtype=torch.int64)
+
+    @fake("ddtree::pack_tree_mask")
+    def _(tree_mask):
+        return tree_mask.new_empty((tree_mask.shape[0], (tree_mask.shape[1] + 63) // 64), dtype=torch.int64)

@@ -1,0 +1,441 @@
+"""CUDA kernels against the references, on fresh random inputs every run: random shapes, NaN-poisoned unused
+cache slots, shuffled block tables with bogus ids in unused entries. Attention in bf16/fp16 must stay within
+2x the error of torch computing the same attention in that dtype (both against fp64); fp32 near exact; tree
+build, walk and compaction bit-exact; top-K the same ids."""
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from ext import build, ops, reference
+from ext.metadata import build_metadata, pack_bits
+
+pytestmark = pytest.mark.gpu
+DEV = "cuda"
+
+
+@pytest.fixture(scope="module", autouse=True)
+def cuda_ops():
+    lib = build.load_ops(verbose=True)
+    assert lib is not None, "the CUDA extension did not build"
+    return lib
+
+
+def rng():
+    seed = random.SystemRandom().randrange(2**31)
+    print("seed", seed)
+    return random.Random(seed), torch.Generator().manual_seed(seed)
+
+
+def rel_err(x: torch.Tensor, ref: torch.Tensor) -> float:
+    return float((x.double() - ref).norm() / ref.norm().clamp(min=1e-30))
+
+
+# ---- paged problems ------------------------------------------------------------------------------------------
+
+def random_tree_mask(n: int, r: random.Random) -> torch.Tensor:
+    parents = [-1] + [r.randrange(0, i) for i in range(1, n)]
+    vis = torch.eye(n, dtype=torch.bool)
+    for i in range(1, n):
+        vis[i] |= vis[parents[i]]
+    return vis
+
+
+def make_problem(r, gen, specs, block_size, row_shape, dtype, poison=True):
+    """specs: list of (context_len, query_len, kind) with kind in decode | chain | tree.
+    Returns (cache [num_blocks, block_size, *row_shape], meta, per-seq dense visibility [q, seq_len])."""
+    seq_lens = [c + q for c, q, _ in specs]
+    need = [math.ceil(s / block_size) for s in seq_lens]
+    num_blocks = sum(need) + r.randrange(1, 6)
+    perm = torch.randperm(num_blocks, generator=gen).tolist()
+    tables, used = [], 0
+    for n in need:
+        tables.append(perm[used : used + n])
+        used += n
+    cache = torch.full((num_blocks, block_size, *row_shape), float("nan") if poison else 0.0, dtype=torch.float32)
+    positions, slots, masks, dense = [], [], [], []
+    for (ctx, q, kind), table, seq_len in zip(specs, tables, seq_lens):
+        for p in range(seq_len):
+            cache[table[p // block_size], p % block_size] = torch.randn(row_shape, generator=gen)
+        mask = random_tree_mask(q, r) if kind == "tree" else None
+        masks.append(mask)
+        for p in range(ctx, ctx + q):
+            slots.append(table[p // block_size] * block_size + p % block_size)
+            positions.append(p)
+        block = mask if mask is not None else torch.ones(q, q, dtype=torch.bool).tril()
+        dense.append(torch.cat([torch.ones(q, ctx, dtype=torch.bool), block], dim=1))
+    any_tree = any(m is not None for m in masks)
+    meta = build_metadata(positions, slots, [q for _, q, _ in specs], seq_lens, tables, block_size,
+                          tree_masks=masks if any_tree else None, device=DEV)
+    width = meta.block_tables.shape[1]
+    for i, t in enumerate(tables):  # unused block-table entries point far outside the cache
+        meta.block_tables[i, len(t):] = 10**6 + i
+    assert width >= 1
+    return cache.to(DEV, dtype), meta, dense, tables
+
+
+def gather_rows(cache, table, seq_len, block_size):
+    idx = torch.tensor([table[p // block_size] * block_size + p % block_size for p in range(seq_len)], device=DEV)
+    return cache.view(-1, *cache.shape[2:])[idx]
+
+
+def attention_refs(q, k_cache, v_cache, meta, dense, tables, scale):
+    """(fp64 reference, same attention computed by torch in q.dtype)."""
+    out64 = torch.empty(*q.shape[:2], v_cache.shape[-1], dtype=torch.float64, device=DEV)
+    outlo = torch.empty(*q.shape[:2], v_cache.shape[-1], dtype=q.dtype, device=DEV)
+    bs = k_cache.shape[1]
+    q0 = 0
+    for i, (ql, sl) in enumerate(zip(meta.query_lens_host, meta.seq_lens_host)):
+        k = gather_rows(k_cache, tables[i], sl, bs).transpose(0, 1)  # [Hkv, S, D]
+        v = gather_rows(v_cache, tables[i], sl, bs).transpose(0, 1)
+        qs = q[q0 : q0 + ql].transpose(0, 1)  # [Hq, q, D]
+        mask = dense[i].to(DEV)
+        out64[q0 : q0 + ql] = F.scaled_dot_product_attention(
+            qs.double(), k.double(), v.double(), attn_mask=mask, scale=scale, enable_gqa=True).transpose(0, 1)
+        outlo[q0 : q0 + ql] = F.scaled_dot_product_attention(
+            qs, k, v, attn_mask=mask, scale=scale, enable_gqa=True).transpose(0, 1)
+        q0 += ql
+    return out64, outlo
+
+
+def assert_attention_close(out, ref64, reflo, what):
+    assert torch.isfinite(out).all(), f"{what}: non-finite output"
+    err, base = rel_err(out, ref64), rel_err(reflo, ref64)
+    print(f"{what}: kernel {err:.3e} torch-{out.dtype} {base:.3e}")
+    if out.dtype == torch.float32:
+        assert err < 1e-5, (what, err)
+    else:
+        assert err <= 2 * base + 1e-4, (what, err, base)
+
+
+GQA_CASES = [
+    # (dtype, head_dim, q heads, kv heads, block size, specs)
+    (torch.bfloat16, 128, 32, 8, 16, [(1000, 65, "tree"), (37, 1, "decode"), (300, 20, "chain"), (0, 50, "chain")]),
+    (torch.bfloat16, 64, 8, 2, 64, [(9000, 1, "decode"), (2500, 17, "tree")]),
+    (torch.float16, 128, 16, 16, 1, [(700, 17, "tree"), (64, 1, "decode")]),
+    (torch.bfloat16, 128, 32, 8, 16, [(5000 + 37 * i, 1, "decode") for i in range(8)]),
+    (torch.bfloat16, 128, 8, 1, 16, [(3000, 129, "tree")]),
+    (torch.bfloat16, 64, 4, 4, 16, [(130, 33, "chain"), (5, 2, "chain")]),
+    (torch.float32, 64, 8, 2, 16, [(900, 33, "tree"), (40, 1, "decode"), (10, 12, "chain")]),
+    (torch.float32, 16, 4, 2, 1, [(50, 9, "tree"), (3, 1, "decode")]),
+    (torch.bfloat16, 16, 4, 2, 16, [(200, 9, "tree"), (33, 1, "decode")]),
+    (torch.bfloat16, 80, 6, 3, 16, [(300, 17, "tree")]),
+]
+
+
+@pytest.mark.parametrize("case", range(len(GQA_CASES)))
+def test_paged_attention_gqa(case):
+    r, gen = rng()
+    dtype, d, hq, hkv, bs, specs = GQA_CASES[case]
+    specs = [(c + r.randrange(0, 40), q, kind) for c, q, kind in specs]  # fresh lengths each run
+    k_cache, meta, dense, tables = make_problem(r, gen, specs, bs, (hkv, d), dtype)
+    v_cache = torch.where(torch.isnan(k_cache), k_cache, torch.randn(k_cache.shape, generator=gen).to(DEV, dtype))
+    q = torch.randn(meta.slot_mapping.shape[0], hq, d, generator=gen).to(DEV, dtype)
+    scale = d**-0.5
+    before = ops.cuda_calls().get("paged_attention", 0)
+    out = ops.paged_attention(q, k_cache, v_cache, meta, scale)
+    assert ops.cuda_calls()["paged_attention"] == before + 1
+    ref64, reflo = attention_refs(q, k_cache, v_cache, meta, dense, tables, scale)
+    assert_attention_close(out, ref64, reflo, f"gqa{case} {dtype} d{d} bs{bs}")
+
+
+def mla_refs(ql, qr, cache, meta, dense, tables, scale, kv_rank):
+    out64 = torch.empty_like(ql, dtype=torch.float64)
+    outlo = torch.empty_like(ql)
+    bs = cache.shape[1]
+    q0 = 0
+    for i, (n, sl) in enumerate(zip(meta.query_lens_host, meta.seq_lens_host)):
+        rows = gather_rows(cache, tables[i], sl, bs)
+        mask = dense[i].to(DEV)
+        for dt, out in ((torch.float64, out64), (ql.dtype, outlo)):
+            lat, rope = rows[:, :kv_rank].to(dt), rows[:, kv_rank:].to(dt)
+            a, b = ql[q0 : q0 + n].to(dt), qr[q0 : q0 + n].to(dt)
+            s = (torch.einsum("thc,sc->hts", a, lat) + torch.einsum("thr,sr->hts", b, rope)) * scale
+            p = s.masked_fill(~mask, float("-inf")).softmax(-1)
+            out[q0 : q0 + n] = torch.einsum("hts,sc->thc", p, lat).to(out.dtype)
+        q0 += n
+    return out64, outlo
+
+
+MLA_CASES = [
+    (torch.bfloat16, 512, 64, 16, 64, [(2000, 65, "tree"), (5000, 1, "decode")]),
+    (torch.bfloat16, 512, 64, 16, 64, [(6000, 1, "decode"), (700, 1, "decode")]),
+    (torch.bfloat16, 512, 64, 128, 64, [(3000, 1, "decode"), (100, 5, "tree")]),
+    (torch.float16, 512, 64, 8, 16, [(900, 33, "tree"), (60, 9, "chain")]),
+    (torch.float32, 32, 16, 4, 16, [(300, 17, "tree"), (20, 1, "decode")]),
+    (torch.bfloat16, 32, 16, 4, 1, [(100, 9, "tree")]),
+]
+
+
+@pytest.mark.parametrize("case", range(len(MLA_CASES)))
+def test_mla_paged_attention(case):
+    r, gen = rng()
+    dtype, c, rd, h, bs, specs = MLA_CASES[case]
+    specs = [(ctx + r.randrange(0, 40), q, kind) for ctx, q, kind in specs]
+    cache, meta, dense, tables = make_problem(r, gen, specs, bs, (c + rd,), dtype)
+    t = meta.slot_mapping.shape[0]
+    ql = torch.randn(t, h, c, generator=gen).to(DEV, dtype)
+    qr = torch.randn(t, h, rd, generator=gen).to(DEV, dtype)
+    scale = (c // 4 + rd) ** -0.5
+    out = ops.mla_paged_attention(ql, qr, cache, meta, scale)
+    ref64, reflo = mla_refs(ql, qr, cache, meta, dense, tables, scale, c)
+    assert_attention_close(out, ref64, reflo, f"mla{case} {dtype} h{h} bs{bs}")
+
+
+def test_chain_tree_equals_causal():
+    """A chain-shaped tree mask gives the causal result through the same kernel (bf16, tensor-core path)."""
+    r, gen = rng()
+    specs = [(400, 33, "chain"), (1200, 17, "chain")]
+    k_cache, meta, dense, tables = make_problem(r, gen, specs, 16, (8, 128), torch.bfloat16)
+    v_cache = torch.where(torch.isnan(k_cache), k_cache, torch.randn(k_cache.shape, generator=gen).to(DEV, torch.bfloat16))
+    q = torch.randn(meta.slot_mapping.shape[0], 32, 128, generator=gen).to(DEV, torch.bfloat16)
+    causal = ops.paged_attention(q, k_cache, v_cache, meta, 0.088)
+    meta.tree_mask = _stack_masks([33, 17])
+    meta._tree_bits = None
+    tree = ops.paged_attention(q, k_cache, v_cache, meta, 0.088)
+    assert torch.equal(causal, tree)
+
+
+def _stack_masks(lens):
+    width = max(lens)
+    rows = []
+    for n in lens:
+        m = torch.zeros(n, width, dtype=torch.bool)
+        m[:, :n] = torch.ones(n, n, dtype=torch.bool).tril()
+        rows.append(m)
+    return torch.cat(rows).to(DEV)
+
+
+# ---- cache ops -------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("cache_dtype,rows_dtype", [(torch.bfloat16, torch.bfloat16), (torch.float32, torch.float32),
+                                                    (torch.float16, torch.float16), (torch.bfloat16, torch.float32),
+                                                    (torch.float32, torch.bfloat16)])
+def test_write_kv(cache_dtype, rows_dtype):
+    r, gen = rng()
+    nb, bs, shape = r.randrange(3, 40), r.choice([1, 16, 64]), r.choice([(8, 128), (576,), (2, 16), (3,)])
+    cache = torch.full((nb, bs, *shape), float("nan")).to(DEV, cache_dtype)
+    t = r.randrange(1, nb * bs)
+    slots = torch.randperm(nb * bs, generator=gen)[:t]
+    slots[torch.rand(t, generator=gen) < 0.2] = -1
+    rows = torch.randn(t, *shape, generator=gen).to(DEV, rows_dtype)
+    expect = cache.clone()
+    reference.write_kv(expect, rows, slots.to(DEV))
+    ops.write_kv(cache, rows, slots.to(DEV))
+    assert torch.equal(cache.nan_to_num(7.0), expect.nan_to_num(7.0))
+
+
+def test_kv_compact_generic_overlapping():
+    r, gen = rng()
+    num_slots = 500
+    caches = [torch.randn(num_slots, 8, 128, generator=gen).to(DEV, torch.bfloat16) for _ in range(3)]
+    caches += [torch.randn(num_slots, 24, generator=gen).to(DEV) for _ in range(68)]  # > 64: two launches
+    caches += [torch.randn(num_slots, 3, generator=gen).to(DEV, torch.float16)]  # 6-byte rows: narrow granule
+    m = r.randrange(1, 200)
+    dst = torch.randperm(num_slots, generator=gen)[:m]
+    src = torch.where(torch.rand(m, generator=gen) < 0.5, dst[torch.randperm(m, generator=gen)],
+                      torch.randint(0, num_slots, (m,), generator=gen))  # sources overlap destinations
+    src[:5] = dst[:5]  # some no-op pairs
+    expect = [c.clone() for c in caches]
+    reference.kv_compact(expect, src.to(DEV), dst.to(DEV))
+    ops.kv_compact(caches, src.to(DEV), dst.to(DEV))
+    assert all(torch.equal(a, b) for a, b in zip(caches, expect))
+
+
+def random_walk_case(r, gen, num_reqs, depth, vocab, budget, device="cpu"):
+    lp, ids = reference.topk_logprobs(torch.randn(num_reqs, depth, vocab, generator=gen), min(vocab, budget))
+    tree = reference.build_tree(lp, ids, torch.randint(0, budget + 1, (num_reqs,), generator=gen), budget)
+    target = torch.randint(0, vocab, (num_reqs, budget + 1), generator=gen)
+    for n in range(num_reqs):
+        for i in range(int(tree.num_nodes[n])):
+            children = (tree.parents[n] == i).nonzero().flatten().tolist()
+            if children and r.random() < 0.85:
+                target[n, i] = tree.node_token_ids[n, r.choice(children)]
+    return tree, target
+
+
+def test_tree_accept_exact():
+    r, gen = rng()
+    for num_reqs, depth, vocab, budget in [(64, 15, 40, 64), (7, 4, 5, 10), (3, 1, 3, 2), (5, 7, 1000, 128),
+                                           (2, 3, 4, 0)]:
+        tree, target = random_walk_case(r, gen, num_reqs, depth, vocab, budget)
+        ref = reference.tree_accept(target, tree.node_token_ids, tree.parents, tree.num_nodes, depth)
+        got = ops.tree_accept(target.to(DEV), tree.node_token_ids.to(DEV), tree.parents.to(DEV),
+                              tree.num_nodes.to(DEV), depth)
+        for a, b in zip(got, ref):
+            assert torch.equal(a.cpu(), b), (num_reqs, depth, budget)
+
+
+def test_kv_compact_tree_exact():
+    r, gen = rng()
+    num_reqs, depth, budget = 24, 6, 30
+    tree, target = random_walk_case(r, gen, num_reqs, depth, 6, budget)
+    accepted, accept_len, _ = reference.tree_accept(target, tree.node_token_ids, tree.parents, tree.num_nodes, depth)
+    accepted[0, 1:] = torch.tensor([1, 2, 3, -1, -1, -1])  # a spine: nothing moves
+    num_slots = num_reqs * (budget + 1) + 50
+    tree_slots = torch.randperm(num_slots, generator=gen)[: num_reqs * (budget + 1)].view(num_reqs, budget + 1)
+    caches = [torch.randn(num_slots, 2, 64, generator=gen).to(DEV, torch.bfloat16),
+              torch.randn(num_slots, 576, generator=gen).to(DEV, torch.bfloat16),
+              torch.randn(num_slots, 5, generator=gen).to(DEV)]
+    expect = [c.clone() for c in caches]
+    src, dst, noop = reference.compaction_slots(accepted, tree_slots)
+    assert bool(noop[0])
+    reference.kv_compact(expect, src.to(DEV), dst.to(DEV))
+    ops.kv_compact_tree(caches, accepted.to(DEV), tree_slots.to(DEV))
+    assert all(torch.equal(a, b) for a, b in zip(caches, expect))
+
+
+# ---- top-K and tree build ------------------------------------------------------------------------------------------
+
+TOPK_CASES = [
+    ("bf16 R=1 chunked", torch.bfloat16, (1, 15, 151936), 64),
+    ("bf16 R=64", torch.bfloat16, (64, 15, 151936), 16),
+    ("bf16 K=1000", torch.bfloat16, (2, 3, 30000), 1000),
+    ("fp32 odd V", torch.float32, (2, 3, 5003), 128),
+    ("fp16 K=V", torch.float16, (3, 2, 300), 300),
+    ("bf16 integer ties", torch.bfloat16, (4, 5, 20000), 100),
+    ("fp32 K=1", torch.float32, (5, 2, 1000), 1),
+]
+
+
+@pytest.mark.parametrize("case", range(len(TOPK_CASES)))
+def test_topk_logprobs(case):
+    r, gen = rng()
+    name, dtype, shape, k = TOPK_CASES[case]
+    if "ties" in name:
+        logits = torch.randint(-3, 4, shape, generator=gen).float()
+    else:
+        logits = (torch.randn(shape, generator=gen) * 3 * 1024).round() / 1024  # distinct values differ >= 1e-3
+    logits[..., r.randrange(shape[-1])] = float("-inf")  # a masked token (DFlash drops its mask id)
+    logits = logits.to(DEV, dtype)
+    lp, ids = ops.topk_logprobs(logits, k)
+    ref_lp, ref_ids = reference.topk_logprobs(logits, k)
+    assert torch.equal(ids, ref_ids), name
+    torch.testing.assert_close(lp, ref_lp, atol=3e-5, rtol=1e-5)
+
+
+def quantized_logprobs(gen, n, depth, k):
+    """Sorted log-probs on a 1/4 grid: many exact fp64 ties between different rank paths."""
+    lp = -(torch.randint(0, 8, (n, depth, k), generator=gen).float() / 4).sort(-1).values  # descending, <= 0
+    ids = torch.stack([torch.stack([torch.randperm(5000, generator=gen)[:k] for _ in range(depth)]) for _ in range(n)])
+    return lp.contiguous(), ids
+
+
+# (requests, depth L, K, max budget B): B + 1 <= 256 runs the register frontier, larger B the shared-memory one
+TREE_CASES = [(64, 15, 64, 64), (8, 7, 16, 128), (5, 3, 2, 20), (3, 1, 5, 3), (4, 4, 1, 4), (6, 5, 4, 0),
+              (2, 15, 256, 256), (33, 8, 32, 32), (3, 6, 40, 100), (2, 15, 255, 255), (2, 10, 64, 600)]
+
+
+@pytest.mark.parametrize("case", range(len(TREE_CASES)))
+@pytest.mark.parametrize("ties", [False, True])
+def test_build_tree_exact(case, ties):
+    r, gen = rng()
+    n, depth, k, budget = TREE_CASES[case]
+    if ties:
+        lp, ids = quantized_logprobs(gen, n, depth, k)
+    else:
+        lp, ids = reference.topk_logprobs(torch.randn(n, depth, max(k, 2) * 3, generator=gen) * 2, k)
+    budgets = torch.randint(0, budget + 1, (n,), generator=gen)
+    budgets[0] = budget
+    ref = reference.build_tree(lp, ids, budgets, budget)  # the CPU heap
+    got = ops.build_tree(lp.to(DEV), ids.to(DEV), budgets.to(DEV), budget)
+    for field, a, b in zip(reference.TreeBuild._fields, got, ref):
+        assert torch.equal(a.cpu(), b), (field, n, depth, k, budget, ties)
+
+
+def test_sample_tokens():
+    r, gen = rng()
+    logits = torch.randint(-5, 6, (300, 4099), generator=gen).to(DEV, torch.bfloat16)  # ties -> lowest id
+    assert torch.equal(ops.sample_tokens(logits), logits.argmax(-1))
+    row = torch.tensor([1.0, 0.5, 0.0, -1.0, 2.0, 0.3], device=DEV)
+    rows = row.expand(60000, 6).contiguous()
+    temp = torch.full((60000,), 0.7, device=DEV)
+    temp[:10] = 0.0
+    seed = r.randrange(2**40)
+    sampled = ops.sample_tokens(rows, temp, seed)
+    assert (sampled[:10] == 4).all()
+    freq = torch.bincount(sampled[10:], minlength=6).double() / (60000 - 10)
+    expect = (row.double() / 0.7).softmax(-1)
+    assert float((freq - expect).abs().max()) < 0.01, (freq, expect)
+    assert torch.equal(sampled, ops.sample_tokens(rows, temp, seed))
+
+
+def test_pack_tree_mask():
+    r, gen = rng()
+    mask = torch.rand(r.randrange(1, 300), r.randrange(1, 200), generator=gen) < 0.5
+    assert torch.equal(ops.pack_tree_mask(mask.to(DEV)).cpu(), pack_bits(mask))
+
+
+# ---- capture and registration ------------------------------------------------------------------------------------
+
+def test_cuda_graph_replay_matches_eager():
+    r, gen = rng()
+    specs = [(3000, 65, "tree"), (500, 1, "decode")]
+    k_cache, meta, dense, tables = make_problem(r, gen, specs, 16, (8, 128), torch.bfloat16, poison=False)
+    v_cache = k_cache.flip(0).contiguous()
+    q = torch.randn(meta.slot_mapping.shape[0], 32, 128, generator=gen).to(DEV, torch.bfloat16)
+    lp, ids = reference.topk_logprobs(torch.randn(4, 7, 300, generator=gen), 32)
+    lp, ids, budgets = lp.to(DEV), ids.to(DEV), torch.tensor([32, 5, 0, 17], device=DEV)
+    meta.packed_tree_mask()
+    ops.paged_attention(q, k_cache, v_cache, meta, 0.1)  # warm up outside the capture
+    ops.build_tree(lp, ids, budgets, 32)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = ops.paged_attention(q, k_cache, v_cache, meta, 0.1)
+        built = ops.build_tree(lp, ids, budgets, 32)
+    for _ in range(2):
+        q.copy_(torch.randn(q.shape, generator=gen).to(DEV, torch.bfloat16))
+        new_lp, new_ids = reference.topk_logprobs(torch.randn(4, 7, 300, generator=gen), 32)
+        lp.copy_(new_lp)
+        ids.copy_(new_ids)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, ops.paged_attention(q, k_cache, v_cache, meta, 0.1))
+        for a, b in zip(built, reference.build_tree(new_lp, new_ids, budgets.cpu(), 32)):
+            assert torch.equal(a.cpu(), b)
+
+
+def test_opcheck_schemas_and_fakes(cuda_ops):
+    r, gen = rng()
+    utils = ("test_schema", "test_faketensor")
+    specs = [(100, 9, "tree"), (30, 1, "decode")]
+    k_cache, meta, _, _ = make_problem(r, gen, specs, 16, (2, 64), torch.bfloat16, poison=False)
+    q = torch.randn(meta.slot_mapping.shape[0], 4, 64, generator=gen).to(DEV, torch.bfloat16)
+    args = (q, k_cache, k_cache, meta.query_start_loc, meta.seq_lens, meta.block_tables, meta.packed_tree_mask(),
+            9, 109, 0.125)
+    torch.library.opcheck(cuda_ops.paged_attention.default, args, test_utils=utils)
+    logits = torch.randn(2, 3, 500, generator=gen).to(DEV)
+    torch.library.opcheck(cuda_ops.topk_logprobs.default, (logits, 16), test_utils=utils)
+    lp, ids = ops.topk_logprobs(logits, 16)
+    torch.library.opcheck(cuda_ops.build_tree.default, (lp, ids, torch.tensor([16, 3], device=DEV), 16),
+                          test_utils=utils)
+    cache = torch.randn(4, 16, 2, 8, device=DEV)
+    torch.library.opcheck(cuda_ops.write_kv.default, (cache, torch.randn(3, 2, 8, device=DEV),
+                                                      torch.tensor([5, -1, 9], device=DEV)), test_utils=utils)
+
+
+def test_torch_compile_traces_the_ops(cuda_ops):
+    """The fake kernels let torch.compile trace the ops (fullgraph, AOT autograd on fake tensors)."""
+    r, gen = rng()
+    specs = [(200, 17, "tree"), (50, 1, "decode")]
+    k_cache, meta, _, _ = make_problem(r, gen, specs, 16, (2, 64), torch.bfloat16, poison=False)
+    q = torch.randn(meta.slot_mapping.shape[0], 4, 64, generator=gen).to(DEV, torch.bfloat16)
+    bits = meta.packed_tree_mask()
+
+    def step(q, logits, budgets):
+        out = cuda_ops.paged_attention(q, k_cache, k_cache, meta.query_start_loc, meta.seq_lens, meta.block_tables,
+                                       bits, 17, 267, 0.125)
+        lp, ids = cuda_ops.topk_logprobs(logits, 8)
+        tree = cuda_ops.build_tree(lp, ids, budgets, 8)
+        return out.float().sum(), tree[0], tree[4]
+
+    logits = torch.randn(3, 4, 100, generator=gen).to(DEV)
+    budgets = torch.tensor([8, 2, 0], device=DEV)
+    compiled = torch.compile(step, fullgraph=True, backend="aot_eager")
+    got, want = compiled(q, logits, budgets), step(q, logits, budgets)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))

@@ -149,6 +149,9 @@ def build_model(cfg: dict, state: dict[str, torch.Tensor], where: str, dtype: to
     for module in model.modules():
         if hasattr(module, "init_buffers"):
             module.init_buffers(device)
+    for module in list(model.modules()):
+        if hasattr(module, "fuse_projections"):
+            module.fuse_projections()
     return model.eval()
 
 

@@ -206,7 +206,7 @@ def test_deepseek_router_params_stay_fp32_in_bf16(tiny_checkpoints):
     model = load_model(folder, "bf16").model
     gate = model.layers[1].mlp.gate
     assert gate.weight.dtype == gate.e_score_correction_bias.dtype == torch.float32
-    assert model.layers[1].mlp.experts[0].gate_proj.weight.dtype == torch.bfloat16
+    assert model.layers[1].mlp.experts[0].down_proj.weight.dtype == torch.bfloat16
     assert model.layers[1].self_attn.kv_b_proj.weight.dtype == torch.bfloat16
     ids = torch.randint(0, 1000, (NUM_PROMPT,), generator=torch.Generator().manual_seed(4))
     (logits,) = run_incremental(model, [ids.tolist()], [NUM_PROMPT], 16)

@@ -1,0 +1,192 @@
+"""Serving load generator: streams chat completions through the official OpenAI client at a fixed
+concurrency or a Poisson request rate, and prints TTFT / ITL / TPOT / e2e percentiles and token
+throughput as a table. Not a test.
+
+    # against a running server
+    .venv/bin/python bench/serve.py --base-url http://127.0.0.1:8000 --num-requests 64 --concurrency 16
+    # start `python -m server serve` itself (extra flags after --server-args go to the server)
+    .venv/bin/python bench/serve.py --num-requests 32 --request-rate 4 --server-args --drafter none
+
+TTFT is measured from sending the request to the first content chunk; ITL is the gap between content
+chunks divided by the tokens they carry (from per-chunk usage, so a speculative burst of k tokens counts as
+k gaps); TPOT = (e2e - TTFT) / (output tokens - 1). Output lengths are forced with ignore_eos.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import random
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+
+import httpx
+import openai
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+WORDS = ("river mountain lantern copper violet orchard signal harbor meadow engine quartz saffron tunnel "
+         "glacier pepper falcon marble cedar thunder velvet compass ember willow canyon").split()
+
+
+@dataclass
+class Result:
+    ok: bool
+    ttft: float = 0.0
+    e2e: float = 0.0
+    output_tokens: int = 0
+    prompt_tokens: int = 0
+    itls: list[float] = field(default_factory=list)
+    error: str = ""
+
+
+def make_prompt(rng: random.Random, approx_tokens: int) -> str:
+    # roughly one token per word for this vocabulary
+    return "Continue this list of words: " + " ".join(rng.choice(WORDS) for _ in range(max(1, approx_tokens - 8)))
+
+
+async def one_request(client: openai.AsyncOpenAI, model: str, prompt: str, output_len: int) -> Result:
+    t0 = time.perf_counter()
+    first = last = None
+    itls: list[float] = []
+    usage, seen_tokens = None, 0
+    try:
+        stream = await client.chat.completions.create(
+            model=model, messages=[{"role": "user", "content": prompt}], max_tokens=output_len, temperature=0,
+            stream=True, extra_body={"ignore_eos": True},
+            # continuous_usage_stats (vLLM/ddtree extension): cumulative usage on every chunk, so each chunk's
+            # token count is known and a k-token speculative chunk counts as k inter-token gaps
+            stream_options={"include_usage": True, "continuous_usage_stats": True})
+        async for chunk in stream:
+            now = time.perf_counter()
+            if chunk.usage is not None:
+                usage = chunk.usage
+            if not (chunk.choices and chunk.choices[0].delta.content):
+                continue
+            tokens = (usage.completion_tokens - seen_tokens) if usage is not None else 1
+            seen_tokens = usage.completion_tokens if usage is not None else seen_tokens + 1
+            if first is None:
+                first = now
+            elif tokens > 0:
+                itls.extend([(now - last) / tokens] * tokens)
+            last = now
+    except openai.APIError as e:
+        return Result(ok=False, error=f"{type(e).__name__}: {e}")
+    end = time.perf_counter()
+    if first is None or usage is None:
+        return Result(ok=False, error="no content or no usage chunk")
+    return Result(ok=True, ttft=first - t0, e2e=end - t0, output_tokens=usage.completion_tokens,
+                  prompt_tokens=usage.prompt_tokens, itls=itls)
+
+
+async def run_load(args, base_url: str) -> tuple[list[Result], float]:
+    rng = random.Random(args.seed)
+    prompts = [make_prompt(rng, args.input_len) for _ in range(args.num_requests)]
+    limits = httpx.Limits(max_connections=max(args.concurrency, 1) + 8)
+    async with openai.AsyncOpenAI(base_url=base_url + "/v1", api_key=args.api_key or "unused", max_retries=0,
+                                  timeout=args.timeout, http_client=httpx.AsyncClient(limits=limits)) as client:
+        model = args.model or (await client.models.list()).data[0].id
+        await one_request(client, model, "Hello", 4)  # warm-up
+        sem = asyncio.Semaphore(args.concurrency if args.concurrency > 0 else len(prompts))
+
+        async def gated(prompt: str) -> Result:
+            async with sem:
+                return await one_request(client, model, prompt, args.output_len)
+
+        t0 = time.perf_counter()
+        tasks = []
+        for prompt in prompts:
+            tasks.append(asyncio.create_task(gated(prompt)))
+            if args.request_rate > 0:
+                await asyncio.sleep(rng.expovariate(args.request_rate))
+        results = await asyncio.gather(*tasks)
+        return results, time.perf_counter() - t0
+
+
+def pct(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    values = sorted(values)
+    k = (len(values) - 1) * q / 100
+    lo, hi = int(k), min(int(k) + 1, len(values) - 1)
+    return values[lo] + (values[hi] - values[lo]) * (k - lo)
+
+
+def print_table(results: list[Result], elapsed: float, args) -> None:
+    ok = [r for r in results if r.ok]
+    failed = [r for r in results if not r.ok]
+    print(f"\nrequests {len(ok)}/{len(results)} ok in {elapsed:.2f} s  (concurrency {args.concurrency or 'inf'}, "
+          f"rate {args.request_rate or 'inf'} req/s, input ~{args.input_len} tok, output {args.output_len} tok)")
+    if failed:
+        print(f"first error: {failed[0].error}")
+    if not ok:
+        return
+    out_tokens = sum(r.output_tokens for r in ok)
+    tpot = [(r.e2e - r.ttft) / (r.output_tokens - 1) for r in ok if r.output_tokens > 1]
+    rows = [("TTFT", [r.ttft for r in ok]), ("ITL", [x for r in ok for x in r.itls]), ("TPOT", tpot),
+            ("E2E", [r.e2e for r in ok])]
+    print(f"{'metric (ms)':<12}{'mean':>10}{'p50':>10}{'p90':>10}{'p99':>10}{'max':>10}")
+    for name, values in rows:
+        if values:
+            print(f"{name:<12}{1e3 * statistics.fmean(values):>10.1f}{1e3 * pct(values, 50):>10.1f}"
+                  f"{1e3 * pct(values, 90):>10.1f}{1e3 * pct(values, 99):>10.1f}{1e3 * max(values):>10.1f}")
+    print(f"output tokens/s {out_tokens / elapsed:.1f}   requests/s {len(ok) / elapsed:.2f}   "
+          f"prompt tokens {sum(r.prompt_tokens for r in ok)}   output tokens {out_tokens}")
+
+
+def start_server(server_args: list[str]) -> tuple[subprocess.Popen, str]:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [sys.executable, "-m", "server", "serve", "--port", str(port), "--no-access-log", *server_args]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+    proc = subprocess.Popen(cmd, cwd=REPO_ROOT, env=env)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise SystemExit(f"server exited with {proc.returncode}")
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                return proc, url
+        except httpx.TransportError:
+            pass
+        time.sleep(0.25)
+    proc.kill()
+    raise SystemExit("server did not become healthy")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--base-url", default=None, help="a running server; default: start one")
+    ap.add_argument("--model", default=None, help="default: the first of /v1/models")
+    ap.add_argument("--api-key", default=None)
+    ap.add_argument("--num-requests", type=int, default=32)
+    ap.add_argument("--concurrency", type=int, default=8, help="requests in flight at most (0 = unbounded)")
+    ap.add_argument("--request-rate", type=float, default=0.0, help="Poisson arrivals per second (0 = all at once)")
+    ap.add_argument("--input-len", type=int, default=64, help="approximate prompt tokens")
+    ap.add_argument("--output-len", type=int, default=64, help="output tokens per request (ignore_eos)")
+    ap.add_argument("--timeout", type=float, default=600.0)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--server-args", nargs=argparse.REMAINDER, default=[],
+                    help="flags for `python -m server serve` when the bench starts the server")
+    args = ap.parse_args()
+    proc = None
+    base_url = args.base_url
+    if base_url is None:
+        proc, base_url = start_server(args.server_args)
+    try:
+        results, elapsed = asyncio.run(run_load(args, base_url.rstrip("/")))
+        print_table(results, elapsed, args)
+    finally:
+        if proc is not None:
+            proc.send_signal(signal.SIGTERM)
+            proc.wait(timeout=30)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,44 @@
+"""ServerConfig: what the HTTP front end needs beyond the engine's EngineConfig (listen address, auth, the
+served model name, admission and body-size limits). A frozen dataclass, validated on construction; the CLI
+fills it from flags and nothing else reads the environment."""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Optional
+
+EMBEDDED_MODEL_NAME = "SmolLM2-135M-Instruct"
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_key: Optional[str] = None  # when set, /v1/*, /tokenize and /detokenize need "Authorization: Bearer <key>"
+    served_model_name: Optional[str] = None  # default: derived from the model path (see model_name())
+    max_queue_len: int = 1024  # engine requests in flight (running + waiting) beyond which we answer 429
+    max_body_bytes: int = 4 << 20  # larger request bodies get a 413
+    drain_timeout_s: float = 30.0  # on SIGTERM: how long open streams may finish before they are cut
+    log_level: str = "info"
+    access_log: bool = True
+
+    def __post_init__(self):
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"port must be in 0..65535, got {self.port}")
+        if self.max_queue_len < 1:
+            raise ValueError(f"max_queue_len must be >= 1, got {self.max_queue_len}")
+        if self.max_body_bytes < 1024:
+            raise ValueError(f"max_body_bytes must be >= 1024, got {self.max_body_bytes}")
+        if self.api_key is not None and not self.api_key:
+            raise ValueError("api_key must not be empty")
+        if self.served_model_name is not None and not self.served_model_name.strip():
+            raise ValueError("served_model_name must not be empty")
+
+    def model_name(self, model_path: Optional[str]) -> str:
+        """The id clients send as `model`: the flag, else the checkpoint's folder or file name."""
+        if self.served_model_name:
+            return self.served_model_name
+        if model_path is None:
+            return EMBEDDED_MODEL_NAME
+        name = os.path.basename(os.path.normpath(os.path.expanduser(model_path)))
+        return name.removesuffix(".gguf") or model_path

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import logging
 import signal
+import threading
+import time
 
 import uvicorn
 
@@ -14,12 +16,29 @@ from server.config import ServerConfig
 
 
 class _DrainingServer(uvicorn.Server):
-    def __init__(self, config: uvicorn.Config, state):
+    """uvicorn would close its listening socket at the first SIGTERM, so late clients would see a refused
+    connection. Instead: mark the server draining (/health and new requests answer 503, which load balancers
+    understand), let open requests finish for up to drain_timeout_s, and only then let uvicorn stop. A second
+    signal stops at once."""
+
+    def __init__(self, config: uvicorn.Config, state, drain_timeout_s: float):
         super().__init__(config)
-        self.state = state
+        self.state, self.drain_timeout_s = state, drain_timeout_s
 
     def handle_exit(self, sig, frame) -> None:
-        self.state.draining = True  # before uvicorn stops: load balancers see 503 while streams finish
+        if self.state.draining:
+            return self._exit(sig, frame)
+        self.state.draining = True
+        deadline = time.monotonic() + self.drain_timeout_s
+
+        def wait_then_exit() -> None:
+            while self.state.num_in_flight > 0 and time.monotonic() < deadline:
+                time.sleep(0.05)
+            self._exit(sig, frame)
+
+        threading.Thread(target=wait_then_exit, name="ddtree-drain", daemon=True).start()
+
+    def _exit(self, sig, frame) -> None:
         super().handle_exit(sig, frame)
         if sig == signal.SIGTERM:
             # A drained SIGTERM is a normal stop (exit 0); uvicorn would re-raise it once done, and dying by
@@ -38,7 +57,7 @@ def serve(server_config: ServerConfig, engine_config: EngineConfig) -> int:
     config = uvicorn.Config(app, host=server_config.host, port=server_config.port, log_level=level.lower(),
                             access_log=server_config.access_log,
                             timeout_graceful_shutdown=server_config.drain_timeout_s, lifespan="on")
-    server = _DrainingServer(config, state)
+    server = _DrainingServer(config, state, server_config.drain_timeout_s)
     failed: list[str] = []
 
     def on_fatal(message: str) -> None:

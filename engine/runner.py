@@ -73,7 +73,6 @@ class ModelRunner:
         result = StepResult()
         spec = self.speculator
         tree = None
-        t0 = time.perf_counter()
         tree_seqs = [s for s in plan.seqs if s.spec_budget > 0] if spec is not None else []
         if tree_seqs:
             tree = spec.draft(tree_seqs)
@@ -103,7 +102,7 @@ class ModelRunner:
                               result)
         t4 = time.perf_counter()
         if tree is not None:
-            result.timings.update(draft=t1 - t0, verify=t2 - t1, accept=t4 - t3 + (t3 - t2))
+            result.timings.update(draft=tree.draft_s, tree_build=tree.tree_build_s, verify=t2 - t1, accept=t4 - t2)
         else:
             result.timings.update(forward=t2 - t1, sample=t3 - t2)
         return result

@@ -9,6 +9,7 @@ Per request and step (root = the last committed token, at position `start`, not 
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import torch
@@ -28,6 +29,8 @@ class TreeBatch:
     seqs: list[ScheduledSeq]
     tree: DraftTree  # [N, B+1] rows, root first
     num_rows: list[int]  # host copy of tree.num_nodes: verify rows per request (root + drafted nodes)
+    draft_s: float = 0.0  # seconds in the drafter's propose()
+    tree_build_s: float = 0.0  # seconds building the trees from its proposal
 
 
 class Speculator:
@@ -56,11 +59,14 @@ class Speculator:
             batch.append(DraftRequest(s.request.request_id, s.request.all_token_ids,
                                       torch.cat(rows) if rows else None))
         top_k = 1 if self.chain else self.max_budget
+        t0 = time.perf_counter()
         logprobs, token_ids = self.drafter.propose(batch, top_k)  # [N, L, K]
+        t1 = time.perf_counter()
         budgets = torch.tensor([s.spec_budget for s in seqs], dtype=torch.int64, device=logprobs.device)
         roots = torch.tensor([s.request.all_token_ids[-1] for s in seqs], device=logprobs.device)
         tree = DraftTree.from_topk(logprobs, token_ids, roots, budgets, max(s.spec_budget for s in seqs))
-        return TreeBatch(seqs, tree, tree.num_nodes.tolist())
+        num_rows = tree.num_nodes.tolist()
+        return TreeBatch(seqs, tree, num_rows, draft_s=t1 - t0, tree_build_s=time.perf_counter() - t1)
 
     def verify_inputs(self, batch: TreeBatch, i: int) -> tuple[list[int], list[int], torch.Tensor]:
         """Request i's verify rows: token ids, rope positions (start + depth), visibility [n, n]."""

@@ -194,3 +194,17 @@ def test_bad_spec_configuration_is_one_line(tiny_checkpoints, kwargs, match):
     with pytest.raises(ValueError, match=match) as e:
         LLM(folder, dtype="fp32", **kwargs)
     assert "\n" not in str(e.value)
+
+
+def test_speculative_steps_time_every_phase(tiny_checkpoints):
+    """Tree steps report draft, tree_build, verify and accept times (the step-phase histogram's labels)."""
+    folder, _ = tiny_checkpoints("llama")
+    llm = LLM(folder, dtype="fp32", drafter="ngram", spec_budget=8)
+    core = llm.engine
+    core.add_request(prompts()[1], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
+    phases = set()
+    while core.has_unfinished():
+        core.step()
+        if core.last_stats is not None and core.last_stats.tree_nodes:
+            phases |= set(core.last_stats.timings)
+    assert {"schedule", "draft", "tree_build", "verify", "accept"} <= phases

@@ -13,8 +13,8 @@ from engine.model.loader import load_model, resolve_dtype
 from engine.request import Request, SamplingParams
 from engine.runner import ModelRunner
 from engine.scheduler import Scheduler
-from engine.spec.drafter import make_drafter
-from engine.spec.speculator import Speculator
+from engine.speculative.drafter import make_drafter
+from engine.speculative.speculator import Speculator
 
 
 def eos_token_ids(hf_config: dict, tokenizer) -> tuple[int, ...]:

@@ -25,7 +25,7 @@ class LLM:
     def __init__(self, model: str | None = None, dtype: str | None = None, device: str = "cpu",
                  drafter="none", spec_budget: int = 16, draft_model: str | None = None, chain: bool = False,
                  **engine_kwargs):
-        """drafter: none | ngram | dflash | oracle, or a drafter object (engine.spec.drafter.Drafter)."""
+        """drafter: none | ngram | dflash | oracle, or a drafter object (engine.speculative.drafter.Drafter)."""
         drafter_obj = None if isinstance(drafter, str) else drafter
         name = drafter if drafter_obj is None else "oracle"
         spec = SpecConfig(drafter=name, budget=spec_budget, draft_model=draft_model, chain=chain)

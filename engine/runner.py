@@ -9,8 +9,8 @@ import torch
 
 from engine import sampler
 from engine.plan import StepPlan, StepResult
-from engine.spec import verify
-from engine.spec.speculator import Speculator, TreeBatch
+from engine.speculative import verify
+from engine.speculative.speculator import Speculator, TreeBatch
 from ext.metadata import AttentionMetadata, build_metadata
 
 

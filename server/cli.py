@@ -46,7 +46,7 @@ def cmd_generate(args) -> int:
                               top_k=args.top_k, seed=args.seed_sampling)
     if kwargs["drafter"] == "oracle":
         # the oracle proposes a golden continuation: the target's own plain output, computed first
-        from engine.spec.oracle import OracleDrafter
+        from engine.speculative.oracle import OracleDrafter
 
         plain = LLM(**dict(kwargs, drafter="none"))
         prompt_ids = args.prompt_ids or plain.encode(args.prompt, args.chat)

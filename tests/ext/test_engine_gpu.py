@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
-from engine.spec.oracle import OracleDrafter
+from engine.speculative.oracle import OracleDrafter
 from ext import build, ops
-from tests.spec.test_ddtree_e2e import HORIZON, golden_lookup, prompts
+from tests.speculative.test_ddtree_e2e import HORIZON, golden_lookup, prompts
 
 pytestmark = pytest.mark.gpu
 MAX_TOKENS = 40

@@ -10,7 +10,7 @@ Scores per depth: each match weighs 1 + recency * (p+1)/T (newer matches count m
 normalised and scaled by m/(m+1) for its m matches (more evidence, more confidence), then by
 backoff^(n_longest - n) (shorter suffixes contribute less). log-prob = log(score / sum of level scales).
 Candidates are ordered by score descending, ties by token id ascending, so the output is deterministic;
-missing slots are padded by engine.spec.drafter.pack_candidates.
+missing slots are padded by engine.speculative.drafter.pack_candidates.
 
 The index is updated incrementally: each call only indexes the tokens committed since the previous one, so
 a long prompt is indexed once (O(T * max_ngram)) and every later step costs O(new tokens + matches).
@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine.spec.drafter import DraftRequest, pack_candidates
+from engine.speculative.drafter import DraftRequest, pack_candidates
 
 _CHECK = 8  # committed tokens compared to detect a request whose history was rewritten
 

@@ -18,7 +18,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 
 import torch
 
-from engine.spec.drafter import DraftRequest, pack_candidates, proposal_width
+from engine.speculative.drafter import DraftRequest, pack_candidates, proposal_width
 
 KNOWN_BASE, UNKNOWN_BASE = -0.1, -8.0  # log-prob of rank 0 when the golden token is known / unknown
 

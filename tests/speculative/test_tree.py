@@ -1,4 +1,4 @@
-"""Tree build ops (ext.reference.tree) and DraftTree helpers (engine.spec.tree).
+"""Tree build ops (ext.reference.tree) and DraftTree helpers (engine.speculative.tree).
 
 Oracles: the ddtree.md §6.2 vectors, a heapq re-statement of Algorithm 1 with rank tuples
 (bit-exact order and scores, ties included), and brute-force enumeration of all prefixes.
@@ -11,7 +11,7 @@ import math
 import pytest
 import torch
 
-from engine.spec.tree import DraftTree, additive_mask
+from engine.speculative.tree import DraftTree, additive_mask
 from ext.reference.tree import build_tree, topk_logprobs
 
 

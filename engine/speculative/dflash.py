@@ -29,7 +29,7 @@ from torch import nn
 from engine.model.errors import CheckpointError, ConfigError
 from engine.model.layers import GatedMLP, RMSNorm, RotaryEmbedding, apply_rope, rope_parameters
 from engine.model.loader import read_config, read_safetensors, safetensors_files
-from engine.spec.drafter import DraftRequest, proposal_width
+from engine.speculative.drafter import DraftRequest, proposal_width
 from ext.ops import topk_logprobs
 
 DFLASH2_MARKERS = ("attention_conv", "mlp_conv", "candidate_selector")

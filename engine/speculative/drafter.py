@@ -8,8 +8,8 @@ Contract of every `propose` result ([N, L, K] float32 log-probs, [N, L, K] int64
   - excluded ids (the DFlash mask token) never appear; token id 0 is an ordinary token;
   - K = min(top_k, number of proposable tokens), which is top_k for any real vocabulary.
 
-Drafters: "ngram" (engine.spec.ngram, no weights), "dflash" (engine.spec.dflash, a z-lab DFlash checkpoint),
-"oracle" (engine.spec.oracle, golden continuations, for tests).
+Drafters: "ngram" (engine.speculative.ngram, no weights), "dflash" (engine.speculative.dflash, a z-lab DFlash checkpoint),
+"oracle" (engine.speculative.oracle, golden continuations, for tests).
 """
 from __future__ import annotations
 
@@ -141,16 +141,16 @@ def make_drafter(
     if device is None:
         device = param.device if param is not None else "cpu"
     if name == "ngram":
-        from engine.spec.ngram import NgramDrafter
+        from engine.speculative.ngram import NgramDrafter
 
         return NgramDrafter(vocab_size, horizon=horizon or 8, device=device)
     if name == "oracle":
-        from engine.spec.oracle import OracleDrafter
+        from engine.speculative.oracle import OracleDrafter
 
         if oracle is None:
             raise ValueError("the oracle drafter needs golden continuations (make_drafter(..., oracle=...))")
         return OracleDrafter(oracle, vocab_size, horizon=horizon or 8, device=device)
-    from engine.spec.dflash import load_dflash
+    from engine.speculative.dflash import load_dflash
 
     if not getattr(spec, "draft_model", None):
         raise ValueError("the dflash drafter needs --draft-model PATH")

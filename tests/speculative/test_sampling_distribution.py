@@ -99,7 +99,7 @@ def peaked_checkpoint(folder):
 
 
 def test_ddtree_sampling_matches_plain_sampling(tmp_path, monkeypatch):
-    from engine.spec import speculator
+    from engine.speculative import speculator
 
     sibling_steps = []
     original = speculator.Speculator.compact

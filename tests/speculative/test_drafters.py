@@ -22,10 +22,10 @@ from engine.model.loader import load_model
 from engine.plan import ScheduledSeq, StepPlan
 from engine.request import Request, SamplingParams
 from engine.runner import ModelRunner
-from engine.spec.dflash import DFlashDrafter, build_target_layer_ids, save_random_dflash
-from engine.spec.drafter import PAD_GAP, DraftRequest, Drafter, make_drafter, pack_candidates
-from engine.spec.ngram import NgramDrafter
-from engine.spec.oracle import UNKNOWN_BASE, OracleDrafter
+from engine.speculative.dflash import DFlashDrafter, build_target_layer_ids, save_random_dflash
+from engine.speculative.drafter import PAD_GAP, DraftRequest, Drafter, make_drafter, pack_candidates
+from engine.speculative.ngram import NgramDrafter
+from engine.speculative.oracle import UNKNOWN_BASE, OracleDrafter
 from tests.conftest import tiny_hf_config
 
 VOCAB, LAYER_IDS, BLOCK, MASK = 1000, [0, 1], 8, 3  # a small mask id: exclusion must not rely on it being last

@@ -1,10 +1,10 @@
-"""Tree walk (ext.reference.tree.tree_accept) and verification (engine.spec.verify)."""
+"""Tree walk (ext.reference.tree.tree_accept) and verification (engine.speculative.verify)."""
 
 import pytest
 import torch
 
-from engine.spec.tree import DraftTree
-from engine.spec.verify import accept, verify_greedy
+from engine.speculative.tree import DraftTree
+from engine.speculative.verify import accept, verify_greedy
 from ext.reference.tree import build_tree, topk_logprobs, tree_accept
 
 

@@ -16,9 +16,9 @@ import torch
 
 from engine import sampler
 from engine.plan import ScheduledSeq
-from engine.spec import verify
-from engine.spec.drafter import DraftRequest
-from engine.spec.tree import DraftTree
+from engine.speculative import verify
+from engine.speculative.drafter import DraftRequest
+from engine.speculative.tree import DraftTree
 from ext import ops
 
 

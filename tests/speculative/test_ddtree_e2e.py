@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
-from engine.spec.oracle import OracleDrafter
+from engine.speculative.oracle import OracleDrafter
 
 HORIZON = 7  # oracle horizon = a DFlash block of 8
 PROMPT_LENS = (5, 17, 30, 9)
@@ -76,7 +76,7 @@ def test_oracle_ddtree_equals_plain(tiny_checkpoints, plain_outputs, family, blo
 def test_oracle_with_demoted_golden_tokens_accepts_siblings(tiny_checkpoints, plain_outputs, family, block_size,
                                                             monkeypatch):
     """Golden tokens demoted below distractors: the accepted path leaves the spine, so compaction moves KV."""
-    from engine.spec import speculator
+    from engine.speculative import speculator
 
     moved = []
     original = speculator.Speculator.compact
@@ -109,7 +109,7 @@ def random_dflash(tiny_checkpoints, tmp_path_factory):
     """family -> folder of a randomly initialised DFlash drafter (block size 8) for that tiny target."""
     import json
 
-    from engine.spec.dflash import save_random_dflash
+    from engine.speculative.dflash import save_random_dflash
 
     cache = {}
 

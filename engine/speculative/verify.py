@@ -6,7 +6,7 @@ follows the draft child that carries that token. The draft distribution is never
 T>0 output is distributed exactly as autoregressive sampling (ddtree.md §2.6); it is not
 seed-identical to it, because random numbers are consumed differently.
 
-Glossary (per request and round; rows as in engine.spec.tree)
+Glossary (per request and round; rows as in engine.speculative.tree)
   target token   target_token_ids[i]: the target's token after tree row i (argmax, or one
                  sample from the temperature/top-k/top-p processed distribution at row i).
   accepted       tree rows on the walked path, root first: accepted_nodes[0] = 0 (the root),
@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from engine.spec.tree import DraftTree
+from engine.speculative.tree import DraftTree
 from ext import ops
 
 __all__ = [

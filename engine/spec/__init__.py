@@ -1,1 +1,0 @@
-"""DDTree speculative decoding: draft trees (tree.py) and their verification (verify.py)."""

@@ -1,5 +1,7 @@
-"""Engine and speculative-decoding configuration: frozen dataclasses, validated on construction. Environment
-variables are read here only (DDTREE_CACHE: where converted checkpoints are cached)."""
+"""Engine and speculative-decoding configuration: frozen dataclasses, validated on construction. Each field's
+`metadata["help"]` is its user-facing description (the CLI builds its flags from it). Environment variables are
+read here only (DDTREE_CACHE: where converted checkpoints and the built extension are cached;
+DDTREE_TEST_FAULT_SEED: the test-only fault hook)."""
 from __future__ import annotations
 
 import os
@@ -10,15 +12,31 @@ def cache_dir() -> str:
     return os.path.expanduser(os.environ.get("DDTREE_CACHE", "~/.cache/ddtree"))
 
 
+def test_fault_seed_from_env() -> int | None:
+    value = os.environ.get("DDTREE_TEST_FAULT_SEED")
+    return int(value) if value else None
+
+
+def opt(default, help: str, *, factory=None, **kwargs):
+    """A dataclass field with its help text (`factory` instead of a default for mutable values)."""
+    if factory is not None:
+        return field(default_factory=factory, metadata={"help": help, **kwargs})
+    return field(default=default, metadata={"help": help, **kwargs})
+
+
+DRAFTERS = ("none", "ngram", "dflash", "oracle")
+CPU_KV_CACHE_MEMORY = 1 << 30  # bytes of KV cache on the CPU when --kv-cache-memory is not given
+
+
 @dataclass(frozen=True)
 class SpecConfig:
-    drafter: str = "none"  # none | ngram | dflash | oracle
-    budget: int = 16  # tree nodes per request per step (B); 0 = plain decoding
-    draft_model: str | None = None  # DFlash checkpoint folder
-    chain: bool = False  # DFlash chain mode: top-1 per depth, B = horizon
+    drafter: str = opt("none", "drafter: none, ngram, dflash (needs --draft-model) or oracle (tests)")
+    budget: int = opt(16, "draft-tree nodes per request per step (B); 0 = plain decoding")
+    draft_model: str | None = opt(None, "DFlash drafter checkpoint folder")
+    chain: bool = opt(False, "verify the drafter's top-1 chain instead of a tree (DFlash's own method)")
 
     def __post_init__(self):
-        if self.drafter not in ("none", "ngram", "dflash", "oracle"):
+        if self.drafter not in DRAFTERS:
             raise ValueError(f"unknown drafter {self.drafter!r} (choose none, ngram, dflash or oracle)")
         if not isinstance(self.budget, int) or self.budget < 0:
             raise ValueError(f"spec budget must be an integer >= 0, got {self.budget!r}")
@@ -32,18 +50,31 @@ class SpecConfig:
 
 @dataclass(frozen=True)
 class EngineConfig:
-    model: str | None = None  # HF folder, .gguf file, or None for the embedded SmolLM2-135M-Instruct
-    dtype: str | None = None  # fp32 | bf16 | fp16; default fp32 on CPU, bf16 on CUDA
-    device: str = "cpu"
-    block_size: int = 16  # tokens per KV page
-    num_kv_blocks: int | None = None  # overrides kv_cache_memory when set
-    kv_cache_memory: int = 1 << 30  # bytes of KV cache
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048
-    max_model_len: int | None = None  # default: the model's max_position_embeddings, capped at 32768
-    seed: int = 0
-    enable_prefix_caching: bool = True
-    spec: SpecConfig = field(default_factory=SpecConfig)
+    model: str | None = opt(None, "HF checkpoint folder or .gguf file (default: the embedded "
+                                  "SmolLM2-135M-Instruct)")
+    dtype: str | None = opt(None, "fp32, bf16 or fp16 (default: fp32 on CPU, bf16 on CUDA)")
+    device: str = opt("cpu", "cpu, cuda or cuda:N")
+    load_format: str = opt("auto", "auto (read the checkpoint's weights) or dummy (random weights of the "
+                                   "checkpoint's shapes, for benchmarks)")
+    block_size: int = opt(16, "tokens per KV-cache page")
+    num_kv_blocks: int | None = opt(None, "KV-cache pages (overrides every memory-based sizing)")
+    kv_cache_memory: int | None = opt(None, "bytes of KV cache, e.g. 4G (default: sized from "
+                                            "--gpu-memory-utilization on CUDA, 1 GiB on CPU)")
+    gpu_memory_utilization: float = opt(0.90, "fraction of the GPU's memory this engine may use: weights, "
+                                              "activations and the KV cache, which takes what remains")
+    max_num_seqs: int = opt(64, "requests running in the engine at once")
+    max_num_batched_tokens: int = opt(2048, "token budget of one engine step (prefill chunks + decodes + "
+                                            "tree rows)")
+    max_model_len: int | None = opt(None, "context length (default: the model's max_position_embeddings, "
+                                          "capped at 32768)")
+    seed: int = opt(0, "seed for requests that do not set one")
+    enable_prefix_caching: bool = opt(True, "reuse the KV of shared prompt prefixes")
+    reference_kernels: bool = opt(False, "on CUDA, run ext's PyTorch references when the CUDA extension cannot "
+                                         "be loaded (slow; for debugging) instead of failing at startup")
+    spec: SpecConfig = opt(None, "speculative decoding", factory=SpecConfig)
+    # test-only: a request whose sampling seed equals this fails inside its sampling step (fault isolation
+    # tests); set through DDTREE_TEST_FAULT_SEED, never a flag
+    test_fault_seed: int | None = field(default_factory=test_fault_seed_from_env, metadata={"cli": False})
 
     def __post_init__(self):
         if self.block_size < 1:
@@ -52,3 +83,15 @@ class EngineConfig:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError("num_kv_blocks must be >= 1")
+        if self.kv_cache_memory is not None and self.kv_cache_memory < 1:
+            raise ValueError("kv_cache_memory must be a positive number of bytes")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.load_format not in ("auto", "dummy"):
+            raise ValueError(f"load_format must be auto or dummy, got {self.load_format!r}")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
+
+    @property
+    def is_cuda(self) -> bool:
+        return str(self.device).startswith("cuda")

@@ -7,7 +7,7 @@ import time
 import torch
 
 from engine.block_manager import BlockManager
-from engine.config import EngineConfig
+from engine.config import CPU_KV_CACHE_MEMORY, EngineConfig
 from engine.messages import Delta, StepStats
 from engine.model.loader import load_model, resolve_dtype
 from engine.request import Request, SamplingParams
@@ -38,7 +38,7 @@ class EngineCore:
         # never more blocks than max_num_seqs full-length sequences can use
         useful = -(-config.max_num_seqs * self.max_model_len // config.block_size)
         per_block = ModelRunner.kv_bytes_per_block(self.model, config.block_size, self.dtype)
-        num_blocks = config.num_kv_blocks or max(1, min(useful, config.kv_cache_memory // per_block))
+        num_blocks = config.num_kv_blocks or max(1, min(useful, (config.kv_cache_memory or CPU_KV_CACHE_MEMORY) // per_block))
         self.speculator = self.make_speculator(drafter)
         # a drafter fed by target features needs them for every prompt token, so cached prefixes would starve it
         needs_features = self.speculator is not None and bool(self.speculator.capture_layer_ids)

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from engine.request import SamplingParams
 
@@ -32,17 +33,24 @@ class Ready:
     eos_token_ids: tuple[int, ...]
     num_kv_blocks: int
     block_size: int
+    # sampling defaults from the checkpoint's generation_config.json (temperature, top_p, top_k, min_p,
+    # repetition_penalty); a request's own values override them
+    default_sampling: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass
 class Failed:
     message: str  # one line: why the engine could not start or died
+    traceback: str = ""  # the engine's full traceback, for the server's log
 
 
 @dataclass
 class RequestError:
     request_id: str
-    message: str  # the engine refused the request (e.g. a token id outside the vocabulary)
+    message: str
+    # "invalid": the engine refused the request (bad token ids, does not fit): a 400 for the client;
+    # "internal": processing this request failed (the others went on): a 500 for the client
+    kind: str = "invalid"
 
 
 @dataclass
@@ -56,6 +64,8 @@ class Delta:
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     queue_time: float | None = None  # seconds from arrival in the engine to first scheduled (set when finished)
     accept_lengths: list[int] = field(default_factory=list)  # tokens per step under speculation (when finished)
+    text: str = ""  # detokenized text of new_token_ids, stop strings already cut (when the request detokenizes)
+    stop_reason: str | int | None = None  # the stop string or stop token id that finished the request
 
 
 @dataclass
@@ -70,6 +80,11 @@ class StepStats:
     accept_lengths: list[int] = field(default_factory=list)  # tokens produced per request (accepted + bonus)
     tree_nodes: list[int] = field(default_factory=list)  # draft nodes verified per request
     accepted_per_position: list[int] = field(default_factory=list)  # index d: drafts accepted at depth d+1
+    # prefix cache, over the requests admitted this step: prompt tokens looked up, and found cached
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+    # ext ops that ran their PyTorch reference on a CUDA tensor this step (only with reference kernels allowed)
+    kernel_fallbacks: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass

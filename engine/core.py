@@ -8,7 +8,7 @@ import torch
 
 from engine.block_manager import BlockManager
 from engine.config import CPU_KV_CACHE_MEMORY, EngineConfig
-from engine.messages import Delta, StepStats
+from engine.messages import Delta, RequestError, StepStats
 from engine.model.loader import load_model, resolve_dtype
 from engine.request import Request, SamplingParams
 from engine.runner import ModelRunner
@@ -50,6 +50,17 @@ class EngineCore:
         self.scheduler = Scheduler(config, self.blocks, self.max_model_len, max_budget)
         self.rng = torch.Generator().manual_seed(config.seed)
         self.requests: dict[str, Request] = {}
+        self.request_errors: list[RequestError] = []  # requests that failed while the engine went on
+
+    def pop_request_errors(self) -> list[RequestError]:
+        """Requests that failed since the last call (each already removed from the engine)."""
+        errors, self.request_errors = self.request_errors, []
+        return errors
+
+    def fail_request(self, request_id: str, message: str) -> None:
+        """Removes one request after a failure tied to it; the server answers it with an internal error."""
+        self.abort(request_id)
+        self.request_errors.append(RequestError(request_id, message, kind="internal"))
 
     def make_speculator(self, drafter) -> Speculator | None:
         """The DDTree half of the runner, or None for plain decoding. `drafter` overrides the configured one
@@ -96,6 +107,15 @@ class EngineCore:
         self.runner.release(request_id)
         return req is not None
 
+    def _inject_faults(self) -> None:
+        """Test-only hook (EngineConfig.test_fault_seed): a decoding request with that seed fails."""
+        seed = self.config.test_fault_seed
+        if seed is None:
+            return
+        for req in list(self.scheduler.running):
+            if req.sampling.seed == seed and req.output_token_ids:
+                self.fail_request(req.request_id, "RuntimeError: injected fault (test_fault_seed)")
+
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
@@ -103,6 +123,7 @@ class EngineCore:
         """One engine step; returns a Delta for every request that produced tokens or finished."""
         t0 = time.perf_counter()
         preemptions_before = self.scheduler.num_preemptions
+        self._inject_faults()
         plan = self.scheduler.schedule()
         if not plan.seqs:
             self.last_stats = None

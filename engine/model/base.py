@@ -28,6 +28,12 @@ class CausalLM(nn.Module):
     def hf_name(self, name: str) -> str:
         return name if name.startswith("lm_head") else "model." + name
 
+    def remap_checkpoint_tensor(self, key: str, shape: tuple[int, ...]):
+        """Loader hook, one checkpoint tensor at a time (never the whole state dict): None when the tensor named
+        `key` fills the parameter of that HF name as is; else the parameters it fills, as
+        [(HF parameter name, shape, take)] where take(tensor) is that parameter's part (e.g. packed MoE experts)."""
+        return None
+
     @property
     def num_layers(self) -> int:
         return len(self.layers)

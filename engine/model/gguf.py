@@ -1,4 +1,5 @@
-"""GGUF checkpoints -> an HF-style Llama config dict and a float32 state dict with HF parameter names.
+"""GGUF checkpoints -> an HF-style Llama config dict and the tensors under HF parameter names, dequantized to
+float32 one at a time (open_gguf, which the loader streams from), or all at once (load_gguf).
 
 This module owns reading GGUF files (through the `gguf` package's reader and dequantizer) and undoing
 what llama.cpp's converter did to a Hugging Face checkpoint: the renamed tensors, the reversed dimension
@@ -8,6 +9,7 @@ architecture is supported. Every failure is a one-line `CheckpointError` naming 
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 import re
@@ -16,6 +18,9 @@ import numpy as np
 import torch
 
 from engine.model.errors import CheckpointError
+from engine.model.loader import WeightSource
+
+logger = logging.getLogger("ddtree.engine")
 
 GGUF_MAGIC = b"GGUF"
 GGUF_ARRAY = 9  # gguf.GGUFValueType.ARRAY; a plain int so importing this module does not need gguf
@@ -41,37 +46,72 @@ _LAYER_RE = re.compile(r"blk\.(\d+)\.([a-z_]+)\.(weight|bias)")
 
 
 def load_gguf(path: str) -> tuple[dict, dict[str, torch.Tensor]]:
-    """Read a llama GGUF file: (config dict as a Llama config.json holds it, float32 state dict)."""
+    """Read a llama GGUF file whole: (config dict as a Llama config.json holds it, float32 state dict).
+    The loader streams through open_gguf instead; this is for tests and tools that want the full dict."""
+    config, weights = open_gguf(path)
+    return config, dict(weights.read(set(weights.shapes())))
+
+
+def open_gguf(path: str) -> tuple[dict, "GGUFWeights"]:
+    """Read a llama GGUF file's metadata and tensor directory, nothing dequantized: (config dict, GGUFWeights
+    that dequantizes one tensor at a time). Tensor names and shapes are checked here."""
     reader = _open_reader(path)
     # Arrays (the vocabulary, merges) are the tokenizer's business and slow to decode: skip them.
     fields = {name: _field_value(f) for name, f in reader.fields.items() if f.types[:1] != [GGUF_ARRAY]}
     arch = fields.get("general.architecture")
     if arch != "llama":
         raise CheckpointError(path, f"GGUF architecture {arch!r} is not supported (only 'llama')")
-
     tensors = {t.name: t for t in reader.tensors}
     config = _llama_config(path, fields, tensors)
-    shapes = _expected_shapes(config)
-    state_dict = {}
-    for name, tensor in tensors.items():
-        if name == "rope_freqs.weight":  # consumed by the config (llama3 rope scaling)
-            continue
-        hf_name = _hf_name(path, name)
-        weight = _dequantize(path, tensor)
-        expected = shapes.get(hf_name)
-        if expected is None:
-            raise CheckpointError(path, f"unexpected tensor {name} for this llama config")
-        if tuple(weight.shape) != expected:
-            raise CheckpointError(path, f"tensor {name} has shape {list(weight.shape)}, expected {list(expected)}")
-        if ".q_proj." in hf_name:
-            weight = _unpermute_rope_rows(weight, config["num_attention_heads"])
-        elif ".k_proj." in hf_name:
-            weight = _unpermute_rope_rows(weight, config["num_key_value_heads"])
-        state_dict[hf_name] = weight
-    missing = [k for k in shapes if k not in state_dict]
-    if missing:
-        raise CheckpointError(path, f"{len(missing)} tensors missing, first {missing[0]}")
-    return config, state_dict
+    return config, GGUFWeights(path, reader, tensors, config)
+
+
+class GGUFWeights(WeightSource):
+    """A GGUF file's tensors under their HF names: shapes from the tensor directory, then each tensor
+    dequantized to float32 and its q/k rows put back in HF order as it is read (one tensor in memory at a time;
+    the loader casts it to the model's dtype)."""
+
+    desc = "dequantizing GGUF"
+
+    def __init__(self, path: str, reader, tensors: dict, config: dict):
+        self.where, self.reader, self.config = path, reader, config
+        expected = _expected_shapes(config)
+        self._tensors: dict[str, object] = {}  # hf name -> GGUF tensor, in file order
+        for name, tensor in tensors.items():
+            if name == "rope_freqs.weight":  # consumed by the config (llama3 rope scaling)
+                continue
+            hf_name = _hf_name(path, name)
+            shape = _shape(tensor)
+            if hf_name not in expected:
+                raise CheckpointError(path, f"unexpected tensor {name} for this llama config")
+            if shape != expected[hf_name]:
+                raise CheckpointError(path, f"tensor {name} has shape {list(shape)}, expected {list(expected[hf_name])}")
+            self._tensors[hf_name] = tensor
+        missing = [k for k in expected if k not in self._tensors]
+        if missing:
+            raise CheckpointError(path, f"{len(missing)} tensors missing, first {missing[0]}")
+
+    def shapes(self) -> dict[str, tuple[int, ...]]:
+        return {k: _shape(t) for k, t in self._tensors.items()}
+
+    def nbytes(self, key: str) -> int:
+        return int(self._tensors[key].n_bytes)
+
+    def read(self, keys):
+        for hf_name, tensor in self._tensors.items():
+            if hf_name not in keys:
+                continue
+            weight = _dequantize(self.where, tensor)
+            if ".q_proj." in hf_name:
+                weight = _unpermute_rope_rows(weight, self.config["num_attention_heads"])
+            elif ".k_proj." in hf_name:
+                weight = _unpermute_rope_rows(weight, self.config["num_key_value_heads"])
+            yield hf_name, weight
+            del weight
+
+    def log_done(self, count: int, nbytes: int, seconds: float, dtype: torch.dtype) -> None:
+        logger.info("dequantized %d GGUF tensors (%.2f GiB in the file) from %s to %s in %.2f s", count,
+                    nbytes / 2**30, self.where, str(dtype).removeprefix("torch."), seconds)
 
 
 def load_gguf_tokenizer(path: str):
@@ -284,11 +324,15 @@ def _hf_name(path: str, name: str) -> str:
     return f"model.layers.{layer}.{_LAYER_NAMES[kind]}.{suffix}"
 
 
+def _shape(tensor) -> tuple[int, ...]:
+    """GGUF lists dims fastest-first, PyTorch slowest-first."""
+    return tuple(int(d) for d in reversed(tensor.shape.tolist()))
+
+
 def _dequantize(path: str, tensor) -> torch.Tensor:
     import gguf
 
-    # GGUF lists dims fastest-first, PyTorch slowest-first.
-    shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))
+    shape = _shape(tensor)
     try:
         array = gguf.quants.dequantize(tensor.data, tensor.tensor_type).astype(np.float32, copy=False)
         if not array.flags.writeable:  # a view of the read-only memmap: copy so the file can be closed

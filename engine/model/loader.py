@@ -1,17 +1,33 @@
-"""Loads a model from a local HF checkpoint folder (config.json + single or sharded *.safetensors + tokenizer)
-or a GGUF file, into one of our model families. safetensors and GGUF only: no pickle, no remote code.
-Every failure is a CheckpointError / ConfigError whose one line names the file, tensor or field."""
+"""Loads a model from a local HF checkpoint folder (config.json + single or sharded *.safetensors + tokenizer
++ optional generation_config.json) or a GGUF file, into one of our model families. safetensors and GGUF only: no
+pickle, no remote code. Every failure is a CheckpointError / ConfigError whose one line names the file, tensor
+or field.
+
+Weights are streamed: the module tree is built on the meta device, every checkpoint tensor's name and shape is
+checked from the file headers before any data is read, then the tensors are read one at a time (safetensors'
+safe_open, or one GGUF tensor dequantized), cast and copied into freshly allocated parameters on the target
+device, and dropped. Host memory therefore stays near one tensor, not the whole checkpoint. A family that stores
+tensors differently from its parameters (packed MoE experts) maps one checkpoint tensor to its parameters with
+`remap_checkpoint_tensor(key, shape)`, never over the whole state dict.
+
+load_format="dummy" builds the model from config.json alone with deterministic random weights (benchmarks).
+"""
 from __future__ import annotations
 
 import json
+import logging
 import os
-from dataclasses import dataclass
-from typing import Any
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable, Iterator, Mapping
 
 import torch
+from torch import nn
 from tqdm import tqdm
 
 from engine.model.errors import CheckpointError, ConfigError
+
+logger = logging.getLogger("ddtree.engine")
 
 # architecture name (config "architectures"[0]) or model_type -> (module, class)
 FAMILIES = {
@@ -28,6 +44,17 @@ FAMILIES = {
 
 DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
           "fp16": torch.float16, "float16": torch.float16, "half": torch.float16}
+LOAD_FORMATS = ("auto", "dummy")
+DUMMY_SEED = 0
+DUMMY_STD = 0.02
+
+# safetensors dtype names -> bytes per element (for the progress bar's total before anything is read)
+_ST_ITEMSIZE = {"F64": 8, "I64": 8, "U64": 8, "F32": 4, "I32": 4, "U32": 4, "F16": 2, "BF16": 2, "I16": 2,
+                "U16": 2, "I8": 1, "U8": 1, "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1}
+
+# generation_config.json keys that become sampling defaults (as vLLM reads them) -> SamplingParams field
+GENERATION_SAMPLING_KEYS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
+                            "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_tokens"}
 
 
 @dataclass
@@ -36,6 +63,7 @@ class LoadedModel:
     tokenizer: Any  # transformers tokenizer, or None when the checkpoint has none
     hf_config: dict
     path: str
+    generation_config: dict = field(default_factory=dict)  # generation_config.json as JSON, {} when absent
 
 
 def resolve_dtype(dtype: str | torch.dtype | None, device: str) -> torch.dtype:
@@ -58,18 +86,172 @@ def model_class(cfg: dict, where: str):
     return getattr(__import__(module, fromlist=[name]), name)
 
 
+def _read_json_object(path: str) -> dict:
+    try:
+        with open(path) as f:
+            obj = json.load(f)
+    except (OSError, ValueError) as e:
+        raise CheckpointError(path, f"not valid JSON ({e})") from None
+    if not isinstance(obj, dict):
+        raise CheckpointError(path, "expected a JSON object")
+    return obj
+
+
 def read_config(folder: str) -> dict:
     path = os.path.join(folder, "config.json")
     if not os.path.isfile(path):
         raise CheckpointError(path, "config.json not found (expected an HF checkpoint folder or a .gguf file)")
+    return _read_json_object(path)
+
+
+# ---- generation_config.json --------------------------------------------------------------------------------
+
+def read_generation_config(folder: str) -> dict:
+    """The folder's generation_config.json as JSON ({} when absent), its eos_token_id and sampling defaults
+    checked so that a bad value fails at load with the file and field named, not on every request."""
+    path = os.path.join(folder, "generation_config.json")
+    if not os.path.isfile(path):
+        return {}
+    gen = _read_json_object(path)
+    eos = gen.get("eos_token_id")
+    if eos is not None and not (_is_int(eos) or (isinstance(eos, list) and all(_is_int(e) for e in eos))):
+        raise CheckpointError(path, f"field 'eos_token_id'={eos!r} must be an integer or a list of integers")
     try:
-        with open(path) as f:
-            cfg = json.load(f)
-    except (OSError, ValueError) as e:
-        raise CheckpointError(path, f"not valid JSON ({e})") from None
-    if not isinstance(cfg, dict):
-        raise CheckpointError(path, "expected a JSON object")
-    return cfg
+        default_sampling(gen)
+    except ConfigError as e:
+        raise CheckpointError(path, str(e)) from None
+    return gen
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def default_sampling(generation_config: Mapping[str, Any] | None) -> dict[str, Any]:
+    """The sampling defaults a generation_config.json sets, as vLLM reads them: temperature, top_p, top_k, min_p,
+    repetition_penalty and max_new_tokens, only those present (and not null), under our SamplingParams names
+    (max_new_tokens -> max_tokens). A request's own values override them. Raises ConfigError for a value that
+    SamplingParams would refuse."""
+    out: dict[str, Any] = {}
+    for key, name in GENERATION_SAMPLING_KEYS.items():
+        value = (generation_config or {}).get(key)
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(f"generation_config field {key!r}={value!r} is not a number")
+        if name in ("top_k", "max_tokens"):
+            if value != int(value):
+                raise ConfigError(f"generation_config field {key!r}={value!r} is not an integer")
+            value = int(value)
+        else:
+            value = float(value)
+        ok = {"temperature": value >= 0, "top_p": 0 < value <= 1, "top_k": value >= -1, "min_p": 0 <= value <= 1,
+              "repetition_penalty": value > 0, "max_tokens": value >= 1}[name]
+        if not ok:
+            raise ConfigError(f"generation_config field {key!r}={value!r} is out of range")
+        out[name] = value
+    return out
+
+
+# ---- where weights come from ---------------------------------------------------------------------------------
+
+class WeightSource:
+    """Checkpoint tensors by HF name: their shapes up front (from file headers, nothing read), then the tensors
+    themselves one at a time. `read` yields host tensors in any float dtype; the loader casts them."""
+
+    where: str  # the path checkpoint errors name
+    desc = "loading weights"  # progress bar label
+
+    def shapes(self) -> dict[str, tuple[int, ...]]:
+        raise NotImplementedError
+
+    def nbytes(self, key: str) -> int:  # bytes read for `key` (for the progress bar and throughput)
+        raise NotImplementedError
+
+    def read(self, keys: set[str]) -> Iterator[tuple[str, torch.Tensor]]:
+        raise NotImplementedError
+
+    def log_done(self, count: int, nbytes: int, seconds: float, dtype: torch.dtype) -> None:
+        logger.info("read %d tensors, %.2f GiB, from %s in %.2f s (%.2f GB/s)", count, nbytes / 2**30, self.where,
+                    seconds, nbytes / 1e9 / max(seconds, 1e-9))
+
+
+class DictWeights(WeightSource):
+    """An in-memory state dict (tests; the old build_model(cfg, state, ...) interface)."""
+
+    def __init__(self, state: Mapping[str, torch.Tensor], where: str):
+        self.state, self.where = state, where
+
+    def shapes(self):
+        return {k: tuple(t.shape) for k, t in self.state.items()}
+
+    def nbytes(self, key):
+        t = self.state[key]
+        return t.numel() * t.element_size()
+
+    def read(self, keys):
+        for k, t in self.state.items():
+            if k in keys:
+                yield k, t
+
+    def log_done(self, count, nbytes, seconds, dtype):
+        logger.debug("copied %d tensors, %.2f GiB, in %.2f s", count, nbytes / 2**30, seconds)
+
+
+class SafetensorsWeights(WeightSource):
+    """One or more .safetensors files, read through safe_open: headers once to learn names and shapes, then
+    file by file, tensor by tensor in file order, each file closed (its mapping dropped) once read."""
+
+    def __init__(self, files: list[str], where: str):
+        from safetensors import safe_open
+
+        self.files, self.where = files, where
+        self._shapes: dict[str, tuple[int, ...]] = {}
+        self._bytes: dict[str, int] = {}
+        self._file_of: dict[str, str] = {}
+        for path in files:
+            try:
+                with safe_open(path, framework="pt") as f:
+                    for name in f.keys():
+                        s = f.get_slice(name)
+                        shape = tuple(int(d) for d in s.get_shape())
+                        if name in self._file_of:
+                            raise CheckpointError(path, f"tensor {name!r} is also stored in {self._file_of[name]}")
+                        self._shapes[name], self._file_of[name] = shape, path
+                        numel = 1
+                        for d in shape:
+                            numel *= d
+                        self._bytes[name] = numel * _ST_ITEMSIZE.get(s.get_dtype(), 4)
+            except CheckpointError:
+                raise
+            except Exception as e:  # safetensors raises its own error types for truncated or corrupt headers
+                raise CheckpointError(path, f"corrupt or truncated safetensors file ({type(e).__name__}: {e})") from None
+
+    def shapes(self):
+        return dict(self._shapes)
+
+    def nbytes(self, key):
+        return self._bytes[key]
+
+    def read(self, keys):
+        from safetensors import safe_open
+
+        for path in self.files:
+            wanted = [k for k, p in self._file_of.items() if p == path and k in keys]
+            if not wanted:
+                continue
+            try:
+                with safe_open(path, framework="pt") as f:
+                    order = f.offset_keys() if hasattr(f, "offset_keys") else f.keys()  # sequential reads
+                    for name in order:
+                        if name in keys:
+                            tensor = f.get_tensor(name)
+                            yield name, tensor
+                            del tensor
+            except CheckpointError:
+                raise
+            except Exception as e:
+                raise CheckpointError(path, f"corrupt or truncated safetensors file ({type(e).__name__}: {e})") from None
 
 
 def safetensors_files(folder: str) -> list[str]:
@@ -94,6 +276,8 @@ def safetensors_files(folder: str) -> list[str]:
 
 
 def read_safetensors(files: list[str]) -> dict[str, torch.Tensor]:
+    """Every tensor of `files` in one host dict. Only for small checkpoints (the DFlash drafter); models stream
+    through SafetensorsWeights instead."""
     from safetensors import safe_open
 
     state: dict[str, torch.Tensor] = {}
@@ -120,43 +304,145 @@ def load_tokenizer(folder: str):
         raise CheckpointError(os.path.join(folder, "tokenizer.json"), f"tokenizer failed to load ({e})") from None
 
 
-def build_model(cfg: dict, state: dict[str, torch.Tensor], where: str, dtype: torch.dtype, device: str):
-    """Builds the family's module tree without allocating, then fills every parameter from `state`."""
-    cls = model_class(cfg, where)
-    with torch.device("meta"):
-        model = cls(cfg)
-    if hasattr(model, "remap_checkpoint"):
-        model.remap_checkpoint(state)
-    fp32_names = getattr(model, "fp32_param_suffixes", ())
-    model.to_empty(device=device)
+# ---- filling the module tree ---------------------------------------------------------------------------------
+
+Take = Callable[[torch.Tensor], torch.Tensor] | None  # checkpoint tensor -> the part one parameter gets
+
+
+def _set_param(model: nn.Module, name: str, value: torch.Tensor) -> None:
+    owner, _, attr = name.rpartition(".")
+    setattr(model.get_submodule(owner) if owner else model, attr, nn.Parameter(value, requires_grad=False))
+
+
+def _plan(model, source: WeightSource, where: str) -> dict[str, list[tuple[str, Take]]]:
+    """Checks names and shapes from the headers alone; returns checkpoint key -> [(parameter name, take)]."""
     params = dict(model.named_parameters())
     expected = {model.hf_name(n): n for n in params}
     ignorable = getattr(model, "ignorable_checkpoint_key", lambda k: False)
-    for key in state:
-        if key not in expected and not key.endswith("rotary_emb.inv_freq") and not ignorable(key):
-            if key == "lm_head.weight" and model.lm_head is None:
-                continue  # tied embeddings: a stored copy of the head is redundant
-            raise CheckpointError(where, f"unexpected tensor {key!r} for {cls.__name__}")
+    remap = getattr(model, "remap_checkpoint_tensor", lambda key, shape: None)
+    plan: dict[str, list[tuple[str, Take]]] = {}
+    filled: dict[str, tuple[str, tuple[int, ...]]] = {}  # hf name -> (checkpoint key, shape)
+    for key, shape in source.shapes().items():
+        if key.endswith("rotary_emb.inv_freq") or ignorable(key):
+            continue
+        if key == "lm_head.weight" and model.lm_head is None:
+            continue  # tied embeddings: a stored copy of the head is redundant
+        parts = remap(key, shape)
+        for hf, part_shape, take in [(key, shape, None)] if parts is None else parts:
+            if hf not in expected:
+                raise CheckpointError(where, f"unexpected tensor {hf!r} for {type(model).__name__}")
+            if hf in filled:
+                raise CheckpointError(where, f"tensor {hf!r} is stored twice ({filled[hf][0]!r} and {key!r})")
+            filled[hf] = (key, tuple(part_shape))
+            plan.setdefault(key, []).append((expected[hf], take))
+    for hf, name in expected.items():
+        if hf not in filled:
+            raise CheckpointError(where, f"tensor {hf!r} is missing")
+        shape, want = filled[hf][1], tuple(params[name].shape)
+        if shape != want:
+            raise CheckpointError(where, f"tensor {hf!r} has shape {shape}, expected {want}")
+    return plan
+
+
+def fill_weights(model, source: WeightSource, where: str, dtype: torch.dtype, device) -> None:
+    """Reads `source` tensor by tensor into `model`'s meta parameters on `device`: each checkpoint tensor is
+    read, cast and copied into a freshly allocated parameter, then dropped, so at most about one checkpoint
+    tensor is held in host memory at a time. fp32_param_suffixes stay float32."""
+    plan = _plan(model, source, where)
+    fp32_names = getattr(model, "fp32_param_suffixes", ())
+    shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
+    total = sum(source.nbytes(k) for k in plan)
+    start, count, done = time.perf_counter(), 0, 0
+    with torch.no_grad(), tqdm(total=total, desc=source.desc, unit="B", unit_scale=True, unit_divisor=1024,
+                               disable=None, leave=False) as bar:
+        for key, tensor in source.read(set(plan)):
+            for name, take in plan.pop(key):
+                src = tensor if take is None else take(tensor)
+                keep_fp32 = any(name.endswith(s) for s in fp32_names)
+                dst = torch.empty(shapes[name], dtype=torch.float32 if keep_fp32 else dtype, device=device)
+                dst.copy_(src)
+                _set_param(model, name, dst)
+                del src
+            count, done = count + 1, done + source.nbytes(key)
+            bar.update(source.nbytes(key))
+            del tensor
+    if plan:  # a source that skipped a tensor it listed
+        raise CheckpointError(where, f"tensor {next(iter(plan))!r} could not be read")
+    source.log_done(count, done, time.perf_counter() - start, dtype)
+
+
+def _is_norm_weight(model: nn.Module, name: str) -> bool:
+    from engine.model.layers import RMSNorm
+
+    owner = name.rpartition(".")[0]
+    return isinstance(model.get_submodule(owner) if owner else model, RMSNorm) or "norm" in owner.rpartition(".")[2]
+
+
+def fill_dummy_weights(model, dtype: torch.dtype, device, seed: int = DUMMY_SEED) -> None:
+    """Deterministic random weights in the checkpoint's shapes: normal(0, 0.02) for matrices, ones for norm
+    weights, zeros for biases; one generator on `device` seeded with `seed`, drawn in parameter order (the same
+    seed and device give the same weights). fp32_param_suffixes stay float32."""
+    fp32_names = getattr(model, "fp32_param_suffixes", ())
+    generator = torch.Generator(device=device).manual_seed(seed)
+    params = list(model.named_parameters())
+    start, total = time.perf_counter(), 0
     with torch.no_grad():
-        for key, name in tqdm(expected.items(), desc="loading weights", unit="tensor", disable=None, leave=False):
-            if key not in state:
-                raise CheckpointError(where, f"tensor {key!r} is missing")
-            src, dst = state[key], params[name]
-            if tuple(src.shape) != tuple(dst.shape):
-                raise CheckpointError(where, f"tensor {key!r} has shape {tuple(src.shape)}, expected {tuple(dst.shape)}")
+        for name, p in tqdm(params, desc="dummy weights", unit="tensor", disable=None, leave=False):
             keep_fp32 = any(name.endswith(s) for s in fp32_names)
-            dst.data = src.to(device=device, dtype=torch.float32 if keep_fp32 else dtype)
+            value = torch.empty(p.shape, dtype=torch.float32 if keep_fp32 else dtype, device=device)
+            if name.endswith("bias"):
+                value.zero_()
+            elif _is_norm_weight(model, name):
+                value.fill_(1.0)
+            else:
+                value.normal_(0.0, DUMMY_STD, generator=generator)
+            total += value.numel() * value.element_size()
+            _set_param(model, name, value)
+    logger.info("initialised %d tensors (%.2f GiB) with dummy weights (seed %d) in %.2f s", len(params),
+                total / 2**30, seed, time.perf_counter() - start)
+
+
+def build_model(cfg: dict, weights: Mapping[str, torch.Tensor] | WeightSource | None, where: str,
+                dtype: torch.dtype, device, seed: int = DUMMY_SEED):
+    """Builds the family's module tree on the meta device, then fills every parameter on `device`: from
+    `weights` (a WeightSource streamed tensor by tensor, or an in-memory state dict), or with dummy weights
+    when `weights` is None."""
+    cls = model_class(cfg, where)
+    with torch.device("meta"):
+        model = cls(cfg)
+    if weights is None:
+        fill_dummy_weights(model, dtype, device, seed)
+    else:
+        source = weights if isinstance(weights, WeightSource) else DictWeights(weights, where)
+        fill_weights(model, source, where, dtype, device)
     for module in model.modules():
         if hasattr(module, "init_buffers"):
             module.init_buffers(device)
+    left = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
+    if left:  # a buffer without init_buffers, or a parameter the plan did not cover: a bug, not a bad file
+        raise RuntimeError(f"{cls.__name__}: {left[0]} was not materialised after loading")
     for module in list(model.modules()):
         if hasattr(module, "fuse_projections"):
             module.fuse_projections()
     return model.eval()
 
 
-def load_model(path: str | None, dtype: str | torch.dtype | None = None, device: str = "cpu") -> LoadedModel:
-    """path: an HF checkpoint folder, a .gguf file, or None for the embedded SmolLM2-135M-Instruct."""
+def _count(n: int) -> str:
+    for scale, suffix in ((1e9, "B"), (1e6, "M"), (1e3, "K")):
+        if n >= scale:
+            return f"{n / scale:.2f}{suffix}"
+    return str(n)
+
+
+def load_model(path: str | None, dtype: str | torch.dtype | None = None, device: str = "cpu",
+               load_format: str = "auto") -> LoadedModel:
+    """path: an HF checkpoint folder, a .gguf file, or None for the embedded SmolLM2-135M-Instruct.
+    load_format: "auto" reads the weights; "dummy" builds the model from its config alone with deterministic
+    random weights (no weight files needed)."""
+    start = time.perf_counter()
+    if load_format not in LOAD_FORMATS:
+        raise ConfigError(f"load_format {load_format!r} is not supported (choose auto or dummy)")
+    dummy = load_format == "dummy"
     torch_dtype = resolve_dtype(dtype, device)
     if path is None:
         from engine.model.embedded import embedded_model_dir
@@ -168,16 +454,22 @@ def load_model(path: str | None, dtype: str | torch.dtype | None = None, device:
     if os.path.isfile(path):
         if not path.endswith(".gguf"):
             raise CheckpointError(path, "expected an HF checkpoint folder or a .gguf file")
-        from engine.model.gguf import load_gguf, load_gguf_tokenizer
+        from engine.model.gguf import load_gguf_tokenizer, open_gguf
 
-        cfg, state = load_gguf(path)
-        model = build_model(cfg, state, path, torch_dtype, device)
-        return LoadedModel(model, load_gguf_tokenizer(path), cfg, path)
-    cfg = read_config(path)
-    model_class(cfg, os.path.join(path, "config.json"))  # fail on the architecture before reading weights
-    state = read_safetensors(safetensors_files(path))
-    try:
-        model = build_model(cfg, state, path, torch_dtype, device)
-    except ConfigError as e:
-        raise ConfigError(f"{os.path.join(path, 'config.json')}: {e}") from None
-    return LoadedModel(model, load_tokenizer(path), cfg, path)
+        cfg, weights = open_gguf(path)
+        model = build_model(cfg, None if dummy else weights, path, torch_dtype, device)
+        loaded = LoadedModel(model, load_gguf_tokenizer(path), cfg, path, {})
+    else:
+        cfg = read_config(path)
+        model_class(cfg, os.path.join(path, "config.json"))  # fail on the architecture before reading weights
+        generation_config = read_generation_config(path)
+        try:
+            weights = None if dummy else SafetensorsWeights(safetensors_files(path), path)
+            model = build_model(cfg, weights, path, torch_dtype, device)
+        except ConfigError as e:
+            raise ConfigError(f"{os.path.join(path, 'config.json')}: {e}") from None
+        loaded = LoadedModel(model, load_tokenizer(path), cfg, path, generation_config)
+    params = sum(p.numel() for p in loaded.model.parameters())
+    logger.info("loaded %s (%s, %s params, %s, %s) in %.1f s", path, type(loaded.model).__name__, _count(params),
+                str(torch_dtype).removeprefix("torch."), device, time.perf_counter() - start)
+    return loaded

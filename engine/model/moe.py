@@ -2,6 +2,8 @@
 checkpoints' per-expert layout) and the token -> expert dispatch. Routers live with their family."""
 from __future__ import annotations
 
+import re
+
 import torch
 from torch import nn
 
@@ -27,14 +29,31 @@ def run_experts(
     return out
 
 
-def unpack_experts(state: dict[str, torch.Tensor], prefix: str, num_experts: int) -> None:
-    """Accepts the packed in-memory layout (`experts.gate_up_proj` [E, 2I, H], `experts.down_proj` [E, H, I]) as
-    well as the per-expert one, rewriting packed tensors in place into `experts.{e}.{gate,up,down}_proj.weight`."""
-    gate_up, down = state.pop(prefix + "experts.gate_up_proj", None), state.pop(prefix + "experts.down_proj", None)
-    if gate_up is None:
-        return
-    for e in range(num_experts):
-        gate, up = gate_up[e].chunk(2, dim=0)
-        state[f"{prefix}experts.{e}.gate_proj.weight"] = gate
-        state[f"{prefix}experts.{e}.up_proj.weight"] = up
-        state[f"{prefix}experts.{e}.down_proj.weight"] = down[e]
+_PACKED = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)")
+
+
+def packed_experts_layer(key: str) -> int | None:
+    """The decoder layer of a packed expert tensor's checkpoint name, or None for any other name."""
+    m = _PACKED.fullmatch(key)
+    return int(m.group(1)) if m else None
+
+
+def split_packed_experts(key: str, shape: tuple[int, ...]):
+    """One packed expert tensor of HF's in-memory layout (`{prefix}experts.gate_up_proj` [E, 2I, H] or
+    `{prefix}experts.down_proj` [E, H, I]) -> the per-expert parameters it fills, as
+    [(`{prefix}experts.{e}.{gate,up,down}_proj.weight`, shape, take)] with take(packed) a view of that part.
+    None for any other tensor (the per-expert layout needs no mapping). One tensor at a time: the loader never
+    holds a whole state dict. Experts beyond the model's come out as unexpected tensors."""
+    prefix, _, kind = key.rpartition("experts.")
+    if kind not in ("gate_up_proj", "down_proj") or len(shape) != 3:
+        return None
+    experts, rows, cols = shape
+    parts = []
+    for e in range(experts):
+        if kind == "gate_up_proj":
+            half = rows // 2
+            parts.append((f"{prefix}experts.{e}.gate_proj.weight", (half, cols), lambda t, e=e, h=half: t[e, :h]))
+            parts.append((f"{prefix}experts.{e}.up_proj.weight", (rows - half, cols), lambda t, e=e, h=half: t[e, h:]))
+        else:
+            parts.append((f"{prefix}experts.{e}.down_proj.weight", (rows, cols), lambda t, e=e: t[e]))
+    return parts

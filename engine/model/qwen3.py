@@ -8,7 +8,7 @@ from torch import nn
 from engine.model.base import CausalLM
 from engine.model.layers import RotaryEmbedding
 from engine.model.llama import DecoderLayer, DenseArgs, require
-from engine.model.moe import make_experts, run_experts, unpack_experts
+from engine.model.moe import make_experts, packed_experts_layer, run_experts, split_packed_experts
 
 
 class Qwen3ForCausalLM(CausalLM):
@@ -51,7 +51,9 @@ class Qwen3MoeForCausalLM(Qwen3ForCausalLM):
             require(cfg, "moe_intermediate_size"), bool(cfg.get("norm_topk_prob", False)),
         )
 
-    def remap_checkpoint(self, state: dict[str, torch.Tensor]) -> None:
-        for i, layer in enumerate(self.layers):
-            if isinstance(layer.mlp, SoftmaxTopKMoE):
-                unpack_experts(state, f"model.layers.{i}.mlp.", len(layer.mlp.experts))
+    def remap_checkpoint_tensor(self, key: str, shape: tuple[int, ...]):
+        """A MoE layer's packed experts (HF's in-memory layout) -> its per-expert parameters."""
+        layer = packed_experts_layer(key)
+        if layer is not None and layer < len(self.layers) and isinstance(self.layers[layer].mlp, SoftmaxTopKMoE):
+            return split_packed_experts(key, shape)
+        return None

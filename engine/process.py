@@ -1,16 +1,40 @@
 """The engine process: loads the model, then loops — drain the inbox (add / abort / shutdown), run one
-EngineCore step, send the step's deltas and statistics to the server. It never waits on HTTP: when idle it
-blocks on the inbox; when busy it only polls it between steps."""
+EngineCore step, send the step's deltas and statistics to the server, then the requests that failed alone
+(RequestError, kind "internal"; the engine goes on with the others). It never waits on HTTP: when idle it
+blocks on the inbox; when busy it only polls it between steps.
+
+Anything else that goes wrong (the model cannot load, an exception in a step) ends the process after one
+`Failed` message that carries the one-line reason and the full traceback, which the server logs."""
 from __future__ import annotations
 
+import logging
 import os
 import queue
 import signal
+import sys
 import traceback
 
 from engine.config import EngineConfig
 from engine.messages import (AbortRequest, AddRequest, Failed, Ready, RequestError, Shutdown, StepOutputs,
                              StepStats)
+
+logger = logging.getLogger("ddtree.engine")
+
+LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"  # the server's format (server/serve.py)
+
+
+def configure_logging(level: int | str | None) -> None:
+    """The engine's own log lines go to stderr (inherited from the server) at the server's level; tqdm
+    progress bars write to stderr too."""
+    if level is None:
+        return
+    logging.basicConfig(level=level, format=LOG_FORMAT, stream=sys.stderr, force=True)
+
+
+def failure(prefix: str, e: BaseException) -> Failed:
+    """A Failed message for the exception being handled: its last line, and the whole traceback."""
+    line = f"{type(e).__name__}: {e}".splitlines()[0] if str(e) else type(e).__name__
+    return Failed(prefix + line, traceback=traceback.format_exc())
 
 
 def handle(core, msg, outbox) -> bool:
@@ -22,8 +46,12 @@ def handle(core, msg, outbox) -> bool:
     elif isinstance(msg, AddRequest):
         try:
             core.add_request(msg.prompt_token_ids, msg.sampling, msg.request_id)
-        except ValueError as e:
-            outbox.put(RequestError(msg.request_id, str(e)))
+        except ValueError as e:  # the request itself is bad: a 400 for the client
+            outbox.put(RequestError(msg.request_id, str(e), kind="invalid"))
+        except Exception as e:  # admitting this one request failed: it alone gets an internal error
+            logger.exception("adding request %s failed", msg.request_id)
+            core.abort(msg.request_id)
+            outbox.put(RequestError(msg.request_id, f"{type(e).__name__}: {e}".splitlines()[0], kind="internal"))
     return True
 
 
@@ -34,43 +62,94 @@ def idle_stats(core) -> StepStats:
                      kv_cache_usage=core.blocks.usage, batch_size=0, num_preemptions=0, timings={})
 
 
-def run_engine(config: EngineConfig, inbox, outbox) -> None:
+def send_request_errors(core, outbox) -> bool:
+    """Sends every request that failed alone since the last call; True if there was any."""
+    errors = core.pop_request_errors()
+    for error in errors:
+        outbox.put(error)
+    return bool(errors)
+
+
+def serve_core(core, inbox, outbox, parent: int | None = None) -> None:
+    """The step loop over a ready EngineCore, until Shutdown (or the server is gone). An exception escapes
+    (the caller reports it as Failed)."""
+    while True:
+        # block while idle; between steps only take what is already there
+        try:
+            msg = inbox.get(timeout=0.5) if not core.has_unfinished() else inbox.get_nowait()
+        except queue.Empty:
+            msg = None
+            if parent is not None and os.getppid() != parent:  # the server died without a Shutdown
+                return
+        alive, changed = True, False
+        while msg is not None and alive:
+            changed = changed or isinstance(msg, AbortRequest)
+            alive = handle(core, msg, outbox)
+            try:
+                msg = inbox.get_nowait()
+            except queue.Empty:
+                msg = None
+        if not alive:
+            return
+        changed = send_request_errors(core, outbox) or changed
+        stepped = False
+        if core.has_unfinished():
+            deltas = core.step()
+            if core.last_stats is not None:
+                outbox.put(StepOutputs(deltas, core.last_stats))
+                stepped = True
+            changed = send_request_errors(core, outbox) or changed
+        if changed and not stepped:  # a request left without a step: refresh the server's gauges
+            outbox.put(StepOutputs([], idle_stats(core)))
+
+
+def run_engine(config: EngineConfig, inbox, outbox, log_level: int | str | None = None) -> None:
     # Ctrl-C reaches the whole process group; the server shuts this process down itself (Shutdown message).
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    configure_logging(log_level)
     parent = os.getppid()
     try:
         from engine.core import EngineCore
 
         core = EngineCore(config)
-    except Exception as e:  # report the one-line reason; the server turns /health to 503
-        outbox.put(Failed(f"{type(e).__name__}: {e}".splitlines()[0]))
+    except Exception as e:  # the one-line reason for /health and the exit message; the traceback for the log
+        outbox.put(failure("", e))
         return
     outbox.put(Ready(core.vocab_size, core.max_model_len, core.eos_token_ids, core.blocks.num_blocks,
-                     config.block_size))
+                     config.block_size, **ready_extras(core)))
+    status = 0
     try:
-        while True:
-            # block while idle; between steps only take what is already there
+        serve_core(core, inbox, outbox, parent)
+    except Exception as e:
+        logger.exception("engine step failed")
+        outbox.put(failure("engine step failed: ", e))
+        status = 1
+    quick_exit(outbox, status)
+
+
+def quick_exit(outbox, status: int) -> None:
+    """Ends the process once the last messages are out. The interpreter's own teardown with torch loaded takes
+    seconds (on a busy machine), which the server's shutdown would wait for; nothing here needs it."""
+    try:
+        outbox.close()
+        outbox.join_thread()  # the queue's feeder thread has written everything to the pipe
+    finally:
+        try:  # what multiprocessing runs when a child returns: finalizers (tqdm's lock semaphore, say)
+            from multiprocessing import util
+
+            util._exit_function()
+        except Exception:
+            pass
+        logging.shutdown()
+        for stream in (sys.stdout, sys.stderr):
             try:
-                msg = inbox.get(timeout=0.5) if not core.has_unfinished() else inbox.get_nowait()
-            except queue.Empty:
-                msg = None
-                if os.getppid() != parent:  # the server died without a Shutdown: do not linger as an orphan
-                    return
-            alive, aborted = True, False
-            while msg is not None and alive:
-                aborted = aborted or isinstance(msg, AbortRequest)
-                alive = handle(core, msg, outbox)
-                try:
-                    msg = inbox.get_nowait()
-                except queue.Empty:
-                    msg = None
-            if not alive:
-                return
-            if core.has_unfinished():
-                deltas = core.step()
-                if core.last_stats is not None:
-                    outbox.put(StepOutputs(deltas, core.last_stats))
-            elif aborted:
-                outbox.put(StepOutputs([], idle_stats(core)))
-    except Exception:
-        outbox.put(Failed("engine step failed: " + traceback.format_exc().strip().splitlines()[-1]))
+                stream.flush()
+            except Exception:
+                pass
+        os._exit(status)
+
+
+def ready_extras(core) -> dict:
+    """Optional Ready fields the core may provide (sampling defaults from generation_config.json)."""
+    defaults = getattr(core, "default_sampling", None)
+    return {"default_sampling": dict(defaults)} if isinstance(defaults, dict) else {}

@@ -27,7 +27,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from engine.config import EngineConfig
 from server.config import ServerConfig
-from server.engine_client import EngineDeadError
+from server.engine_client import EngineInternalError, ServiceUnavailableError
 from server.protocol import (DetokenizeRequest, DetokenizeResponse, ErrorResponse, ModelCard, ModelList,
                              TokenizeRequest, TokenizeResponse, error_response)
 from server.routes_openai import create_chat_completion, create_completion
@@ -84,8 +84,11 @@ def install_error_handlers(app: FastAPI) -> None:
     async def invalid(_: Request, exc: Exception) -> Response:  # ValueError covers pydantic and ProtocolError
         return error_json(error_response(exc))
 
-    async def engine_dead(_: Request, exc: EngineDeadError) -> Response:
-        return error_json(ErrorResponse.make(f"The engine is not running: {exc}", 503, code="service_unavailable"))
+    async def unavailable(_: Request, exc: ServiceUnavailableError) -> Response:  # engine dead, request cut
+        return error_json(ErrorResponse.make(exc.client_message(), 503, code="service_unavailable"))
+
+    async def engine_internal(_: Request, exc: EngineInternalError) -> Response:  # one request failed alone
+        return error_json(ErrorResponse.make(exc.client_message(), 500, code="internal_error"))
 
     async def http_error(request: Request, exc: StarletteHTTPException) -> Response:
         message = f"{exc.detail}: {request.method} {request.url.path}" if exc.status_code in (404, 405) else \
@@ -101,7 +104,8 @@ def install_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(ApiError, api_error)
     app.add_exception_handler(RequestValidationError, invalid)
     app.add_exception_handler(ValueError, invalid)
-    app.add_exception_handler(EngineDeadError, engine_dead)
+    app.add_exception_handler(ServiceUnavailableError, unavailable)
+    app.add_exception_handler(EngineInternalError, engine_internal)
     app.add_exception_handler(StarletteHTTPException, http_error)
     app.add_exception_handler(ClientDisconnect, client_gone)
     app.add_exception_handler(Exception, internal)
@@ -279,12 +283,23 @@ async def detokenize(request: Request) -> Response:
 
 # ------------------------------------------------------------------------------------------ factory
 
+def on_engine_failure(state: ServerState, message: str) -> None:
+    """The engine died (every open request has its error already, and /health answers 503 from now on):
+    reset the scheduler gauges, which would otherwise keep their last values, and, if the engine had been
+    serving, tell the runner to exit non-zero so that the orchestrator restarts the server (server/serve.py).
+    A failure while loading is reported by the startup path instead."""
+    state.metrics.set_scheduler_state(0, 0, 0.0)
+    if state.client is not None and state.client.info is not None and state.on_fatal is not None:
+        state.on_fatal(f"the engine died: {message}")
+
+
 def create_app(server_config: ServerConfig, engine_config: EngineConfig) -> FastAPI:
     state = ServerState(server_config, engine_config)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI):
         await state.start()
+        state.client.add_failure_listener(lambda message: on_engine_failure(state, message))
         try:
             yield
         finally:

@@ -78,10 +78,19 @@ def parse_bytes(text: str) -> int:
 
 
 def cmd_serve(args) -> int:
-    from engine.config import EngineConfig, SpecConfig
-    from server.config import ServerConfig
-    from server.serve import serve
+    from server.serve import exit_now, serve
 
+    exit_now(serve(*serve_configs(args)))
+
+
+def serve_configs(args):
+    """(ServerConfig, EngineConfig) for `ddtree serve` from its parsed flags; ValueError for a bad setup."""
+    from engine.config import EngineConfig, SpecConfig
+    from server.config import ServerConfig, api_key_from_env
+
+    if args.drafter == "oracle":
+        raise ValueError("--drafter oracle cannot serve: it replays golden continuations, which only "
+                         "`ddtree generate` and the tests have; use ngram, dflash (--draft-model) or none")
     if args.model is not None:
         if not os.path.exists(os.path.expanduser(args.model)):
             raise ValueError(f"{args.model}: no such file or directory (expected an HF folder or a .gguf file)")
@@ -91,11 +100,12 @@ def cmd_serve(args) -> int:
                           kv_cache_memory=args.kv_cache_memory, max_num_seqs=args.max_num_seqs,
                           max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
                           seed=args.seed, spec=spec)
-    server = ServerConfig(host=args.host, port=args.port, api_key=args.api_key,
+    api_key = args.api_key if args.api_key is not None else api_key_from_env()
+    server = ServerConfig(host=args.host, port=args.port, api_key=api_key,
                           served_model_name=args.served_model_name, max_queue_len=args.max_queue_len,
                           max_body_bytes=args.max_body_bytes, drain_timeout_s=args.drain_timeout,
                           log_level=args.log_level, access_log=not args.no_access_log)
-    return serve(server, engine)
+    return server, engine
 
 
 def cmd_build_ext(args) -> int:
@@ -134,7 +144,9 @@ def parser() -> argparse.ArgumentParser:
     s.set_defaults(drafter=None)  # serve: n-gram drafting unless --drafter or --draft-model says otherwise
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--port", type=int, default=8000)
-    s.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/*")
+    s.add_argument("--api-key", default=None,
+                   help="require 'Authorization: Bearer KEY' on /v1/* (default: $DDTREE_API_KEY, which keeps "
+                        "the key out of `ps`)")
     s.add_argument("--served-model-name", default=None, help="the model id clients send (default: from MODEL)")
     s.add_argument("--max-num-seqs", type=int, default=64, help="requests running in the engine at once")
     s.add_argument("--max-num-batched-tokens", type=int, default=2048, help="token budget of one engine step")
@@ -142,7 +154,8 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--max-queue-len", type=int, default=1024,
                    help="engine requests in flight (running + waiting) beyond which requests get a 429")
     s.add_argument("--max-body-bytes", type=parse_bytes, default=4 << 20, help="request bodies above get a 413")
-    s.add_argument("--drain-timeout", type=float, default=30.0, help="seconds open streams get on shutdown")
+    s.add_argument("--drain-timeout", type=float, default=30.0,
+                   help="on SIGTERM: seconds open requests get in total before they are cut")
     s.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     s.add_argument("--no-access-log", action="store_true")
     s.set_defaults(func=cmd_serve)

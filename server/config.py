@@ -1,6 +1,7 @@
 """ServerConfig: what the HTTP front end needs beyond the engine's EngineConfig (listen address, auth, the
 served model name, admission and body-size limits). A frozen dataclass, validated on construction; the CLI
-fills it from flags and nothing else reads the environment."""
+fills it from flags. The server's environment variables are read here and nowhere else: DDTREE_API_KEY (the
+API key when --api-key is not given, so that the secret need not appear in `ps`)."""
 from __future__ import annotations
 
 import os
@@ -8,6 +9,14 @@ from dataclasses import dataclass
 from typing import Optional
 
 EMBEDDED_MODEL_NAME = "SmolLM2-135M-Instruct"
+API_KEY_ENV = "DDTREE_API_KEY"
+
+
+def api_key_from_env() -> Optional[str]:
+    """DDTREE_API_KEY, surrounding whitespace removed (a trailing newline from a secret file); unset or empty
+    means no key (as vLLM treats VLLM_API_KEY)."""
+    key = os.environ.get(API_KEY_ENV, "").strip()
+    return key or None
 
 
 @dataclass(frozen=True)
@@ -27,6 +36,8 @@ class ServerConfig:
             raise ValueError(f"port must be in 0..65535, got {self.port}")
         if self.max_queue_len < 1:
             raise ValueError(f"max_queue_len must be >= 1, got {self.max_queue_len}")
+        if self.drain_timeout_s < 0:
+            raise ValueError(f"drain_timeout must be >= 0 seconds, got {self.drain_timeout_s}")
         if self.max_body_bytes < 1024:
             raise ValueError(f"max_body_bytes must be >= 1024, got {self.max_body_bytes}")
         if self.api_key is not None and not self.api_key:

@@ -14,7 +14,7 @@ from typing import Any, AsyncIterator, Callable, Optional, Sequence
 
 from starlette.responses import Response
 
-from server.engine_client import EngineDeadError
+from server.engine_client import EngineInternalError, ServiceUnavailableError
 from server.protocol import (SSE_DONE, ChatCompletion, ChatCompletionChoice, ChatCompletionChunk,
                              ChatCompletionDelta, ChatCompletionMessage, ChatCompletionRequest,
                              ChatCompletionStreamChoice, ChoiceLogprobs, Completion, CompletionChoice,
@@ -54,8 +54,11 @@ async def _stream_errors(body: AsyncIterator[str]) -> AsyncIterator[str]:
         async with contextlib.aclosing(body) as events:
             async for event in events:
                 yield event
-    except EngineDeadError as e:
-        yield sse_event(ErrorResponse.make(f"The engine is not running: {e}", 503, code="service_unavailable"))
+    except ServiceUnavailableError as e:  # the engine died, or the server cut the stream (drain deadline)
+        yield sse_event(ErrorResponse.make(e.client_message(), 503, code="service_unavailable"))
+        yield SSE_DONE
+    except EngineInternalError as e:  # this request failed in the engine; the others go on
+        yield sse_event(ErrorResponse.make(e.client_message(), 500, code="internal_error"))
         yield SSE_DONE
     except Exception:
         logger.exception("stream failed")

@@ -135,19 +135,23 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(log_dir, name: str, *flags: str, api_key: str | None = None) -> LiveServer:
+def start_server(log_dir, name: str, *flags: str, api_key: str | None = None,
+                 env: dict[str, str] | None = None) -> LiveServer:
+    """`api_key` goes through DDTREE_API_KEY (as a deployment should pass it: not on the command line);
+    `env` adds environment variables (DDTREE_TEST_FAULT_SEED, say)."""
     import httpx
 
     port = free_port()
     log_path = os.path.join(str(log_dir), f"{name}.log")
     cmd = [sys.executable, "-m", "server", "serve", "--host", "127.0.0.1", "--port", str(port),
            "--max-model-len", "2048", "--kv-cache-memory", "256M", "--log-level", "warning", *flags]
-    if api_key:
-        cmd += ["--api-key", api_key]
     # One intra-op thread: on a busy 2-core machine (CI running other suites, developers' runs side by side)
     # two OpenMP threads that wait for each other at every op run ~20x slower than one.
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "PYTHONUNBUFFERED": "1",
-           "OMP_NUM_THREADS": os.environ.get("DDTREE_TEST_THREADS", "1")}
+    env = {**{k: v for k, v in os.environ.items() if k not in ("DDTREE_API_KEY", "DDTREE_TEST_FAULT_SEED")},
+           "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "PYTHONUNBUFFERED": "1",
+           "OMP_NUM_THREADS": os.environ.get("DDTREE_TEST_THREADS", "1"), **(env or {})}
+    if api_key:
+        env["DDTREE_API_KEY"] = api_key
     with open(log_path, "w") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=REPO_ROOT, env=env,
                                 preexec_fn=_die_with_parent)

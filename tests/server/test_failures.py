@@ -144,7 +144,7 @@ def test_engine_sigkill_fails_open_requests_then_server_exits(faulty_server):
     assert s.proc.wait(timeout=30) == 1, s.log_tail()
     log = s.log_tail(200)
     assert "the engine died" in log and "killed by SIGKILL" in log and "exiting with status 1" in log
-    assert "Traceback" not in log  # the server itself raised nothing (and a SIGKILLed engine has no traceback)
+    assert "unhandled error" not in log and "stream failed" not in log  # the server itself raised nothing
 
 
 # ----------------------------------------------------------------------------------------- no model

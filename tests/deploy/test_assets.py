@@ -319,7 +319,10 @@ def test_compose_server(compose, service):
     assert health_url_port(" ".join(svc["healthcheck"]["test"])) == args.port
     assert int(svc["stop_grace_period"].rstrip("s")) >= args.drain_timeout + 10
     assert "ddtree" in svc["networks"]["default"]["aliases"]
-    assert svc["restart"] == "unless-stopped"
+    # the server exits 1 when its engine dies, for its supervisor to restart it: the policy must restart a
+    # container that exited non-zero (`no` would leave the service down for good)
+    assert restarts_on_failure(svc["restart"]) and svc["restart"] == "unless-stopped"
+    assert "--api-key" not in svc["command"] and "DDTREE_API_KEY" in svc["environment"]  # keys stay out of `ps`
     if profile == "gpu":
         assert args.device == "cuda" and args.model.startswith("/models/") and args.draft_model.startswith("/models/")
         (volume,) = svc["volumes"]
@@ -381,6 +384,21 @@ def test_compose_prometheus_and_grafana_wiring(compose):
         assert {"serving.json", "speculative.json"} <= {p.name for p in host_dir.glob("*.json")}
     home = grafana["environment"]["GF_DASHBOARDS_DEFAULT_HOME_DASHBOARD_PATH"]
     assert home.startswith("/var/lib/grafana/dashboards/") and (DASHBOARDS / os.path.basename(home)).is_file()
+
+
+def restarts_on_failure(policy: str) -> bool:
+    """Whether a compose restart policy restarts a container that exited with status 1."""
+    return policy in ("always", "unless-stopped") or policy.startswith("on-failure")
+
+
+def test_readme_documents_the_exit_on_engine_death():
+    """The server does not restart its engine: it exits 1 and the orchestrator restarts it. The README says so
+    and says which settings rely on it."""
+    readme = (DEPLOY / "README.md").read_text()
+    section = readme.split("## Failures and restarts", 1)[1].split("\n## ", 1)[0]
+    for needle in ("exits with status 1", "restartPolicy: Always", "restart: unless-stopped", "/health",
+                   "--drain-timeout", "DDTREE_API_KEY"):
+        assert needle in section, needle
 
 
 # ----------------------------------------------------------------------------------------------- Grafana
@@ -477,6 +495,15 @@ def test_k8s_deployment():
     pre_stop = container["lifecycle"]["preStop"]["exec"]["command"]
     assert pre_stop[0] == "sleep"
     assert spec["terminationGracePeriodSeconds"] >= float(pre_stop[1]) + args.drain_timeout + 5
+    # engine death: the server exits 1 and the kubelet restarts the container (a Deployment allows only Always)
+    assert spec["restartPolicy"] == "Always"
+    # /health answers 503 while draining: liveness must not kill a pod before its drain can end
+    liveness = container["livenessProbe"]
+    assert liveness["periodSeconds"] * liveness["failureThreshold"] > float(pre_stop[1]) + args.drain_timeout
+    env = {e["name"]: e for e in container.get("env", [])}
+    assert "--api-key" not in container["args"]
+    secret = env["DDTREE_API_KEY"]["valueFrom"]["secretKeyRef"]
+    assert secret["optional"] is True and secret["name"] and secret["key"]
     security = spec["securityContext"]
     assert security["runAsNonRoot"] is True and security["runAsUser"] == IMAGE_UID
     assert container["securityContext"]["allowPrivilegeEscalation"] is False

@@ -91,7 +91,8 @@ class BlockManager:
         """Registers the digests of the request's blocks that just became full of computed tokens."""
         if not self.enable_prefix_caching:
             return
-        num_full = request.num_computed_tokens // self.block_size
+        # a stop inside a multi-token step leaves computed KV past the kept tokens: only kept tokens count
+        num_full = min(request.num_computed_tokens, request.num_tokens) // self.block_size
         tokens = request.all_token_ids
         while len(request.block_digests) < num_full:
             i = len(request.block_digests)

@@ -1,66 +1,100 @@
 """EngineCore: the step loop. step() = scheduler.schedule() -> runner.execute(plan) -> scheduler.update(result),
-returning what changed for each request. It owns the loaded model, the KV cache and the scheduler."""
+returning what changed for each request. It owns the loaded model, the KV cache, the sampler and the scheduler,
+and at startup checks the CUDA extension, sizes the KV cache (engine.memory) and warms up."""
 from __future__ import annotations
 
+import logging
+import random
 import time
 
 import torch
 
 from engine.block_manager import BlockManager
-from engine.config import CPU_KV_CACHE_MEMORY, EngineConfig
+from engine.config import EngineConfig
+from engine.detokenizer import OutputText
+from engine.memory import measure_cuda_peak, plan_kv_cache
 from engine.messages import Delta, RequestError, StepStats
 from engine.model.loader import load_model, resolve_dtype
+try:  # TEMPORARY until the loader change lands
+    from engine.model.loader import default_sampling
+except ImportError:  # pragma: no cover
+    def default_sampling(gen):
+        return {}
+from engine.plan import ScheduledSeq, StepPlan
 from engine.request import Request, SamplingParams
 from engine.runner import ModelRunner
+from engine.sampler import RequestFault, Sampler
 from engine.scheduler import Scheduler
 from engine.speculative.drafter import make_drafter
 from engine.speculative.speculator import Speculator
 
+logger = logging.getLogger("ddtree.engine")
 
-def eos_token_ids(hf_config: dict, tokenizer) -> tuple[int, ...]:
+
+def eos_token_ids(hf_config: dict, generation_config: dict, tokenizer) -> tuple[int, ...]:
     ids = set()
-    eos = hf_config.get("eos_token_id")
-    ids.update(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+    for source in (hf_config, generation_config):
+        eos = source.get("eos_token_id")
+        ids.update(eos if isinstance(eos, list) else [eos] if eos is not None else [])
     if tokenizer is not None and tokenizer.eos_token_id is not None:
         ids.add(tokenizer.eos_token_id)
-    return tuple(sorted(ids))
+    return tuple(sorted(int(i) for i in ids))
+
+
+def signed64(seed: int) -> int:
+    """Any integer seed as the int64 with the same low 64 bits (OpenAI seeds may be unsigned)."""
+    return (int(seed) + (1 << 63)) % (1 << 64) - (1 << 63)
+
+
+def check_extension(config: EngineConfig) -> None:
+    """On CUDA the extension must load (before /health turns 200), unless reference kernels are allowed."""
+    if not config.is_cuda:
+        return
+    from ext import build
+
+    t0 = time.perf_counter()
+    if build.load_ops() is not None:
+        logger.info("CUDA extension loaded in %.1f s", time.perf_counter() - t0)
+        return
+    reason = getattr(build, "load_error", lambda: None)() or "unknown reason"
+    if not config.reference_kernels:
+        raise RuntimeError(f"the CUDA extension cannot be loaded ({reason}); build it with `ddtree build-ext`, "
+                           f"or pass --reference-kernels to run the slow PyTorch references on the GPU")
+    logger.warning("the CUDA extension cannot be loaded (%s): running ext's PyTorch references on the GPU "
+                   "(--reference-kernels); every step will be slow", reason)
 
 
 class EngineCore:
     def __init__(self, config: EngineConfig, loaded=None, drafter=None):
         self.config = config
         self.dtype = resolve_dtype(config.dtype, config.device)
-        self.loaded = loaded or load_model(config.model, self.dtype, config.device)
+        check_extension(config)
+        self.loaded = loaded or load_model(config.model, self.dtype, config.device,
+                                           **({"load_format": config.load_format}
+                                              if config.load_format != "auto" else {}))
         self.model, self.tokenizer = self.loaded.model, self.loaded.tokenizer
-        cfg = self.loaded.hf_config
+        cfg, gen = self.loaded.hf_config, getattr(self.loaded, "generation_config", None) or {}
         self.max_model_len = config.max_model_len or min(cfg.get("max_position_embeddings") or 2048, 32768)
-        self.eos_token_ids = eos_token_ids(cfg, self.tokenizer)
-        # never more blocks than max_num_seqs full-length sequences can use
-        useful = -(-config.max_num_seqs * self.max_model_len // config.block_size)
-        per_block = ModelRunner.kv_bytes_per_block(self.model, config.block_size, self.dtype)
-        num_blocks = config.num_kv_blocks or max(1, min(useful, (config.kv_cache_memory or CPU_KV_CACHE_MEMORY) // per_block))
+        self.eos_token_ids = eos_token_ids(cfg, gen, self.tokenizer)
+        self.default_sampling = default_sampling(gen)
+        self.sampler = Sampler(self.model.vocab_size, config.device, fault_seed=config.test_fault_seed)
         self.speculator = self.make_speculator(drafter)
+        max_budget = 0 if self.speculator is None else self.speculator.max_budget
+        per_block = ModelRunner.kv_bytes_per_block(self.model, config.block_size, self.dtype)
+        measure = (lambda: measure_cuda_peak(torch.device(config.device), self._warmup)) if config.is_cuda else None
+        self.kv_plan = plan_kv_cache(config, per_block, self.max_model_len, max_budget, measure)
+        logger.info("%s", self.kv_plan.describe(self.max_model_len))
         # a drafter fed by target features needs them for every prompt token, so cached prefixes would starve it
         needs_features = self.speculator is not None and bool(self.speculator.capture_layer_ids)
-        self.blocks = BlockManager(num_blocks, config.block_size,
+        self.blocks = BlockManager(self.kv_plan.num_blocks, config.block_size,
                                    enable_prefix_caching=config.enable_prefix_caching and not needs_features)
-        self.runner = ModelRunner(self.model, num_blocks, config.block_size, config.device, self.dtype,
-                                  self.speculator)
-        max_budget = 0 if self.speculator is None else self.speculator.max_budget
+        self.runner = ModelRunner(self.model, self.kv_plan.num_blocks, config.block_size, config.device, self.dtype,
+                                  self.sampler, self.speculator)
         self.scheduler = Scheduler(config, self.blocks, self.max_model_len, max_budget)
-        self.rng = torch.Generator().manual_seed(config.seed)
+        self.rng = random.Random(config.seed)
         self.requests: dict[str, Request] = {}
         self.request_errors: list[RequestError] = []  # requests that failed while the engine went on
-
-    def pop_request_errors(self) -> list[RequestError]:
-        """Requests that failed since the last call (each already removed from the engine)."""
-        errors, self.request_errors = self.request_errors, []
-        return errors
-
-    def fail_request(self, request_id: str, message: str) -> None:
-        """Removes one request after a failure tied to it; the server answers it with an internal error."""
-        self.abort(request_id)
-        self.request_errors.append(RequestError(request_id, message, kind="internal"))
+        self.last_stats: StepStats | None = None
 
     def make_speculator(self, drafter) -> Speculator | None:
         """The DDTree half of the runner, or None for plain decoding. `drafter` overrides the configured one
@@ -74,9 +108,40 @@ class EngineCore:
         budget = drafter.horizon if spec.chain else spec.budget
         return Speculator(drafter, budget, chain=spec.chain) if budget > 0 else None
 
+    def _warmup(self) -> None:
+        """The largest step shape on a scratch cache: a max_num_batched_tokens forward, then the sampler over
+        as many rows as a step can sample with every sampling feature on (what engine.memory measures)."""
+        t0 = time.perf_counter()
+        config, vocab = self.config, self.model.vocab_size
+        num_tokens, block_size = config.max_num_batched_tokens, config.block_size
+        num_blocks = -(-num_tokens // block_size)
+        gen = torch.Generator().manual_seed(0)
+        prompt = torch.randint(0, vocab, (num_tokens,), generator=gen).tolist()
+        req = Request(prompt, SamplingParams(max_tokens=1, detokenize=False))
+        req.block_ids = list(range(num_blocks))
+        sampler = Sampler(vocab, config.device)
+        runner = ModelRunner(self.model, num_blocks, block_size, config.device, self.dtype, sampler)
+        runner.execute(StepPlan([ScheduledSeq(req, num_tokens, sample=True)]))
+        budget = self.speculator.max_budget if self.speculator is not None else 0
+        num_rows = min(num_tokens, config.max_num_seqs * (budget + 1))
+        hidden = torch.randn(num_rows, self.model.hidden_size, device=config.device, dtype=self.dtype, generator=None)
+        params = SamplingParams(temperature=1.0, top_p=0.9, top_k=50, min_p=0.05, repetition_penalty=1.1,
+                                logprobs=20, detokenize=False)
+        rows = [Request([t], params, request_id=f"warmup-{i}") for i, t in enumerate(prompt[:num_rows])]
+        for r in rows:
+            r.output_token_ids = [0]
+        from engine.sampler import SamplingBatch
+
+        sampler(self.model.compute_logits(hidden), SamplingBatch(rows, [1] * num_rows))
+        del runner, sampler
+        logger.info("warm-up at the largest step shape (%d tokens, %d sampled rows) took %.1f s", num_tokens,
+                    num_rows, time.perf_counter() - t0)
+
     @property
     def vocab_size(self) -> int:
         return self.model.vocab_size
+
+    # ------------------------------------------------------------------------------------------ requests
 
     def add_request(self, prompt_token_ids: list[int], sampling: SamplingParams, request_id: str | None = None) -> str:
         sampling.validate(self.vocab_size)
@@ -89,14 +154,19 @@ class EngineCore:
             raise ValueError(f"the prompt has {len(prompt_token_ids)} tokens; the maximum context length is "
                              f"{self.max_model_len} tokens")
         longest = min(len(prompt_token_ids) + sampling.max_tokens, self.max_model_len)
-        if -(-longest // self.config.block_size) > self.blocks.num_blocks:
+        if longest > self.kv_plan.num_tokens:
             raise ValueError(f"the request needs {longest} tokens of KV cache but the cache holds "
-                             f"{self.blocks.num_blocks * self.config.block_size}; raise kv_cache_memory")
-        seed = sampling.seed if sampling.seed is not None else int(torch.randint(0, 2**62, (1,), generator=self.rng))
-        req = Request(list(prompt_token_ids), sampling, self.eos_token_ids,
-                      generator=torch.Generator().manual_seed(seed))
+                             f"{self.kv_plan.num_tokens}")
+        if sampling.stop and self.tokenizer is None:
+            raise ValueError("stop strings need the model's tokenizer, and this model has none")
+        seed = sampling.seed if sampling.seed is not None else self.rng.getrandbits(63)
+        req = Request(list(prompt_token_ids), sampling, self.eos_token_ids, seed=signed64(seed))
         if request_id is not None:
             req.request_id = request_id
+        if sampling.detokenize and self.tokenizer is not None:
+            req.text = OutputText(self.tokenizer, stop=sampling.stop, skip_special_tokens=sampling.skip_special_tokens,
+                                  include_stop_str_in_output=sampling.include_stop_str_in_output,
+                                  prompt_ids=prompt_token_ids)
         self.requests[req.request_id] = req
         self.scheduler.add(req)
         return req.request_id
@@ -107,23 +177,27 @@ class EngineCore:
         self.runner.release(request_id)
         return req is not None
 
-    def _inject_faults(self) -> None:
-        """Test-only hook (EngineConfig.test_fault_seed): a decoding request with that seed fails."""
-        seed = self.config.test_fault_seed
-        if seed is None:
-            return
-        for req in list(self.scheduler.running):
-            if req.sampling.seed == seed and req.output_token_ids:
-                self.fail_request(req.request_id, "RuntimeError: injected fault (test_fault_seed)")
+    def fail_request(self, request_id: str, message: str) -> None:
+        """Removes one request after a failure tied to it; the server answers it with an internal error."""
+        self.abort(request_id)
+        self.request_errors.append(RequestError(request_id, message, kind="internal"))
+
+    def pop_request_errors(self) -> list[RequestError]:
+        """Requests that failed since the last call (each already removed from the engine)."""
+        errors, self.request_errors = self.request_errors, []
+        return errors
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
+    # ---------------------------------------------------------------------------------------------- step
+
     def step(self) -> list[Delta]:
-        """One engine step; returns a Delta for every request that produced tokens or finished."""
+        """One engine step; returns a Delta for every request that produced tokens or finished. A failure tied
+        to one request (RequestFault) fails that request only: nothing of the step was committed, so the
+        others simply run again next step. Any other exception propagates (the engine process dies)."""
         t0 = time.perf_counter()
         preemptions_before = self.scheduler.num_preemptions
-        self._inject_faults()
         plan = self.scheduler.schedule()
         if not plan.seqs:
             self.last_stats = None
@@ -133,33 +207,48 @@ class EngineCore:
             s.request.first_scheduled_time = s.request.first_scheduled_time or now
         schedule_time = time.perf_counter() - t0
         before = {s.request.request_id: len(s.request.output_token_ids) for s in plan.seqs}
-        result = self.runner.execute(plan)
+        try:
+            result = self.runner.execute(plan)
+        except RequestFault as fault:
+            logger.error("request %s failed: %s", fault.request_id, fault, exc_info=fault.__cause__)
+            self.fail_request(fault.request_id, str(fault))
+            self.last_stats = None
+            return []
         result.timings["schedule"] = schedule_time
         self.scheduler.update(plan, result)
         for req in plan.preempted:
             self.runner.release(req.request_id)
-        deltas = []
-        for s in plan.seqs:
-            req = s.request
-            n0 = before[req.request_id]
-            new = req.output_token_ids[n0:]
-            if new and req.first_token_time is None:
-                req.first_token_time = time.monotonic()
-            if not new and not req.finished:
-                continue
-            delta = Delta(req.request_id, new, req.finished, req.finish_reason,
-                          req.output_logprobs[n0:] if req.sampling.logprobs is not None else None,
-                          num_prompt_tokens=req.num_prompt_tokens, num_cached_tokens=req.num_cached_tokens)
-            if req.finished:
-                delta.queue_time = (req.first_scheduled_time or now) - req.arrival_time
-                delta.accept_lengths = list(req.accept_lengths)
-                self.requests.pop(req.request_id, None)
-                self.runner.release(req.request_id)
-            deltas.append(delta)
-        self.last_stats = StepStats(
+        deltas = [d for d in (self._delta(s.request, before[s.request.request_id], now) for s in plan.seqs) if d]
+        self.last_stats = self._stats(plan, result, preemptions_before)
+        return deltas
+
+    def _delta(self, req: Request, num_before: int, now: float) -> Delta | None:
+        new = req.output_token_ids[num_before:]
+        if new and req.first_token_time is None:
+            req.first_token_time = time.monotonic()
+        if not new and not req.finished:
+            return None
+        if req.finished and req.text is not None:
+            req.text.finish()
+        delta = Delta(req.request_id, new, req.finished, req.finish_reason,
+                      req.output_logprobs[num_before:] if req.sampling.logprobs is not None else None,
+                      num_prompt_tokens=req.num_prompt_tokens, num_cached_tokens=req.num_cached_tokens,
+                      text=req.text.take() if req.text is not None else "", stop_reason=req.stop_reason)
+        if req.finished:
+            delta.queue_time = (req.first_scheduled_time or now) - req.arrival_time
+            delta.accept_lengths = list(req.accept_lengths)
+            self.requests.pop(req.request_id, None)
+            self.runner.release(req.request_id)
+        return delta
+
+    def _stats(self, plan, result, preemptions_before: int) -> StepStats:
+        from ext import ops
+
+        take = getattr(ops, "take_reference_fallbacks", None)
+        return StepStats(
             num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
             kv_cache_usage=self.blocks.usage, batch_size=len(plan.seqs),
             num_preemptions=self.scheduler.num_preemptions - preemptions_before, timings=result.timings,
             accept_lengths=result.accept_lengths, tree_nodes=result.tree_nodes,
-            accepted_per_position=result.accepted_per_position)
-        return deltas
+            accepted_per_position=result.accepted_per_position, prefix_cache_queries=plan.prefix_cache_queries,
+            prefix_cache_hits=plan.prefix_cache_hits, kernel_fallbacks=take() if take is not None else {})

@@ -19,6 +19,7 @@ class GenerationOutput:
     finish_reason: str
     logprobs: list | None = None
     stats: dict = field(default_factory=dict)
+    stop_reason: str | int | None = None  # the stop string or stop token id that ended it
 
 
 class LLM:
@@ -42,14 +43,20 @@ class LLM:
             return self.tokenizer.encode(text, add_special_tokens=False)
         return self.tokenizer.encode(prompt)
 
+    def default_sampling_params(self) -> SamplingParams:
+        """SamplingParams with the checkpoint's generation_config.json defaults (temperature, top_p, ...)."""
+        return SamplingParams(**self.engine.default_sampling)
+
     def generate(self, prompts, sampling: SamplingParams | None = None, chat: bool = False) -> list[GenerationOutput]:
-        """prompts: a string, a list of strings, a list of token ids, or a list of token-id lists."""
-        sampling = sampling or SamplingParams()
+        """prompts: a string, a list of strings, a list of token ids, or a list of token-id lists. Without
+        `sampling`, the checkpoint's generation_config.json defaults apply."""
+        sampling = sampling or self.default_sampling_params()
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         token_lists = [p if isinstance(p, list) else self.encode(p, chat) for p in prompts]
         ids = [self.engine.add_request(t, SamplingParams(**vars(sampling))) for t in token_lists]
         tokens = {rid: [] for rid in ids}
+        texts = {rid: [] for rid in ids}
         logprobs = {rid: [] for rid in ids}
         done: dict[str, Delta] = {}
         start = time.perf_counter()
@@ -57,20 +64,24 @@ class LLM:
         while len(done) < len(ids):
             for delta in self.engine.step():
                 tokens[delta.request_id].extend(delta.new_token_ids)
+                texts[delta.request_id].append(delta.text)
                 logprobs[delta.request_id].extend(delta.new_logprobs or [])
                 if delta.finished:
                     done[delta.request_id] = delta
+            for error in self.engine.pop_request_errors():
+                raise RuntimeError(f"request {error.request_id} failed: {error.message}")
             steps += 1
         elapsed = time.perf_counter() - start
         results = []
+        detokenized = sampling.detokenize and self.tokenizer is not None
         for rid, prompt_ids in zip(ids, token_lists):
             out = done[rid]
-            text = self.tokenizer.decode(tokens[rid], skip_special_tokens=True) if self.tokenizer else None
             stats = {"elapsed_s": elapsed, "steps": steps}
             if out.accept_lengths:
                 stats["spec"] = spec_summary(out.accept_lengths)
-            results.append(GenerationOutput(prompt_ids, tokens[rid], text, out.finish_reason,
-                                            logprobs[rid] if sampling.logprobs is not None else None, stats))
+            results.append(GenerationOutput(prompt_ids, tokens[rid], "".join(texts[rid]) if detokenized else None,
+                                            out.finish_reason, logprobs[rid] if sampling.logprobs is not None else None,
+                                            stats, out.stop_reason))
         return results
 
 

@@ -18,6 +18,8 @@ class ScheduledSeq:
 class StepPlan:
     seqs: list[ScheduledSeq] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)  # requests whose KV was dropped this step
+    prefix_cache_queries: int = 0  # prompt tokens of the requests admitted this step (first admission only)
+    prefix_cache_hits: int = 0  # of those, tokens whose KV came from the prefix cache
 
     @property
     def num_tokens(self) -> int:

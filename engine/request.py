@@ -1,5 +1,6 @@
 """A generation request inside the engine: its sampling parameters, token ids, how many of them have KV in the
-cache (num_computed_tokens), its KV block table, and why it finished."""
+cache (num_computed_tokens), its KV block table, its detokenized text (stop strings are matched here, in the
+engine, so a stopped request frees its KV at once), and why it finished."""
 from __future__ import annotations
 
 import enum
@@ -7,7 +8,7 @@ import itertools
 import time
 from dataclasses import dataclass, field
 
-import torch
+from typing import Any
 
 
 @dataclass
@@ -26,6 +27,10 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     logit_bias: dict[int, float] | None = None
     logprobs: int | None = None  # top log-probs to return per generated token (0 = only the chosen token's)
+    stop: list[str] = field(default_factory=list)  # stop strings, matched in the detokenized output
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True  # in the detokenized text
+    detokenize: bool = True  # produce text (needs the model's tokenizer); stop strings need it
 
     def validate(self, vocab_size: int | None = None) -> None:
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
@@ -42,6 +47,10 @@ class SamplingParams:
             raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
         if self.logprobs is not None and not 0 <= self.logprobs <= 20:
             raise ValueError(f"logprobs must be in [0, 20], got {self.logprobs}")
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            raise ValueError("stop strings must be non-empty strings")
+        if self.stop and not self.detokenize:
+            raise ValueError("stop strings need detokenize=True")
         if vocab_size is not None:
             for t in list(self.stop_token_ids) + list((self.logit_bias or {}).keys()):
                 if not 0 <= int(t) < vocab_size:
@@ -77,7 +86,9 @@ class Request:
     block_digests: list[bytes] = field(default_factory=list)  # prefix-cache digests of the full blocks
     num_cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
     finish_reason: str | None = None  # stop | length | abort
-    generator: torch.Generator | None = None
+    stop_reason: str | int | None = None  # the stop string or stop token id that finished it
+    seed: int = 0  # the sampling seed (the request's own, or one the engine drew): noise = f(seed, output index)
+    text: Any = None  # engine.detokenizer.OutputText when the request detokenizes
     arrival_time: float = field(default_factory=time.monotonic)
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
@@ -96,6 +107,10 @@ class Request:
     @property
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
 
     @property
     def finished(self) -> bool:

@@ -1,24 +1,26 @@
-"""ModelRunner: owns the model and its paged KV cache; turns a StepPlan into one target forward. Plain
-requests (prefill chunks, decode) sample their next token; requests with a tree budget go through DDTree:
-draft -> tree -> verify (their tree rows ride in the same forward) -> accept -> KV compaction."""
+"""ModelRunner: owns the model and its paged KV cache; turns a StepPlan into one target forward and the step's
+tokens. Plain sequences (prefill chunks, decodes) and DDTree verify rows ride in the same forward; one batched
+sampler picks the next token of every plain sequence that reaches its end and the target's token after every
+tree row; the trees are walked and their accepted KV compacted on the device; then the step's results come to
+the host in one device-to-host copy."""
 from __future__ import annotations
 
 import time
 
 import torch
 
-from engine import sampler
-from engine.plan import StepPlan, StepResult
-from engine.speculative import verify
-from engine.speculative.speculator import Speculator, TreeBatch
-from ext.metadata import AttentionMetadata, build_metadata
+from engine.inputs import StepInputs, prepare_inputs
+from engine.plan import ScheduledSeq, StepPlan, StepResult
+from engine.sampler import SampleOutput, Sampler, SamplingBatch
+from engine.speculative.speculator import Speculator, TreeBatch, Walk
 
 
 class ModelRunner:
     def __init__(self, model, num_blocks: int, block_size: int, device: str, dtype: torch.dtype,
-                 speculator: Speculator | None = None):
-        self.model, self.device, self.dtype = model, device, dtype
+                 sampler: Sampler | None = None, speculator: Speculator | None = None):
+        self.model, self.device, self.dtype = model, torch.device(device), dtype
         self.num_blocks, self.block_size = num_blocks, block_size
+        self.sampler = sampler if sampler is not None else Sampler(model.vocab_size, device)
         self.speculator = speculator
         self.kv_caches = [
             torch.zeros(model.kv_cache_shape(i, num_blocks, block_size), dtype=dtype, device=device)
@@ -35,104 +37,145 @@ class ModelRunner:
         elems = sum(torch.Size(model.kv_cache_shape(i, 1, block_size)).numel() for i in range(model.num_layers))
         return elems * torch.empty((), dtype=dtype).element_size()
 
-    def slot(self, block_ids: list[int], index: int) -> int:
-        return block_ids[index // self.block_size] * self.block_size + index % self.block_size
-
     def release(self, request_id: str) -> None:
-        """Forgets per-request drafting state (finish, abort, preemption)."""
+        """Forgets per-request state (finish, abort, preemption)."""
+        self.sampler.release(request_id)
         if self.speculator is not None:
             self.speculator.release(request_id)
 
-    def prepare(self, plan: StepPlan, tree: TreeBatch | None = None
-                ) -> tuple[torch.Tensor, AttentionMetadata, list[tuple[int, int]]]:
-        """Flat input ids, metadata, and each scheduled sequence's (first row, number of rows)."""
-        tree_index = {id(s): i for i, s in enumerate(tree.seqs)} if tree is not None else {}
-        input_ids, positions, slots, query_lens, seq_lens, tables, masks, rows = [], [], [], [], [], [], [], []
-        for s in plan.seqs:
-            req, start = s.request, s.request.num_computed_tokens
-            if id(s) in tree_index:
-                ids, pos, mask = self.speculator.verify_inputs(tree, tree_index[id(s)])
-            else:
-                ids = req.all_token_ids[start : start + s.num_new_tokens]
-                pos, mask = list(range(start, start + len(ids))), None
-            n = len(ids)
-            rows.append((len(input_ids), n))
-            input_ids.extend(ids)
-            positions.extend(pos)
-            slots.extend(self.slot(req.block_ids, i) for i in range(start, start + n))
-            query_lens.append(n)
-            seq_lens.append(start + n)
-            tables.append(req.block_ids)
-            masks.append(mask)
-        meta = build_metadata(positions, slots, query_lens, seq_lens, tables, self.block_size,
-                              tree_masks=masks if tree is not None else None, device=self.device)
-        return torch.tensor(input_ids, dtype=torch.long, device=self.device), meta, rows
+    def prepare(self, plan: StepPlan) -> tuple[torch.Tensor, object, list[tuple[int, int]]]:
+        """Inputs of a plan without trees: (input ids, attention metadata, (first row, rows) per sequence)."""
+        inputs = prepare_inputs(plan.seqs, None, self.block_size, self.device)
+        return inputs.input_ids, inputs.meta, inputs.plain_rows
 
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> StepResult:
-        result = StepResult()
         spec = self.speculator
-        tree = None
-        tree_seqs = [s for s in plan.seqs if s.spec_budget > 0] if spec is not None else []
-        if tree_seqs:
-            tree = spec.draft(tree_seqs)
+        is_tree = [spec is not None and s.spec_budget > 0 for s in plan.seqs]
+        plain = [s for s, t in zip(plan.seqs, is_tree) if not t]
+        tree_seqs = [s for s, t in zip(plan.seqs, is_tree) if t]
+        # a step that fails after this leaves no trace the next step would see: the drafter's state covers
+        # committed tokens only, features are recorded and tokens returned only at the end
+        batch = spec.draft(tree_seqs) if tree_seqs else None
+        return self._run(plain, batch)
+
+    def _run(self, plain: list[ScheduledSeq], batch: TreeBatch | None) -> StepResult:
         t1 = time.perf_counter()
-        input_ids, meta, rows = self.prepare(plan, tree)
-        capture = spec.capture_layer_ids if spec is not None else ()
-        hidden, captured = self.model(input_ids, meta, self.kv_caches, capture_layer_ids=capture)
+        inputs = prepare_inputs(plain, batch, self.block_size, self.device)
+        capture = self.speculator.capture_layer_ids if self.speculator is not None else ()
+        hidden, captured = self.model(inputs.input_ids, inputs.meta, self.kv_caches, capture_layer_ids=capture)
         features = torch.cat(captured, dim=-1) if captured else None  # [num_tokens, num_layers * hidden]
         t2 = time.perf_counter()
-        # 1. plain sequences: keep their features for the drafter, sample where the chunk reaches the end
-        plain = [(s, r) for s, r in zip(plan.seqs, rows) if s.spec_budget == 0 or tree is None]
-        if spec is not None:
-            for s, (r0, n) in plain:
-                spec.record_hidden(s.request.request_id, features[r0 : r0 + n] if features is not None else None)
-        sampling = [(s.request, r0 + n - 1) for s, (r0, n) in plain if s.sample]
-        if sampling:
-            logits = self.model.compute_logits(hidden[[r for _, r in sampling]])  # [num_sampling, vocab] fp32
-            tokens, logprobs = sampler.sample(logits, [req for req, _ in sampling])
-            for (req, _), t, lp in zip(sampling, tokens, logprobs):
-                result.new_token_ids[req.request_id] = [t]
-                if lp is not None:
-                    result.logprobs[req.request_id] = [lp]
+        sampling = [(s.request, r0 + n - 1) for s, (r0, n) in zip(plain, inputs.plain_rows) if s.sample]
+        out, walk = self._sample(hidden, inputs, sampling, batch)
+        host = _fetch(out, walk, len(sampling))
         t3 = time.perf_counter()
-        # 2. tree sequences: target token per row, walk, compaction, drafter feedback
-        if tree is not None:
-            self.accept_trees(tree, [r for s, r in zip(plan.seqs, rows) if s.spec_budget > 0], hidden, features,
-                              result)
-        t4 = time.perf_counter()
-        if tree is not None:
-            result.timings.update(draft=tree.draft_s, tree_build=tree.tree_build_s, verify=t2 - t1, accept=t4 - t2)
+        result = StepResult()
+        for i, (req, _) in enumerate(sampling):
+            result.new_token_ids[req.request_id] = [host.tokens[i]]
+            if req.sampling.logprobs is not None:
+                result.logprobs[req.request_id] = [host.logprob(i, req.sampling.logprobs)]
+        if self.speculator is not None:
+            for s, (r0, n) in zip(plain, inputs.plain_rows):
+                self.speculator.record_hidden(s.request.request_id,
+                                              features[r0:r0 + n] if features is not None else None)
+        if batch is not None:
+            self._tree_results(batch, inputs, host, len(sampling), features, result)
+            result.timings.update(draft=batch.draft_s, tree_build=batch.tree_build_s, verify=t2 - t1,
+                                  accept=time.perf_counter() - t2)
         else:
             result.timings.update(forward=t2 - t1, sample=t3 - t2)
         return result
 
-    def accept_trees(self, batch: TreeBatch, rows: list[tuple[int, int]], hidden: torch.Tensor,
-                     features: torch.Tensor | None, result: StepResult) -> None:
-        spec = self.speculator
-        logits = [self.model.compute_logits(hidden[r0 : r0 + n]) for r0, n in rows]  # each [n, vocab] fp32
-        targets = torch.stack([spec.target_tokens(batch, i, lg) for i, lg in enumerate(logits)])  # [N, B+1]
-        walk = verify.accept(batch.tree, targets)
-        row_slots, accepted_rows = [], []
+    def _sample(self, hidden: torch.Tensor, inputs: StepInputs, sampling: list, batch: TreeBatch | None
+                ) -> tuple[SampleOutput, Walk | None]:
+        """Logits of every sampled row -> tokens (and, for the trees, the walk and the KV compaction)."""
+        rows = torch.tensor([r for _, r in sampling], dtype=torch.int64).to(self.device, non_blocking=True)
+        requests, num_rows = [req for req, _ in sampling], [1] * len(sampling)
+        depths = tree_tokens = tree_vis = None
+        if batch is not None:
+            width = batch.width
+            tree_rows = torch.arange(inputs.tree_row0, inputs.tree_row0 + batch.num_requests * width,
+                                     device=self.device)
+            rows = torch.cat([rows, tree_rows])
+            requests += [s.request for s in batch.seqs]
+            num_rows += [width] * batch.num_requests
+            depths = torch.cat([torch.zeros(len(sampling), dtype=torch.int64, device=self.device),
+                                batch.tree.depths.reshape(-1)])
+            tree_tokens, tree_vis = batch.tree.node_token_ids, batch.tree.visibility
+        if not requests:
+            return SampleOutput(torch.empty(0, dtype=torch.int64, device=self.device), [], None, None, None), None
+        logits = self.model.compute_logits(hidden[rows])  # [R, vocab] fp32
+        out = self.sampler(logits, SamplingBatch(requests, num_rows, depths, tree_tokens, tree_vis))
+        walk = None
+        if batch is not None:
+            targets = out.tokens[len(sampling):].view(batch.num_requests, batch.width)
+            walk = Speculator.walk(batch, targets)
+            Speculator.compact(self.slot_views, walk, inputs.tree_slots)
+        return out, walk
+
+    def _tree_results(self, batch: TreeBatch, inputs: StepInputs, host: "_HostResults", num_plain: int,
+                      features: torch.Tensor | None, result: StepResult) -> None:
+        width = batch.width
         for i, s in enumerate(batch.seqs):
-            req, tau = s.request, int(walk.accept_len[i])
-            acc = walk.accepted_nodes[i, :tau].tolist()
-            emitted = walk.emitted_token_ids[i, :tau].tolist()  # accepted drafts, then the bonus
-            start = req.num_computed_tokens
-            row_slots.append([self.slot(req.block_ids, start + j) for j in range(batch.num_rows[i])])
-            accepted_rows.append(acc)
+            req = s.request
+            tau = host.accept_len[i]
+            acc, emitted = host.accepted[i][:tau], host.emitted[i][:tau]  # accepted rows; drafts then the bonus
             result.new_token_ids[req.request_id] = emitted
             result.num_accepted[req.request_id] = tau - 1
-            result.num_draft_tokens[req.request_id] = batch.num_rows[i] - 1
+            result.num_draft_tokens[req.request_id] = batch.budgets[i]
             if req.sampling.logprobs is not None:  # token j was chosen at accepted row acc[j]
-                result.logprobs[req.request_id] = [
-                    sampler.token_logprobs(logits[i][a], t, req.sampling.logprobs) for a, t in zip(acc, emitted)]
+                result.logprobs[req.request_id] = [host.logprob(num_plain + i * width + a, req.sampling.logprobs)
+                                                   for a in acc]
             if features is not None:
-                spec.record_hidden(req.request_id, features[[rows[i][0] + a for a in acc]])
+                base = inputs.tree_row0 + i * width
+                self.speculator.record_hidden(req.request_id, features[[base + a for a in acc]])
             result.accept_lengths.append(tau)
-            result.tree_nodes.append(batch.num_rows[i] - 1)
+            result.tree_nodes.append(batch.budgets[i])
             for d in range(tau - 1):
                 if d >= len(result.accepted_per_position):
                     result.accepted_per_position.append(0)
                 result.accepted_per_position[d] += 1
-        spec.compact(self.slot_views, row_slots, accepted_rows)
+
+
+class _HostResults:
+    """The step's results after the one device-to-host copy."""
+
+    def __init__(self, values: list[float], num_plain: int, walk: Walk | None, out: SampleOutput):
+        pos = 0
+
+        def take(n: int) -> list:
+            nonlocal pos
+            part = values[pos:pos + n]
+            pos += n
+            return part
+
+        self.tokens = [int(t) for t in take(num_plain)]
+        self.accept_len, self.accepted, self.emitted = [], [], []
+        if walk is not None:
+            num_reqs, width = walk.accepted_nodes.shape
+            self.accept_len = [int(t) for t in take(num_reqs)]
+            self.accepted = [[int(t) for t in take(width)] for _ in range(num_reqs)]
+            self.emitted = [[int(t) for t in take(width)] for _ in range(num_reqs)]
+        self._lp_index = {row: k for k, row in enumerate(out.logprob_rows)}
+        self._chosen = take(len(out.logprob_rows))
+        n_top = out.top_ids.shape[1] if out.top_ids is not None else 0
+        self._top_vals = [take(n_top) for _ in out.logprob_rows]
+        self._top_ids = [[int(t) for t in take(n_top)] for _ in out.logprob_rows]
+
+    def logprob(self, row: int, num_top: int) -> tuple[float, list[tuple[int, float]]]:
+        k = self._lp_index[row]
+        return self._chosen[k], list(zip(self._top_ids[k][:num_top], self._top_vals[k][:num_top]))
+
+
+def _fetch(out: SampleOutput, walk: Walk | None, num_plain: int) -> _HostResults:
+    """Everything the host needs from the step, in one device-to-host copy."""
+    parts = [out.tokens[:num_plain]]
+    if walk is not None:
+        parts += [walk.accept_len, walk.accepted_nodes, walk.emitted]
+    if out.logprob_rows:
+        parts.append(out.chosen_logprobs)
+        if out.top_ids is not None:
+            parts += [out.top_logprobs, out.top_ids]
+    packed = torch.cat([p.reshape(-1).to(torch.float64) for p in parts])
+    return _HostResults(packed.cpu().tolist(), num_plain, walk, out)

@@ -1,78 +1,305 @@
-"""Turns next-token logits into tokens: logit bias, repetition / presence / frequency penalties, temperature,
-top-k, top-p, min-p, then greedy argmax or a draw from the request's own seeded generator (so a seeded
-request gives the same tokens whatever else is in the batch). Also the target model's logprobs."""
+"""The batched sampler: turns the logits of every row of a step into tokens on the model's device, for plain
+decoding rows and DDTree verify rows alike, in a fixed handful of tensor ops (no per-request Python over the
+vocabulary, no host sync).
+
+Per row, in this order (the order plain decoding has always used): logit_bias; repetition, presence and
+frequency penalties over the request's output (for a tree row: plus the drafted tokens on the path to it);
+min_tokens (EOS and stop ids masked while the row's output index is below it); then argmax at temperature 0,
+or temperature, top-k, top-p, min-p and one draw.
+
+The draw is inverse-CDF sampling with a counter-based uniform u = f(request seed, output index of the token):
+the same seed gives the same tokens whatever else is in the batch, on any device, with speculation on or
+off. Under DDTree the row that decides output position i uses exactly the uniform plain decoding would use at
+position i, so a walk through the tree emits what plain sampling emits from the same logits (and is therefore
+distributed exactly like it, ddtree.md §2.6).
+"""
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
 from engine.request import Request
+from ext import ops
+
+_GOLDEN = 0x9E3779B97F4A7C15 - (1 << 64)  # splitmix64 constants as signed int64 (torch wraps on overflow)
+_MIX1 = 0xBF58476D1CE4E5B9 - (1 << 64)
+_MIX2 = 0x94D049BB133111EB - (1 << 64)
 
 
-def apply_penalties_and_bias(logits: torch.Tensor, request: Request, history: list[int] | None = None) -> torch.Tensor:
-    """logits [vocab] fp32 -> a processed copy. `history` = tokens generated so far (default: the request's)."""
+def _shift_right(x: torch.Tensor, k: int) -> torch.Tensor:
+    """Logical right shift of int64 bit patterns."""
+    return (x >> k) & ((1 << (64 - k)) - 1)
+
+
+def _splitmix64(x: torch.Tensor) -> torch.Tensor:
+    z = x + _GOLDEN
+    z = (z ^ _shift_right(z, 30)) * _MIX1
+    z = (z ^ _shift_right(z, 27)) * _MIX2
+    return z ^ _shift_right(z, 31)
+
+
+def uniforms(seeds: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+    """[R] int64 seeds, [R] int64 output indices -> [R] float64 uniforms in [0, 1), a pure function of both."""
+    h = _splitmix64(_splitmix64(seeds) + indices)
+    return _shift_right(h, 11).double() * (1.0 / (1 << 53))
+
+
+class RequestFault(Exception):
+    """A failure tied to one request: the engine fails that request and goes on with the others."""
+
+    def __init__(self, request_id: str, message: str):
+        super().__init__(message)
+        self.request_id = request_id
+
+
+@dataclass
+class SamplingBatch:
+    """The rows to sample: request m owns the next num_rows[m] rows of the logits. Tree requests come last;
+    their rows are `width` wide each, in the tree's row order."""
+
+    requests: list[Request]
+    num_rows: list[int]
+    # [R] int64 on the device: how many tokens past the request's committed output the row's token lies (tree
+    # depth of the row; 0 for plain rows). None = all rows at depth 0.
+    depths: torch.Tensor | None = None
+    # the trailing tree requests' node tokens [N, W] and ancestor-or-self visibility [N, W, W] (penalties)
+    tree_tokens: torch.Tensor | None = None
+    tree_visibility: torch.Tensor | None = None
+
+
+@dataclass
+class SampleOutput:
+    tokens: torch.Tensor  # [R] int64 on the device
+    logprob_rows: list[int]  # rows whose request asked for logprobs, ascending
+    chosen_logprobs: torch.Tensor | None  # [len(logprob_rows)] fp32: the sampled token's logprob
+    top_logprobs: torch.Tensor | None  # [len(logprob_rows), n] fp32 (n = the batch's largest request)
+    top_ids: torch.Tensor | None  # [len(logprob_rows), n] int64
+
+
+class _PenaltyState:
+    """A penalized request's prompt tokens as a mask and its output tokens as counts, kept on the device and
+    updated with the tokens committed since the last step."""
+
+    def __init__(self, request: Request, vocab_size: int, device):
+        self.prompt_mask = torch.zeros(vocab_size, dtype=torch.bool, device=device)
+        self.prompt_mask[torch.tensor(request.prompt_token_ids, device=device)] = True
+        self.counts = torch.zeros(vocab_size, dtype=torch.int32, device=device)
+        self.num_counted = 0
+
+    def update(self, request: Request) -> None:
+        new = request.output_token_ids[self.num_counted:]
+        if new:
+            ids = torch.tensor(new, device=self.counts.device)
+            self.counts.index_add_(0, ids, torch.ones_like(ids, dtype=torch.int32))
+            self.num_counted += len(new)
+
+
+def _needs_penalty(request: Request) -> bool:
     sp = request.sampling
-    out = logits
-    if sp.logit_bias:
-        out = out.clone()
-        ids = torch.tensor(list(sp.logit_bias.keys()), dtype=torch.long, device=out.device)
-        out[ids] += torch.tensor(list(sp.logit_bias.values()), dtype=out.dtype, device=out.device)
-    generated = request.output_token_ids if history is None else history
-    if sp.repetition_penalty != 1.0:
-        seen = torch.tensor(sorted(set(request.prompt_token_ids) | set(generated)), dtype=torch.long, device=out.device)
-        if len(seen):
-            out = out.clone()
-            vals = out[seen]
-            out[seen] = torch.where(vals > 0, vals / sp.repetition_penalty, vals * sp.repetition_penalty)
-    if (sp.presence_penalty or sp.frequency_penalty) and generated:
-        ids, counts = torch.tensor(generated, dtype=torch.long, device=out.device).unique(return_counts=True)
-        out = out.clone()
-        out[ids] -= sp.frequency_penalty * counts.to(out.dtype) + sp.presence_penalty
-    return out
+    return sp.repetition_penalty != 1.0 or sp.presence_penalty != 0.0 or sp.frequency_penalty != 0.0
 
 
-def sampling_probs(logits: torch.Tensor, request: Request) -> torch.Tensor:
-    """Processed logits [vocab] -> the distribution plain sampling draws from: temperature, top-k, top-p, min-p."""
-    sp = request.sampling
-    logits = logits / sp.temperature
-    if sp.top_k and sp.top_k > 0 and sp.top_k < logits.shape[-1]:
-        kth = logits.topk(sp.top_k).values[-1]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    probs = logits.softmax(-1)
-    if sp.top_p < 1.0:
-        sorted_probs, order = probs.sort(descending=True)
-        # drop a token when the mass before it already reaches top_p (the top token always stays)
-        drop = (sorted_probs.cumsum(-1) - sorted_probs) >= sp.top_p
-        probs = probs.scatter(0, order, sorted_probs.masked_fill(drop, 0.0))
-    if sp.min_p > 0:
-        probs = probs.masked_fill(probs < sp.min_p * probs.max(), 0.0)
-    return probs / probs.sum()
+class Sampler:
+    def __init__(self, vocab_size: int, device, fault_seed: int | None = None):
+        self.vocab_size, self.device, self.fault_seed = vocab_size, torch.device(device), fault_seed
+        self._penalties: dict[str, _PenaltyState] = {}
+
+    def release(self, request_id: str) -> None:
+        self._penalties.pop(request_id, None)
+
+    @torch.inference_mode()
+    def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SampleOutput:
+        """logits [R, V] fp32 (raw, from the model) -> tokens and logprobs (all on the device)."""
+        rows = _RowPlan(batch, self.fault_seed)
+        processed = logits
+        if rows.bias_rows:
+            processed = processed.clone()
+            index = (self._tensor(rows.bias_rows), self._tensor(rows.bias_tokens))
+            processed.index_put_(index, self._tensor(rows.bias_values, torch.float32), accumulate=True)
+        if rows.penalized:
+            processed = self._apply_penalties(processed, batch, rows)
+        if rows.min_token_rows:
+            processed = self._mask_min_tokens(processed, batch, rows)
+        tokens = processed.argmax(-1)
+        if rows.sampled_rows:
+            tokens = self._draw(processed, tokens, batch, rows)
+        return self._logprobs(logits, tokens, rows)
+
+    # ------------------------------------------------------------------------------------------- steps
+
+    def _tensor(self, values, dtype=torch.int64) -> torch.Tensor:
+        return torch.tensor(values, dtype=dtype).to(self.device, non_blocking=True)
+
+    def _row_depths(self, batch: SamplingBatch, index: torch.Tensor) -> torch.Tensor:
+        if batch.depths is None:
+            return torch.zeros_like(index)
+        return batch.depths[index]
+
+    def _apply_penalties(self, logits: torch.Tensor, batch: SamplingBatch, rows: "_RowPlan") -> torch.Tensor:
+        """Repetition (prompt and output), presence and frequency (output) penalties on the penalized rows."""
+        pen_rows = self._tensor(rows.penalty_rows)  # [Rp]
+        states = []
+        for m in rows.penalized:
+            req = batch.requests[m]
+            state = self._penalties.get(req.request_id)
+            if state is None:
+                state = self._penalties[req.request_id] = _PenaltyState(req, self.vocab_size, self.device)
+            state.update(req)
+            states.append(state)
+        counts = torch.stack([s.counts for s in states])[self._tensor(rows.penalty_state_of_row)]  # [Rp, V]
+        prompt = torch.stack([s.prompt_mask for s in states])[self._tensor(rows.penalty_state_of_row)]
+        if batch.tree_tokens is not None and rows.penalty_tree_rows:
+            counts = counts + self._path_counts(batch, rows, len(rows.penalty_rows))
+        params = self._tensor(rows.penalty_params, torch.float32)  # [Rp, 3]: repetition, presence, frequency
+        rep, presence, frequency = params[:, 0:1], params[:, 1:2], params[:, 2:3]
+        x = logits[pen_rows]
+        seen = prompt | (counts > 0)
+        x = torch.where(seen, torch.where(x > 0, x / rep, x * rep), x)
+        x = x - frequency * counts.to(x.dtype) - presence * (counts > 0).to(x.dtype)
+        return logits.index_copy(0, pen_rows, x)
+
+    def _path_counts(self, batch: SamplingBatch, rows: "_RowPlan", num_rows: int) -> torch.Tensor:
+        """[Rp, V] counts of the drafted tokens on the path to each penalized tree row (root excluded: it is
+        already in the output)."""
+        out = torch.zeros(num_rows, self.vocab_size, dtype=torch.int32, device=self.device)
+        local = self._tensor([i for i, _ in rows.penalty_tree_rows])  # position among the penalized rows
+        tree_index = self._tensor([n for _, n in rows.penalty_tree_rows])  # (request, row) flat in [N * W]
+        width = batch.tree_tokens.shape[1]
+        vis = batch.tree_visibility.reshape(-1, width)[tree_index, 1:].to(torch.int32)  # [Rt, W-1]
+        tokens = batch.tree_tokens[tree_index // width, 1:].clamp(min=0)  # [Rt, W-1]
+        path = torch.zeros(len(rows.penalty_tree_rows), self.vocab_size, dtype=torch.int32, device=self.device)
+        path.scatter_add_(1, tokens, vis)
+        return out.index_copy(0, local, path)
+
+    def _mask_min_tokens(self, logits: torch.Tensor, batch: SamplingBatch, rows: "_RowPlan") -> torch.Tensor:
+        """EOS and stop ids get -inf on rows whose output index (committed output + depth) is below min_tokens."""
+        row_t, tok_t = self._tensor(rows.min_token_rows), self._tensor(rows.min_token_ids)
+        limit = self._tensor(rows.min_token_limits)  # min_tokens - committed output, per pair
+        active = self._row_depths(batch, row_t) < limit
+        logits = logits.clone()
+        current = logits[row_t, tok_t]
+        logits[row_t, tok_t] = torch.where(active, torch.full_like(current, float("-inf")), current)
+        return logits
+
+    def _draw(self, logits: torch.Tensor, greedy: torch.Tensor, batch: SamplingBatch,
+              rows: "_RowPlan") -> torch.Tensor:
+        """Temperature, top-k, top-p, min-p and one inverse-CDF draw per sampled row."""
+        index = self._tensor(rows.sampled_rows)
+        params = self._tensor(rows.sampled_params, torch.float32)  # [S, 4]: temperature, top_p, min_p, top_k
+        seeds_and_pos = self._tensor(rows.sampled_keys)  # [S, 2]: seed, committed output length
+        x = logits[index] / params[:, 0:1]
+        if rows.any_top_k_top_p:
+            x = apply_top_k_top_p(x, params[:, 3].to(torch.int64), params[:, 1])
+        u = uniforms(seeds_and_pos[:, 0], seeds_and_pos[:, 1] + self._row_depths(batch, index))
+        ones = torch.ones_like(params[:, 0])
+        drawn = _sample_tokens(x, ones, params[:, 2], u)
+        return greedy.index_copy(0, index, drawn)
+
+    def _logprobs(self, logits: torch.Tensor, tokens: torch.Tensor, rows: "_RowPlan") -> SampleOutput:
+        """The model's own logprobs (raw logits, before any processing) of the chosen tokens and the top n."""
+        if not rows.logprob_rows:
+            return SampleOutput(tokens, [], None, None, None)
+        index = self._tensor(rows.logprob_rows)
+        logp = logits[index].log_softmax(-1)
+        chosen = logp.gather(1, tokens[index][:, None])[:, 0]
+        top = logp.topk(rows.max_top_logprobs, dim=-1) if rows.max_top_logprobs else None
+        return SampleOutput(tokens, rows.logprob_rows, chosen, top.values if top is not None else None,
+                            top.indices if top is not None else None)
 
 
-def choose(logits: torch.Tensor, request: Request, history: list[int] | None = None) -> int:
-    """One next token from raw logits [vocab] for `request`."""
-    processed = apply_penalties_and_bias(logits, request, history)
-    if request.sampling.greedy:
-        return int(processed.argmax())
-    probs = sampling_probs(processed, request)
-    return int(torch.multinomial(probs, 1, generator=request.generator))
+def apply_top_k_top_p(x: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """x [S, V] tempered logits; top_k [S] (0 = off), top_p [S] (1 = off) -> x with dropped tokens at -inf.
+    top-k keeps every token at least as large as the k-th largest (ties at the boundary stay); top-p then
+    drops a token when the probability mass before it (in descending order) already reaches top_p."""
+    vocab = x.shape[-1]
+    ordered, order = x.sort(dim=-1, descending=True)
+    k = torch.where((top_k > 0) & (top_k < vocab), top_k, vocab)
+    kth = ordered.gather(1, (k - 1)[:, None])
+    ordered = ordered.masked_fill(ordered < kth, float("-inf"))
+    probs = ordered.softmax(-1)
+    drop = (probs.cumsum(-1) - probs) >= top_p[:, None]
+    drop[:, 0] = False  # the top token always stays
+    ordered = ordered.masked_fill(drop, float("-inf"))
+    return torch.empty_like(x).scatter_(1, order, ordered)
 
 
-def token_logprobs(logits: torch.Tensor, token_id: int, num_top: int) -> tuple[float, list[tuple[int, float]]]:
-    """The target model's logprob of `token_id` and its top-`num_top` alternatives, from raw logits [vocab]."""
-    logp = logits.float().log_softmax(-1)
-    top = []
-    if num_top > 0:
-        vals, ids = logp.topk(num_top)
-        top = list(zip(ids.tolist(), vals.tolist()))
-    return float(logp[token_id]), top
+class _RowPlan:
+    """Host-side description of what each row needs, built from the requests' parameters in one pass (the only
+    per-request Python of a sampling step; a failure here is tied to its request)."""
+
+    def __init__(self, batch: SamplingBatch, fault_seed: int | None):
+        self.bias_rows: list[int] = []
+        self.bias_tokens: list[int] = []
+        self.bias_values: list[float] = []
+        self.penalized: list[int] = []  # request indices
+        self.penalty_rows: list[int] = []
+        self.penalty_state_of_row: list[int] = []
+        self.penalty_params: list[tuple[float, float, float]] = []
+        self.penalty_tree_rows: list[tuple[int, int]] = []  # (position among penalty rows, flat tree row)
+        self.min_token_rows: list[int] = []
+        self.min_token_ids: list[int] = []
+        self.min_token_limits: list[int] = []
+        self.sampled_rows: list[int] = []
+        self.sampled_params: list[tuple[float, float, float, float]] = []
+        self.sampled_keys: list[tuple[int, int]] = []
+        self.any_top_k_top_p = False
+        self.logprob_rows: list[int] = []
+        self.max_top_logprobs = 0
+        first_tree = len(batch.requests) - (batch.tree_tokens.shape[0] if batch.tree_tokens is not None else 0)
+        row = 0
+        for m, (req, n) in enumerate(zip(batch.requests, batch.num_rows)):
+            try:
+                self._add(req, m, row, n, m >= first_tree, first_tree, batch, fault_seed)
+            except Exception as e:
+                raise RequestFault(req.request_id, f"{type(e).__name__}: {e}") from e
+            row += n
+
+    def _add(self, req: Request, m: int, row: int, n: int, is_tree: bool, first_tree: int,
+             batch: SamplingBatch, fault_seed: int | None) -> None:
+        sp = req.sampling
+        if fault_seed is not None and sp.seed == fault_seed and req.output_token_ids:
+            raise RuntimeError("injected fault (test_fault_seed)")
+        rows = range(row, row + n)
+        for token, value in (sp.logit_bias or {}).items():
+            for r in rows:
+                self.bias_rows.append(r)
+                self.bias_tokens.append(int(token))
+                self.bias_values.append(float(value))
+        if _needs_penalty(req):
+            state = len(self.penalized)
+            self.penalized.append(m)
+            for j, r in enumerate(rows):
+                if is_tree:
+                    width = n
+                    self.penalty_tree_rows.append((len(self.penalty_rows), (m - first_tree) * width + j))
+                self.penalty_rows.append(r)
+                self.penalty_state_of_row.append(state)
+                self.penalty_params.append((sp.repetition_penalty, sp.presence_penalty, sp.frequency_penalty))
+        remaining = sp.min_tokens - req.num_output_tokens
+        if remaining > 0:
+            stops = set() if sp.ignore_eos else set(req.eos_token_ids)
+            stops.update(sp.stop_token_ids)
+            for r in rows:
+                for token in sorted(stops):
+                    self.min_token_rows.append(r)
+                    self.min_token_ids.append(int(token))
+                    self.min_token_limits.append(remaining)
+        if not sp.greedy:
+            top_k = sp.top_k if sp.top_k and sp.top_k > 0 else 0
+            self.any_top_k_top_p |= bool(top_k) or sp.top_p < 1.0
+            for r in rows:
+                self.sampled_rows.append(r)
+                self.sampled_params.append((sp.temperature, sp.top_p, sp.min_p, float(top_k)))
+                self.sampled_keys.append((req.seed, req.num_output_tokens))
+        if sp.logprobs is not None:
+            self.logprob_rows.extend(rows)
+            self.max_top_logprobs = max(self.max_top_logprobs, sp.logprobs)
 
 
-def sample(logits: torch.Tensor, requests: list[Request]) -> tuple[list[int], list]:
-    """logits [num_requests, vocab] fp32 -> (token ids, per-request logprob entries or None)."""
-    tokens, logprobs = [], []
-    for row, request in zip(logits, requests):
-        t = choose(row, request)
-        tokens.append(t)
-        n = request.sampling.logprobs
-        logprobs.append(token_logprobs(row, t, n) if n is not None else None)
-    return tokens, logprobs
+def _sample_tokens(logits, temperature, min_p, uniform):  # TEMPORARY until ext.ops.sample_tokens has this signature
+    probs = (logits.float() / temperature[:, None]).softmax(-1)
+    probs = probs.masked_fill(probs < min_p[:, None] * probs.amax(-1, keepdim=True), 0.0)
+    cdf = probs.double().cumsum(-1)
+    target = uniform * cdf[:, -1]
+    return torch.searchsorted(cdf, target[:, None], right=True)[:, 0].clamp(max=logits.shape[-1] - 1)

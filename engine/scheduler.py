@@ -47,19 +47,25 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.appendleft(request)
 
-    def spec_budget(self, request: Request, num_running: int) -> int:
-        """Tree nodes this request may verify this step: the configured budget, never past the request's
-        remaining tokens or the context, and shrinking as the batch grows so that trees take at most half
-        of the step's token budget (DDTree must not cost throughput at high load)."""
-        if self.max_budget == 0 or request.num_tokens - request.num_computed_tokens != 1:
+    def step_budget(self, num_running: int) -> int:
+        """Tree nodes per request this step: the configured budget, shrinking as the batch grows so that trees
+        take at most half of the step's token budget (DDTree must not cost throughput at high load). Every tree
+        request of the step gets this many rows of KV (its verify rows are padded to one width)."""
+        share = self.config.max_num_batched_tokens // (2 * max(1, num_running)) - 1
+        return max(0, min(self.max_budget, share))
+
+    def spec_budget(self, request: Request, step_budget: int) -> int:
+        """Drafted nodes this request verifies: the step's budget, never past the request's remaining tokens or
+        the context. 0 = plain decoding."""
+        if step_budget == 0 or request.num_tokens - request.num_computed_tokens != 1:
             return 0  # a tree needs a decoding request: only its root (last token) lacks KV
         remaining = request.sampling.max_tokens - len(request.output_token_ids)
-        share = self.config.max_num_batched_tokens // (2 * max(1, num_running)) - 1
-        return max(0, min(self.max_budget, remaining - 1, self.max_model_len - request.num_tokens - 1, share))
+        return max(0, min(step_budget, remaining - 1, self.max_model_len - request.num_tokens - 1))
 
     def schedule(self) -> StepPlan:
         plan = StepPlan()
         budget = self.config.max_num_batched_tokens
+        step_budget = self.step_budget(len(self.running) + min(len(self.waiting), 1))
         scheduled: list[Request] = []
         # 1. requests already running, oldest first; preempt from the newest end when blocks run out
         i = 0
@@ -67,7 +73,8 @@ class Scheduler:
             req = self.running[i]
             n = min(req.num_tokens - req.num_computed_tokens, budget)
             sample = req.num_computed_tokens + n == req.num_tokens
-            lookahead = self.spec_budget(req, len(self.running)) if sample else 0
+            nodes = self.spec_budget(req, step_budget) if sample else 0
+            lookahead = step_budget if nodes else 0
             while not self.blocks.allocate(req, req.num_computed_tokens + n + lookahead):
                 victim = self.running.pop()
                 self.preempt(victim)
@@ -75,7 +82,7 @@ class Scheduler:
                 if victim is req:
                     break
             else:
-                plan.seqs.append(ScheduledSeq(req, n, sample, lookahead))
+                plan.seqs.append(ScheduledSeq(req, n, sample, nodes))
                 scheduled.append(req)
                 budget -= n + lookahead
                 i += 1
@@ -85,52 +92,69 @@ class Scheduler:
             cached = self.blocks.match_prefix(req)
             n = min(req.num_tokens - req.num_computed_tokens, budget)
             sample = req.num_computed_tokens + n == req.num_tokens
-            lookahead = self.spec_budget(req, len(self.running) + 1) if sample else 0
+            nodes = self.spec_budget(req, step_budget) if sample else 0
+            lookahead = step_budget if nodes else 0
             if not self.blocks.allocate(req, req.num_computed_tokens + n + lookahead):
                 self.blocks.free(req)  # give the adopted prefix blocks back; retry next step
                 req.num_computed_tokens = 0
                 break
             if req.num_preemptions == 0:
                 req.num_cached_tokens = cached
+                plan.prefix_cache_queries += req.num_prompt_tokens
+                plan.prefix_cache_hits += cached
             self.waiting.popleft()
             req.status = Status.RUNNING
             self.running.append(req)
-            plan.seqs.append(ScheduledSeq(req, n, sample, lookahead))
+            plan.seqs.append(ScheduledSeq(req, n, sample, nodes))
             budget -= n + lookahead
         return plan
 
     def update(self, plan: StepPlan, result: StepResult) -> list[Request]:
-        """Applies a step's result; returns the requests that finished this step."""
+        """Applies a step's result; returns the requests that finished this step. Tokens are appended before
+        the prefix cache registers the blocks they fill (a verify step's accepted tokens included)."""
         finished = []
         for s in plan.seqs:
             req = s.request
             if req.finished:  # aborted while the step ran
                 continue
             req.num_computed_tokens += s.num_new_tokens + result.num_accepted.get(req.request_id, 0)
-            self.blocks.commit(req)
-            if req.request_id in result.num_accepted:
-                req.accept_lengths.append(len(result.new_token_ids[req.request_id]))
             new_ids = result.new_token_ids.get(req.request_id, [])
+            if req.request_id in result.num_accepted:
+                req.accept_lengths.append(len(new_ids))
             logprobs = result.logprobs.get(req.request_id)
+            reason = None
             for j, token in enumerate(new_ids):
                 req.output_token_ids.append(token)
                 if logprobs is not None:
                     req.output_logprobs.append(logprobs[j])
                 reason = self.stop_reason(req, token)
                 if reason:
-                    self.running.remove(req)
-                    self.finish(req, reason)
-                    finished.append(req)
                     break
-            if not req.finished and s.spec_budget:
+            self.blocks.commit(req)
+            if reason:
+                self.running.remove(req)
+                self.finish(req, reason)
+                finished.append(req)
+            elif s.spec_budget:
                 self.blocks.trim(req, req.num_tokens)  # hand back the rejected tree rows' blocks
         return finished
 
     def stop_reason(self, req: Request, token: int) -> str | None:
+        """Why `req` stops after its newest token `token`, or None. Sets req.stop_reason (the stop token id or
+        stop string); the request's text (when it detokenizes) takes the token here, so a stop string ending
+        inside a multi-token step cuts the output right after the token that completed it."""
         sp = req.sampling
         num_out = len(req.output_token_ids)
+        if req.text is not None:
+            matched = req.text.push(token)
+            if matched.stopped:
+                req.stop_reason = matched.matched_stop
+                return "stop"
         if num_out >= sp.min_tokens:
-            if (token in req.eos_token_ids and not sp.ignore_eos) or token in sp.stop_token_ids:
+            if token in sp.stop_token_ids:
+                req.stop_reason = token
+                return "stop"
+            if token in req.eos_token_ids and not sp.ignore_eos:
                 return "stop"
         if num_out >= sp.max_tokens or req.num_tokens >= self.max_model_len:
             return "length"

@@ -1,11 +1,14 @@
 """The runner's DDTree half: for the requests the scheduler gave a tree budget, draft per-depth top-K
-distributions, build the best-first trees, lay the trees out as verify rows, pick the target's token at every
-row, walk, compact the accepted rows' KV into place, and keep the target features the drafter has not seen.
+distributions, build the best-first trees, lay them out as verify rows, and after the target forward (and the
+batched sampler's target token per row) walk the trees and compact the accepted rows' KV into place. Every
+step of the round stays on the device: no host sync until the runner's one copy of the step's results.
 
 Per request and step (root = the last committed token, at position `start`, not yet in the target cache):
-  verify rows j = 0..n-1 (root + drafted nodes) sit at logical KV positions start + j, rope positions
-  start + depth[j]; after the walk accepted row acc[j] moves to logical position start + j, so the cache again
-  holds a plain sequence of start + tau tokens, and tau tokens (accepted drafts + bonus) are emitted.
+every tree request of a step has the same number of verify rows W = (largest budget) + 1; row j sits at
+logical KV position start + j and rope position start + depth[j]; rows past the request's own nodes are
+padding (they see only themselves and are never accepted). After the walk, accepted row acc[j] moves to
+logical position start + j, so the cache again holds a plain sequence of start + tau tokens, and tau tokens
+(accepted drafts + bonus) are emitted.
 """
 from __future__ import annotations
 
@@ -14,7 +17,6 @@ from dataclasses import dataclass
 
 import torch
 
-from engine import sampler
 from engine.plan import ScheduledSeq
 from engine.speculative import verify
 from engine.speculative.drafter import DraftRequest
@@ -27,10 +29,28 @@ class TreeBatch:
     """The step's trees, one per scheduled request that got a tree budget, in plan order."""
 
     seqs: list[ScheduledSeq]
-    tree: DraftTree  # [N, B+1] rows, root first
-    num_rows: list[int]  # host copy of tree.num_nodes: verify rows per request (root + drafted nodes)
+    tree: DraftTree  # [N, W] rows, root first
+    budgets: list[int]  # drafted nodes per request (host copy of what the scheduler granted)
     draft_s: float = 0.0  # seconds in the drafter's propose()
     tree_build_s: float = 0.0  # seconds building the trees from its proposal
+
+    @property
+    def width(self) -> int:
+        """W: verify rows per request, padding included."""
+        return self.tree.num_rows
+
+    @property
+    def num_requests(self) -> int:
+        return len(self.seqs)
+
+
+@dataclass
+class Walk:
+    """The accepted paths, on the device. A = L + 1 (the horizon plus the root)."""
+
+    accepted_nodes: torch.Tensor  # [N, A] int64 accepted tree rows, root first, -1 padded
+    accept_len: torch.Tensor  # [N] int64 tau (accepted rows incl. the root = emitted tokens)
+    emitted: torch.Tensor  # [N, A] int64 accepted drafts then the bonus, -1 padded
 
 
 class Speculator:
@@ -42,6 +62,10 @@ class Speculator:
     def capture_layer_ids(self) -> tuple[int, ...]:
         return tuple(self.drafter.target_layer_ids)
 
+    @property
+    def horizon(self) -> int:
+        return self.drafter.horizon
+
     def record_hidden(self, request_id: str, rows: torch.Tensor | None) -> None:
         """Target features [num_rows, num_layers * hidden] of tokens that just got KV, in position order."""
         if rows is not None and self.capture_layer_ids:
@@ -52,57 +76,51 @@ class Speculator:
         self.drafter.release(request_id)
 
     def draft(self, seqs: list[ScheduledSeq]) -> TreeBatch:
-        """Drafter proposal -> per-request best-first trees (budgets from the plan)."""
-        batch = []
+        """Drafter proposal -> per-request best-first trees, W = max budget + 1 rows each. The drafter takes
+        the pending features into its own state; if it fails they stay pending."""
+        consumed, batch = {}, []
         for s in seqs:
             rows = self.pending_hidden.pop(s.request.request_id, None)
+            if rows:
+                consumed[s.request.request_id] = rows
             batch.append(DraftRequest(s.request.request_id, s.request.all_token_ids,
                                       torch.cat(rows) if rows else None))
+        budgets = [s.spec_budget for s in seqs]
         top_k = 1 if self.chain else self.max_budget
         t0 = time.perf_counter()
-        logprobs, token_ids = self.drafter.propose(batch, top_k)  # [N, L, K]
+        try:
+            logprobs, token_ids = self.drafter.propose(batch, top_k)  # [N, L, K]
+        except BaseException:
+            self.restore_hidden(consumed)
+            raise
         t1 = time.perf_counter()
-        budgets = torch.tensor([s.spec_budget for s in seqs], dtype=torch.int64, device=logprobs.device)
-        roots = torch.tensor([s.request.all_token_ids[-1] for s in seqs], device=logprobs.device)
-        tree = DraftTree.from_topk(logprobs, token_ids, roots, budgets, max(s.spec_budget for s in seqs))
-        num_rows = tree.num_nodes.tolist()
-        return TreeBatch(seqs, tree, num_rows, draft_s=t1 - t0, tree_build_s=time.perf_counter() - t1)
+        device = logprobs.device
+        budget_t = torch.tensor(budgets, dtype=torch.int64).to(device, non_blocking=True)
+        roots = torch.tensor([s.request.all_token_ids[-1] for s in seqs], dtype=torch.int64).to(device,
+                                                                                               non_blocking=True)
+        tree = DraftTree.from_topk(logprobs, token_ids, roots, budget_t, max(budgets))
+        return TreeBatch(seqs, tree, budgets, draft_s=t1 - t0, tree_build_s=time.perf_counter() - t1)
 
-    def verify_inputs(self, batch: TreeBatch, i: int) -> tuple[list[int], list[int], torch.Tensor]:
-        """Request i's verify rows: token ids, rope positions (start + depth), visibility [n, n]."""
-        n, start = batch.num_rows[i], batch.seqs[i].request.num_computed_tokens
-        tree = batch.tree
-        return tree.node_token_ids[i, :n].tolist(), (tree.depths[i, :n] + start).tolist(), tree.visibility[i, :n, :n]
-
-    def target_tokens(self, batch: TreeBatch, i: int, logits: torch.Tensor) -> torch.Tensor:
-        """The target's token after every verify row of request i; logits [n, vocab] fp32 -> [B+1] (padded).
-        Each row goes through engine.sampler exactly as a plain decoding step would, with the path to the row
-        as generated history, so the walk keeps plain sampling's distribution."""
-        req, n, tree = batch.seqs[i].request, batch.num_rows[i], batch.tree
-        sp = req.sampling
-        out = torch.full((tree.num_rows,), -1, dtype=torch.int64)
-        if sp.greedy and not (sp.logit_bias or sp.presence_penalty or sp.frequency_penalty
-                              or sp.repetition_penalty != 1.0):
-            out[:n] = verify.greedy_target_token_ids(logits)
-            return out
-        parents, tokens = tree.parents[i].tolist(), tree.node_token_ids[i].tolist()
-        for row in range(n):
-            path, node = [], row
-            while node > 0:
-                path.append(tokens[node])
-                node = parents[node]
-            out[row] = sampler.choose(logits[row], req, req.output_token_ids + path[::-1])
-        return out
+    def restore_hidden(self, consumed: dict[str, list[torch.Tensor]]) -> None:
+        """Puts features a failed step consumed back in front of any recorded since."""
+        for request_id, rows in consumed.items():
+            self.pending_hidden[request_id] = rows + self.pending_hidden.get(request_id, [])
 
     @staticmethod
-    def compact(slot_views: list[torch.Tensor], row_slots: list[list[int]], accepted: list[list[int]]) -> None:
-        """Moves each request's accepted row acc[j] from slot row_slots[acc[j]] to row_slots[j]."""
-        src, dst = [], []
-        for slots, acc in zip(row_slots, accepted):
-            for j, a in enumerate(acc):
-                if a != j:  # the spine accepted in pop order needs no copy
-                    src.append(slots[a])
-                    dst.append(slots[j])
-        if src:
-            ops.kv_compact(slot_views, torch.tensor(src, dtype=torch.int64, device=slot_views[0].device),
-                           torch.tensor(dst, dtype=torch.int64, device=slot_views[0].device))
+    def verify_rows(batch: TreeBatch, starts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The verify rows of every tree, request-major: input ids [N*W] (padding rows carry token 0), rope
+        positions start + depth [N*W] (starts [N] int64 on the device), visibility [N*W, W] bool."""
+        tree = batch.tree
+        return tree.input_ids().reshape(-1), tree.positions(starts).reshape(-1), tree.flat_tree_mask()
+
+    @staticmethod
+    def walk(batch: TreeBatch, target_token_ids: torch.Tensor) -> Walk:
+        """target_token_ids [N, W] (the sampler's token after every row) -> the accepted paths."""
+        result = verify.accept(batch.tree, target_token_ids)
+        return Walk(result.accepted_nodes, result.accept_len, result.emitted_token_ids)
+
+    @staticmethod
+    def compact(slot_views: list[torch.Tensor], walk: Walk, tree_slots: torch.Tensor) -> None:
+        """Moves every request's accepted row acc[j] from tree_slots[acc[j]] to tree_slots[j] (on the device;
+        a request whose path is the spine in pop order moves nothing)."""
+        ops.kv_compact_tree(slot_views, walk.accepted_nodes, tree_slots)

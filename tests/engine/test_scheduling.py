@@ -36,7 +36,7 @@ def test_chunked_prefill_under_small_token_budget(reference):
 
 def test_recompute_preemption_keeps_outputs(reference):
     folder, ref = reference
-    llm = LLM(folder, dtype="fp32", num_kv_blocks=12, block_size=8, enable_prefix_caching=False)
+    llm = LLM(folder, dtype="fp32", num_kv_blocks=12, block_size=8, max_model_len=96, enable_prefix_caching=False)
     assert greedy(llm, prompts()) == ref
     assert llm.engine.scheduler.num_preemptions > 0
     assert llm.engine.blocks.num_free_blocks == 12

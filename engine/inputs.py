@@ -1,0 +1,105 @@
+"""One step's model inputs: the flat token rows, their rope positions, cache slots and the attention metadata,
+for plain sequences (prefill chunks and decodes, laid out first, from host lists) followed by the DDTree
+verify rows (N requests x W rows, taken from the device-resident trees without a host sync)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engine.plan import ScheduledSeq
+from engine.speculative.speculator import Speculator, TreeBatch
+from ext.metadata import AttentionMetadata
+
+
+@dataclass
+class StepInputs:
+    input_ids: torch.Tensor  # [num_tokens] int64
+    meta: AttentionMetadata
+    plain_rows: list[tuple[int, int]]  # per plain sequence: (first row, number of rows)
+    tree_row0: int  # first verify row (= number of plain rows)
+    tree_slots: torch.Tensor | None  # [N, W] int64 cache slots of the verify rows
+
+
+def slot_of(block_ids: list[int], block_size: int, index: int) -> int:
+    return block_ids[index // block_size] * block_size + index % block_size
+
+
+def prepare_inputs(plain: list[ScheduledSeq], batch: TreeBatch | None, block_size: int,
+                   device: torch.device) -> StepInputs:
+    ids, positions, slots, offsets = [], [], [], []  # offsets: row index inside its sequence (causal mask)
+    query_lens, seq_lens, tables, rows = [], [], [], []
+    for s in plain:
+        req, start = s.request, s.request.num_computed_tokens
+        new_ids = req.all_token_ids[start:start + s.num_new_tokens]
+        n = len(new_ids)
+        rows.append((len(ids), n))
+        ids.extend(new_ids)
+        positions.extend(range(start, start + n))
+        slots.extend(slot_of(req.block_ids, block_size, i) for i in range(start, start + n))
+        offsets.extend(range(n))
+        query_lens.append(n)
+        seq_lens.append(start + n)
+        tables.append(req.block_ids)
+    tree_row0 = len(ids)
+    tree_ids = tree_pos = tree_vis = tree_slots = None
+    if batch is not None:
+        width, starts = batch.width, []
+        tree_slot_list = []
+        for s in batch.seqs:
+            req, start = s.request, s.request.num_computed_tokens
+            starts.append(start)
+            tree_slot_list.extend(slot_of(req.block_ids, block_size, start + j) for j in range(width))
+            query_lens.append(width)
+            seq_lens.append(start + width)
+            tables.append(req.block_ids)
+        starts_t = torch.tensor(starts, dtype=torch.int64).to(device, non_blocking=True)
+        tree_ids, tree_pos, tree_vis = Speculator.verify_rows(batch, starts_t)
+        tree_slots = torch.tensor(tree_slot_list, dtype=torch.int64).to(device, non_blocking=True)
+        tree_slots = tree_slots.view(batch.num_requests, width)
+    input_ids = _concat(ids, tree_ids, device)
+    meta = AttentionMetadata(
+        positions=_concat(positions, tree_pos, device),
+        slot_mapping=_concat(slots, tree_slots.reshape(-1) if tree_slots is not None else None, device),
+        query_start_loc=torch.tensor(_cumulative(query_lens), dtype=torch.int32).to(device, non_blocking=True),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32).to(device, non_blocking=True),
+        block_tables=_block_table(tables).to(device, non_blocking=True),
+        block_size=block_size,
+        tree_mask=_tree_mask(offsets, tree_vis, max(query_lens, default=1), device),
+        query_lens_host=query_lens,
+        seq_lens_host=seq_lens,
+    )
+    return StepInputs(input_ids, meta, rows, tree_row0, tree_slots)
+
+
+def _concat(host: list[int], tail: torch.Tensor | None, device) -> torch.Tensor:
+    head = torch.tensor(host, dtype=torch.int64).to(device, non_blocking=True)
+    return head if tail is None else torch.cat([head, tail])
+
+
+def _cumulative(lengths: list[int]) -> list[int]:
+    out = [0]
+    for n in lengths:
+        out.append(out[-1] + n)
+    return out
+
+
+def _block_table(tables: list[list[int]]) -> torch.Tensor:
+    width = max((len(t) for t in tables), default=1) or 1
+    table = torch.zeros(len(tables), width, dtype=torch.int32)
+    for i, blocks in enumerate(tables):
+        if blocks:
+            table[i, :len(blocks)] = torch.tensor(blocks, dtype=torch.int32)
+    return table
+
+
+def _tree_mask(offsets: list[int], tree_vis: torch.Tensor | None, max_q: int, device) -> torch.Tensor | None:
+    """[num_tokens, max_q] bool visibility among each sequence's new tokens: causal for the plain rows, the
+    trees' ancestor-or-self visibility for the verify rows; None (all causal) when there is no tree."""
+    if tree_vis is None:
+        return None
+    cols = torch.arange(max_q, device=device)
+    plain = cols[None, :] <= torch.tensor(offsets, dtype=torch.int64).to(device, non_blocking=True)[:, None]
+    tree = torch.zeros(tree_vis.shape[0], max_q, dtype=torch.bool, device=device)
+    tree[:, :tree_vis.shape[1]] = tree_vis
+    return torch.cat([plain, tree])

@@ -75,6 +75,7 @@ class GGUFWeights(WeightSource):
 
     def __init__(self, path: str, reader, tensors: dict, config: dict):
         self.where, self.reader, self.config = path, reader, config
+        self.has_tokenizer = "tokenizer.ggml.tokens" in reader.fields  # files written without a vocabulary have none
         expected = _expected_shapes(config)
         self._tensors: dict[str, object] = {}  # hf name -> GGUF tensor, in file order
         for name, tensor in tensors.items():

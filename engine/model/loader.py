@@ -458,7 +458,8 @@ def load_model(path: str | None, dtype: str | torch.dtype | None = None, device:
 
         cfg, weights = open_gguf(path)
         model = build_model(cfg, None if dummy else weights, path, torch_dtype, device)
-        loaded = LoadedModel(model, load_gguf_tokenizer(path), cfg, path, {})
+        tokenizer = load_gguf_tokenizer(path) if weights.has_tokenizer else None
+        loaded = LoadedModel(model, tokenizer, cfg, path, {})
     else:
         cfg = read_config(path)
         model_class(cfg, os.path.join(path, "config.json"))  # fail on the architecture before reading weights

@@ -59,21 +59,26 @@ class _LifecycleServer(uvicorn.Server):
 
     # triggers ------------------------------------------------------------------------------------
     def handle_exit(self, sig, frame) -> None:
-        """The signal handler (main thread, between the loop's bytecodes): only flags and schedules."""
+        """The signal handler (main thread, between two bytecodes of the loop): flags, and schedules the rest."""
         self._signals += 1
         if self._signals == 1:
             self.state.draining = True  # /health and new requests: 503 from now on
             if sig == signal.SIGINT:
                 self._captured_signals.append(sig)  # uvicorn re-raises it when done: Ctrl-C ends as usual
-            logger.info("received %s: draining (open requests get %.3g s)", signal.Signals(sig).name,
-                        self.drain_timeout_s)
-            self._call(self._begin_stop, True, 0.0)
-        elif self._signals == 2:
-            logger.warning("second signal: cutting the open requests now")
-            self._call(self._hurry.set)
-        else:
-            logger.warning("third signal: stopping without waiting")
+        elif self._signals > 2:
             self.should_exit = self.force_exit = True
+        self._call(self._on_signal, sig, self._signals)
+
+    def _on_signal(self, sig: int, count: int) -> None:
+        name = signal.Signals(sig).name
+        if count == 1:
+            logger.info("%s: draining; open requests get %g s in total", name, self.drain_timeout_s)
+            self._begin_stop(True, 0.0)
+        elif count == 2:
+            logger.warning("second %s: cutting the open requests now", name)
+            self._hurry.set()
+        else:
+            logger.warning("%s again: stopping without waiting", name)
 
     def on_fatal(self, message: str) -> None:
         """The engine could not start or died (called on the loop): exit non-zero soon."""
@@ -97,6 +102,7 @@ class _LifecycleServer(uvicorn.Server):
 
     # the stop sequence ---------------------------------------------------------------------------
     def _busy(self) -> bool:
+        """Requests in flight: engine requests, or HTTP requests being handled (a 503 takes milliseconds)."""
         return self.state.num_in_flight > 0 or bool(self.server_state.tasks)
 
     async def _wait(self, condition, until: float, *, hurry: bool = False) -> None:
@@ -106,15 +112,17 @@ class _LifecycleServer(uvicorn.Server):
     async def _stop(self, drain: bool, linger: float) -> None:
         state, start = self.state, time.monotonic()
         try:
-            if drain:
-                await self._wait(lambda: state.num_in_flight > 0, start + self.drain_timeout_s, hurry=True)
+            if drain:  # open requests, and requests still on their way to the engine (tokenizing, say)
+                await self._wait(self._busy, start + self.drain_timeout_s, hurry=True)
             client = state.client
             if client is not None and client.failure is None:
-                reason = ("The server is shutting down: this request was cut because it did not finish within "
-                          f"the drain timeout ({self.drain_timeout_s:g} s).")
-                cut = client.cut_all(reason)
+                if self._hurry.is_set():
+                    why = "a second stop signal cut the drain short"
+                else:
+                    why = f"it did not finish within the drain timeout ({self.drain_timeout_s:g} s)"
+                cut = client.cut_all(f"The server is shutting down: this request was cut because {why}.")
                 if cut:
-                    logger.warning("drain deadline: cut %d open request(s)", cut)
+                    logger.warning("cut %d open request(s): %s", cut, why)
             # let the cut or failed responses send their error event and [DONE] (or their 503 envelope)
             await self._wait(self._busy, time.monotonic() + CUT_FLUSH_S)
             if linger:

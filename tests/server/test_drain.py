@@ -95,6 +95,6 @@ def test_sigterm_cuts_what_outlives_the_drain_timeout(tmp_path):
             assert all("choices" in json.loads(e) for e in events[:-2])
         r = results[streams]
         assert r.status_code == 503 and "drain timeout" in r.json()["error"]["message"]
-        assert "cut 5 open request(s)" in server.log_tail()
+        assert "cut 5 open request(s)" in server.log_tail()  # with --log-level warning
     finally:
         stop_server(server)

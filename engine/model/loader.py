@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import time
 from dataclasses import dataclass, field
@@ -45,6 +46,7 @@ FAMILIES = {
 DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
           "fp16": torch.float16, "float16": torch.float16, "half": torch.float16}
 LOAD_FORMATS = ("auto", "dummy")
+MAX_MAPPED_BYTES = 256 << 20  # safetensors reads reopen their file after this many bytes (see SafetensorsWeights)
 DUMMY_SEED = 0
 DUMMY_STD = 0.02
 
@@ -200,7 +202,10 @@ class DictWeights(WeightSource):
 
 class SafetensorsWeights(WeightSource):
     """One or more .safetensors files, read through safe_open: headers once to learn names and shapes, then
-    file by file, tensor by tensor in file order, each file closed (its mapping dropped) once read."""
+    file by file, tensor by tensor in file order. safe_open maps the file and get_tensor returns a view of that
+    mapping; the loader copies it into its parameter, and the handle is closed and reopened every
+    MAX_MAPPED_BYTES so that the file pages touched so far leave the process's resident set as well (they are
+    clean page cache, but they would otherwise count in RSS up to the shard size)."""
 
     def __init__(self, files: list[str], where: str):
         from safetensors import safe_open
@@ -209,23 +214,27 @@ class SafetensorsWeights(WeightSource):
         self._shapes: dict[str, tuple[int, ...]] = {}
         self._bytes: dict[str, int] = {}
         self._file_of: dict[str, str] = {}
+        self._by_file: dict[str, list[str]] = {}  # in the order of their data in the file
         for path in files:
             try:
                 with safe_open(path, framework="pt") as f:
-                    for name in f.keys():
+                    names = list(f.offset_keys() if hasattr(f, "offset_keys") else f.keys())
+                    for name in names:
                         s = f.get_slice(name)
                         shape = tuple(int(d) for d in s.get_shape())
                         if name in self._file_of:
                             raise CheckpointError(path, f"tensor {name!r} is also stored in {self._file_of[name]}")
                         self._shapes[name], self._file_of[name] = shape, path
-                        numel = 1
-                        for d in shape:
-                            numel *= d
-                        self._bytes[name] = numel * _ST_ITEMSIZE.get(s.get_dtype(), 4)
+                        self._bytes[name] = math.prod(shape) * _ST_ITEMSIZE.get(s.get_dtype(), 4)
+                    self._by_file[path] = names
             except CheckpointError:
                 raise
             except Exception as e:  # safetensors raises its own error types for truncated or corrupt headers
-                raise CheckpointError(path, f"corrupt or truncated safetensors file ({type(e).__name__}: {e})") from None
+                raise self._corrupt(path, e) from None
+
+    @staticmethod
+    def _corrupt(path: str, e: Exception) -> CheckpointError:
+        return CheckpointError(path, f"corrupt or truncated safetensors file ({type(e).__name__}: {e})")
 
     def shapes(self):
         return dict(self._shapes)
@@ -237,21 +246,24 @@ class SafetensorsWeights(WeightSource):
         from safetensors import safe_open
 
         for path in self.files:
-            wanted = [k for k, p in self._file_of.items() if p == path and k in keys]
-            if not wanted:
-                continue
+            names = [k for k in self._by_file[path] if k in keys]
+            handle, mapped = None, 0
             try:
-                with safe_open(path, framework="pt") as f:
-                    order = f.offset_keys() if hasattr(f, "offset_keys") else f.keys()  # sequential reads
-                    for name in order:
-                        if name in keys:
-                            tensor = f.get_tensor(name)
-                            yield name, tensor
-                            del tensor
-            except CheckpointError:
-                raise
+                for name in names:
+                    if handle is None or mapped >= MAX_MAPPED_BYTES:
+                        if handle is not None:
+                            handle.__exit__(None, None, None)
+                        handle, mapped = safe_open(path, framework="pt"), 0
+                        handle.__enter__()
+                    tensor = handle.get_tensor(name)
+                    mapped += self._bytes[name]
+                    yield name, tensor
+                    del tensor
             except Exception as e:
-                raise CheckpointError(path, f"corrupt or truncated safetensors file ({type(e).__name__}: {e})") from None
+                raise self._corrupt(path, e) from None
+            finally:
+                if handle is not None:
+                    handle.__exit__(None, None, None)
 
 
 def safetensors_files(folder: str) -> list[str]:

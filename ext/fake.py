@@ -57,7 +57,7 @@ def register() -> None:
         return None
 
     @fake("ddtree::sample_tokens")
-    def _(logits, temperature, seed):
+    def _(logits, temperature, min_p, uniform):
         return logits.new_empty((logits.shape[0],), dtype=torch.int64)
 
     @fake("ddtree::pack_tree_mask")

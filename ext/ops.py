@@ -1,8 +1,12 @@
 """The single door to every custom op: one Python signature each. The CUDA extension serves an op when it is
-built and the tensors are on CUDA; otherwise `ext.reference` does, with the same signature and semantics.
-`cuda_calls()` counts the calls the CUDA extension served (per op name), so tests can prove it ran."""
+loaded and the tensors are on CUDA; otherwise `ext.reference` does, with the same signature and semantics.
+`cuda_calls()` counts the calls the CUDA extension served (per op name), so tests can prove it ran;
+`reference_fallbacks()` counts the calls on CUDA tensors that the reference served instead (the extension is not
+loaded, or the inputs are outside what the kernel supports), and the first one of each op logs a warning."""
 from __future__ import annotations
 
+import functools
+import logging
 from collections import Counter
 
 import torch
@@ -10,9 +14,14 @@ import torch
 from ext import reference
 from ext.metadata import AttentionMetadata
 
+logger = logging.getLogger("ddtree.ext")
 _calls: Counter = Counter()
+_fallbacks: Counter = Counter()  # whole process
+_pending: Counter = Counter()  # since the last take_reference_fallbacks()
+_warned: set[str] = set()
 _TOPK_MAX_K = 1024  # ext/csrc kernels.h kTopkMaxK
-_SMEM_LIMIT = 227 * 1024
+_SAMPLE_MAX_VOCAB = 1 << 30  # kernels.h kSampleMaxVocab
+_SMEM_LIMIT = 227 * 1024  # ops.cpp's bound (H100/H200); smaller GPUs report less
 _FLOATS = (torch.float32, torch.float16, torch.bfloat16)
 
 
@@ -21,9 +30,25 @@ def cuda_calls() -> dict[str, int]:
     return dict(_calls)
 
 
+def reference_fallbacks() -> dict[str, int]:
+    """op name -> calls on CUDA tensors that the PyTorch reference served, in this process."""
+    return dict(_fallbacks)
+
+
+def take_reference_fallbacks() -> dict[str, int]:
+    """op name -> reference-served CUDA calls since the previous take (per engine step), then reset."""
+    global _pending
+    taken, _pending = _pending, Counter()
+    return dict(taken)
+
+
+def _on_cuda(t: torch.Tensor) -> bool:
+    return t.device.type == "cuda"
+
+
 def _cuda_ops(t: torch.Tensor):
     """The built extension's op namespace when `t` is on CUDA and the extension loads, else None."""
-    if t.device.type != "cuda":
+    if not _on_cuda(t):
         return None
     from ext import build  # imported lazily: CPU machines never touch the toolchain
 
@@ -35,6 +60,31 @@ def _served(name: str, ops) -> bool:
         return False
     _calls[name] += 1
     return True
+
+
+def _fallback(name: str, t: torch.Tensor, ops) -> None:
+    """Called where the reference is about to serve `name`: counts it when `t` is on CUDA (warns once per op)."""
+    if not _on_cuda(t):
+        return
+    _fallbacks[name] += 1
+    _pending[name] += 1
+    if name in _warned:
+        return
+    _warned.add(name)
+    if ops is None:
+        from ext import build
+
+        why = f"the CUDA extension is not loaded ({build.load_error() or 'unknown reason'})"
+    else:
+        why = "the inputs are outside what its CUDA kernel supports"
+    logger.warning("ext op %s runs its PyTorch reference on %s: %s; counted in ext.ops.reference_fallbacks()",
+                   name, t.device, why)
+
+
+@functools.lru_cache(maxsize=None)
+def _smem_limit(device: torch.device) -> int:
+    props = torch.cuda.get_device_properties(device)
+    return min(_SMEM_LIMIT, int(getattr(props, "shared_memory_per_block_optin", _SMEM_LIMIT) or _SMEM_LIMIT))
 
 
 def _metadata_tensors(meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int, int]:
@@ -65,9 +115,8 @@ def write_kv(cache: torch.Tensor, rows: torch.Tensor, slot_mapping: torch.Tensor
         _served("write_kv", ops)
         ops.write_kv(cache, rows, slot_mapping)
         return
+    _fallback("write_kv", cache, ops)
     reference.write_kv(cache, rows, slot_mapping)
-
-
 
 def paged_attention(q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
     """GQA attention of q [num_tokens, num_heads, head_dim] over the paged cache -> [num_tokens, num_heads, head_dim]."""
@@ -79,6 +128,7 @@ def paged_attention(q, k_cache, v_cache, meta: AttentionMetadata, scale: float) 
         qsl, seq_lens, tables, max_q, max_kv = _metadata_tensors(meta)
         return ops.paged_attention(_rows(q), k_cache, v_cache, qsl, seq_lens, tables, meta.packed_tree_mask(), max_q,
                                    max_kv, float(scale))
+    _fallback("paged_attention", q, ops)
     return reference.paged_attention(q, k_cache, v_cache, meta, scale)
 
 
@@ -91,6 +141,7 @@ def mla_paged_attention(q_latent, q_rope, latent_cache, meta: AttentionMetadata,
         qsl, seq_lens, tables, max_q, max_kv = _metadata_tensors(meta)
         return ops.mla_paged_attention(_rows(q_latent), _rows(q_rope), latent_cache, qsl, seq_lens, tables,
                                        meta.packed_tree_mask(), max_q, max_kv, float(scale))
+    _fallback("mla_paged_attention", q_latent, ops)
     return reference.mla_paged_attention(q_latent, q_rope, latent_cache, meta, scale)
 
 
@@ -101,24 +152,27 @@ def topk_logprobs(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Ten
             and min(int(k), logits.shape[-1]) <= _TOPK_MAX_K and logits.shape[-1] < 2**31):
         _served("topk_logprobs", ops)
         return ops.topk_logprobs(logits, max(0, int(k)))
+    _fallback("topk_logprobs", logits, ops)
     return reference.topk_logprobs(logits, k)
 
 
-def _build_tree_fits(max_depth: int, k: int, max_budget: int) -> bool:
+def _build_tree_fits(device: torch.device, max_depth: int, k: int, max_budget: int) -> bool:
     rows = max_budget + 1
     smem = rows * 16 + max_depth * k * 4 + rows * 24 + rows * (max_depth + 1) * 2
-    return smem <= _SMEM_LIMIT and max_budget < 65535
+    return max_budget < 65535 and smem <= _smem_limit(device)
 
 
 def build_tree(draft_logprobs, draft_token_ids, budgets, max_budget: int) -> reference.TreeBuild:
     """Best-first DDTree build (paper Alg. 1) for N requests at once; see ext.reference.tree.build_tree."""
     ops = _cuda_ops(draft_logprobs)
-    if ops is not None and draft_logprobs.dim() == 3 and _build_tree_fits(*draft_logprobs.shape[1:], max_budget):
+    if (ops is not None and draft_logprobs.dim() == 3
+            and _build_tree_fits(draft_logprobs.device, *draft_logprobs.shape[1:], max_budget)):
         _served("build_tree", ops)
         device = draft_logprobs.device
         out = ops.build_tree(draft_logprobs.float(), draft_token_ids.to(device, torch.int64),
                              budgets.to(device, torch.int64), int(max_budget))
         return reference.TreeBuild(*out)
+    _fallback("build_tree", draft_logprobs, ops)
     return reference.build_tree(draft_logprobs, draft_token_ids, budgets, max_budget)
 
 
@@ -131,6 +185,7 @@ def tree_accept(target_token_ids, node_token_ids, parents, num_nodes, max_depth:
         device = node_token_ids.device
         return ops.tree_accept(target_token_ids.to(device, torch.int64), node_token_ids.to(torch.int64),
                                parents.to(device, torch.int64), num_nodes.to(device, torch.int64), int(max_depth))
+    _fallback("tree_accept", node_token_ids, ops)
     return reference.tree_accept(target_token_ids, node_token_ids, parents, num_nodes, max_depth)
 
 
@@ -144,6 +199,7 @@ def kv_compact(caches: list[torch.Tensor], src_slots: torch.Tensor, dst_slots: t
     if ops is not None and _cache_views_ok(caches, src_slots.device):
         _served("kv_compact", ops)
         return ops.kv_compact(list(caches), src_slots.to(torch.int64), dst_slots.to(src_slots.device, torch.int64))
+    _fallback("kv_compact", src_slots, ops)
     return reference.kv_compact(caches, src_slots, dst_slots)
 
 
@@ -156,26 +212,26 @@ def kv_compact_tree(caches: list[torch.Tensor], accepted_nodes: torch.Tensor, tr
         _served("kv_compact_tree", ops)
         return ops.kv_compact_tree(list(caches), accepted_nodes.to(torch.int64),
                                    tree_slots.to(accepted_nodes.device, torch.int64))
+    _fallback("kv_compact_tree", accepted_nodes, ops)
     src, dst, _ = reference.compaction_slots(accepted_nodes, tree_slots)
     return reference.kv_compact(caches, src, dst)
 
 
-def sample_tokens(logits: torch.Tensor, temperature: torch.Tensor | None = None, seed: int = 0) -> torch.Tensor:
-    """logits [rows, V] -> [rows] int64: argmax (ties -> lower id) where temperature is None or < 1e-5, else one
-    Gumbel-max sample of softmax(logits / T) per row. Seeded but not the same stream on CPU and CUDA."""
+def sample_tokens(logits: torch.Tensor, temperature: torch.Tensor, min_p: torch.Tensor,
+                  uniform: torch.Tensor) -> torch.Tensor:
+    """logits [R, V] (fp32/bf16/fp16, -inf = masked), temperature [R], min_p [R], uniform [R] fp64 in [0, 1) ->
+    [R] int64. Argmax (ties -> lowest id) where temperature < 1e-5, else inverse-CDF sampling of softmax(logits / T)
+    over the tokens with p >= min_p * max p at uniform * kept mass; see ext.reference.sampling. Deterministic given
+    `uniform`, and the same on CPU and CUDA up to fp32 exp rounding."""
     ops = _cuda_ops(logits)
-    if ops is not None and logits.dim() == 2 and logits.dtype in _FLOATS:
+    if (ops is not None and logits.dim() == 2 and logits.dtype in _FLOATS
+            and 0 < logits.shape[-1] <= _SAMPLE_MAX_VOCAB):
         _served("sample_tokens", ops)
-        temp = None if temperature is None else temperature.to(logits.device, torch.float32)
-        return ops.sample_tokens(logits, temp, int(seed))
-    greedy = logits.float().argmax(-1)
-    if temperature is None:
-        return greedy
-    temp = temperature.to(logits.device, torch.float32)
-    gen = torch.Generator(device=logits.device).manual_seed(int(seed))
-    u = torch.rand(logits.shape, generator=gen, device=logits.device).clamp_(1e-20, 1.0)
-    sampled = (logits.float() / temp.clamp(min=1e-5)[:, None] - torch.log(-torch.log(u))).argmax(-1)
-    return torch.where(temp < 1e-5, greedy, sampled)
+        device = logits.device
+        return ops.sample_tokens(logits, temperature.to(device, torch.float32), min_p.to(device, torch.float32),
+                                 uniform.to(device, torch.float64))
+    _fallback("sample_tokens", logits, ops)
+    return reference.sample_tokens(logits, temperature, min_p, uniform)
 
 
 def pack_tree_mask(tree_mask: torch.Tensor) -> torch.Tensor:
@@ -184,6 +240,7 @@ def pack_tree_mask(tree_mask: torch.Tensor) -> torch.Tensor:
     if ops is not None and tree_mask.dtype == torch.bool and tree_mask.dim() == 2:
         _served("pack_tree_mask", ops)
         return ops.pack_tree_mask(tree_mask)
+    _fallback("pack_tree_mask", tree_mask, ops)
     from ext.metadata import pack_bits
 
     return pack_bits(tree_mask)

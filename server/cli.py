@@ -109,11 +109,18 @@ def serve_configs(args):
 
 
 def cmd_build_ext(args) -> int:
+    """Ahead-of-time build of the CUDA extension (no GPU needed) into $DDTREE_EXT_DIR, else the package's ext/lib/,
+    for $DDTREE_CUDA_ARCH_LIST (default 8.0;9.0+PTX)."""
     from ext import build
 
-    ops = build.load_ops(verbose=True)
-    print("built" if ops is not None else "the CUDA extension is not available on this machine")
-    return 0 if ops is not None else 1
+    print(f"building the CUDA extension for {build.arch_list()} into {build.output_dir()}", flush=True)
+    try:
+        path = build.build(verbose=True)
+    except build.BuildError as e:
+        print(f"ddtree: error: cannot build the CUDA extension: {e}", file=sys.stderr)
+        return 1
+    print(f"built {path}")
+    return 0
 
 
 class OneLineParser(argparse.ArgumentParser):

@@ -79,10 +79,15 @@ cudaError_t tree_accept(const int64_t* target_token_ids, const int64_t* node_tok
                         const int64_t* num_nodes, int num_reqs, int num_rows, int max_depth,
                         int64_t* accepted_nodes, int64_t* accept_len, int64_t* bonus, cudaStream_t stream);
 
-// Target token per row: argmax (ties -> lower id) where temperature is null or < 1e-5, else a Gumbel-max
-// sample of softmax(logits / temperature) keyed by (seed, row, token).
+// ---- sampling ---------------------------------------------------------------------------------------------
+// Target token per row, as ext/reference/sampling.py: argmax (NaN largest, ties -> lower id) where
+// temperature[r] < 1e-5 (or NaN); else inverse-CDF sampling of p = softmax(logits / T) over the tokens with
+// p >= min_p[r] * max p: the first token, in vocabulary order, whose cumulative kept mass (fp64) exceeds
+// uniform[r] * the total kept mass. Rows without a finite max (all -inf, NaN, +inf) take the argmax.
+constexpr int kSampleMaxVocab = 1 << 30;
+constexpr int kSampleMaxChunks = 4096;  // per-chunk masses kept in shared memory (8 bytes each)
 cudaError_t sample_tokens(const void* logits, DType dtype, int rows, int vocab, const float* temperature,
-                          uint64_t seed, int64_t* out, cudaStream_t stream);
+                          const float* min_p, const double* uniform, int64_t* out, cudaStream_t stream);
 
 // ---- cache ops --------------------------------------------------------------------------------------------
 cudaError_t write_kv(void* cache, DType cache_dtype, const void* rows, DType rows_dtype, int64_t rows_stride,

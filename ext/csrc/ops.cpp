@@ -288,24 +288,25 @@ void kv_compact_tree(at::TensorList caches, Tensor accepted, Tensor tree_slots) 
                                   t.data_ptr<int64_t>(), static_cast<int>(t.size(1)), stream()), "kv_compact_tree");
 }
 
-Tensor sample_tokens(Tensor logits, std::optional<Tensor> temperature, int64_t seed) {
-  CHECK_CUDA(logits);
+Tensor sample_tokens(Tensor logits, Tensor temperature, Tensor min_p, Tensor uniform) {
+  CHECK_CUDA(logits); CHECK_CUDA(temperature); CHECK_CUDA(min_p); CHECK_CUDA(uniform);
+  CHECK_TYPE(temperature, at::kFloat); CHECK_TYPE(min_p, at::kFloat); CHECK_TYPE(uniform, at::kDouble);
   TORCH_CHECK(logits.dim() == 2, "ddtree::sample_tokens: logits must be [rows, V]");
+  const int64_t R = logits.size(0), V = logits.size(1);
+  TORCH_CHECK(temperature.dim() == 1 && temperature.size(0) == R && min_p.dim() == 1 && min_p.size(0) == R &&
+              uniform.dim() == 1 && uniform.size(0) == R,
+              "ddtree::sample_tokens: temperature, min_p and uniform must be [rows]");
+  TORCH_CHECK(temperature.device() == logits.device() && min_p.device() == logits.device() &&
+              uniform.device() == logits.device(), "ddtree::sample_tokens: all inputs must be on the logits' device");
+  TORCH_CHECK(R < (int64_t{1} << 31) && V <= ddtree::kSampleMaxVocab, "ddtree::sample_tokens: too many rows or tokens");
   c10::cuda::CUDAGuard guard(logits.device());
-  Tensor x = logits.contiguous();
-  const int64_t M = x.size(0), V = x.size(1);
-  Tensor out = at::empty({M}, logits.options().dtype(at::kLong));
-  Tensor temp;
-  if (temperature.has_value()) {
-    CHECK_CUDA(*temperature);
-    temp = temperature->to(at::kFloat).contiguous();
-    TORCH_CHECK(temp.numel() == M, "ddtree::sample_tokens: one temperature per row");
-  }
-  if (M == 0) return out;
+  Tensor out = at::empty({R}, logits.options().dtype(at::kLong));
+  if (R == 0) return out;
   TORCH_CHECK(V > 0, "ddtree::sample_tokens: empty vocabulary");
-  check(ddtree::sample_tokens(x.data_ptr(), dtype_of(x), static_cast<int>(M), static_cast<int>(V),
-                              temperature.has_value() ? temp.data_ptr<float>() : nullptr, static_cast<uint64_t>(seed),
-                              out.data_ptr<int64_t>(), stream()), "sample_tokens");
+  Tensor x = logits.contiguous(), t = temperature.contiguous(), mp = min_p.contiguous(), u = uniform.contiguous();
+  check(ddtree::sample_tokens(x.data_ptr(), dtype_of(x), static_cast<int>(R), static_cast<int>(V), t.data_ptr<float>(),
+                              mp.data_ptr<float>(), u.data_ptr<double>(), out.data_ptr<int64_t>(), stream()),
+        "sample_tokens");
   return out;
 }
 
@@ -337,7 +338,7 @@ TORCH_LIBRARY(ddtree, m) {
         "(Tensor, Tensor, Tensor)");
   m.def("kv_compact(Tensor(a!)[] caches, Tensor src_slots, Tensor dst_slots) -> ()");
   m.def("kv_compact_tree(Tensor(a!)[] caches, Tensor accepted_nodes, Tensor tree_slots) -> ()");
-  m.def("sample_tokens(Tensor logits, Tensor? temperature, int seed) -> Tensor");
+  m.def("sample_tokens(Tensor logits, Tensor temperature, Tensor min_p, Tensor uniform) -> Tensor");
   m.def("pack_tree_mask(Tensor tree_mask) -> Tensor");
 }
 

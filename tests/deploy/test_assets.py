@@ -254,10 +254,23 @@ def test_dockerfile_pins_match_the_makefile():
 
 
 def test_dockerfile_prebuilds_the_extension_with_the_cli():
+    """The devel stage builds the extension (no GPU: named architectures) into the venv's ext/lib/; the runtime
+    stage (no compiler) takes the venv and checks at build time that the library is there and matches."""
+    from ext import build as ext_build
+
     build = " ".join(a for k, a in stage("build") if k == "RUN")
-    assert "ddtree build-ext" in build
+    assert "ddtree build-ext" in build and '".[cuda]"' in build  # the cuda extra brings ninja
     assert cli_parser().parse_args(["build-ext"]).command == "build-ext"
-    assert any(k == "COPY" and "--from=build" in a and "/opt/ddtree" in a for k, a in stage("runtime"))
+    targets = ext_build.parse_arch_list(dockerfile_args()["DDTREE_CUDA_ARCH_LIST"])
+    assert {"sm_80", "sm_90", "compute_90"} <= set(targets)
+    assert any(k == "ENV" and "DDTREE_CUDA_ARCH_LIST=${DDTREE_CUDA_ARCH_LIST}" in a for k, a in stage("build"))
+    runtime = stage("runtime")
+    base = next(a for s, k, a in dockerfile_instructions() if k == "FROM" and s == "runtime")
+    assert "-runtime-" in base  # no nvcc in the serving image
+    assert any(k == "COPY" and a.split() == ["--from=build", "/opt/venv", "/opt/venv"] for k, a in runtime)
+    assert any(k == "RUN" and "build.find_prebuilt()" in a and "build.nvcc() is None" in a for k, a in runtime)
+    pyproject = (ROOT / "pyproject.toml").read_text()
+    assert re.search(r'cuda = \[[^\]]*"ninja"', pyproject) and '"lib/*.so"' in pyproject
 
 
 # ------------------------------------------------------------------------------------------- entry point

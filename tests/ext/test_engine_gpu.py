@@ -22,7 +22,7 @@ def greedy(llm) -> list[list[int]]:
 
 @pytest.fixture(scope="module")
 def plain_cuda(tiny_checkpoints):
-    assert build.load_ops() is not None, "the CUDA extension did not build"
+    assert build.load_ops() is not None, build.load_error()
     cache = {}
 
     def get(family):

@@ -1,0 +1,285 @@
+// Fused log-softmax + top-K over the vocabulary (the drafter's per-depth candidates for the DDTree build).
+#include "vocab_rows.cuh"
+
+namespace ddtree {
+
+namespace {
+
+// ---- top-K ------------------------------------------------------------------------------------------------
+// One CTA streams a chunk of a row once: an online max / sum-exp, and a candidate buffer of unique 64-bit keys
+// (value, reversed id) above the running threshold = the K-th best key so far. When the buffer fills, an exact
+// radix select (8 passes of 8 bits over shared memory) finds the K-th key and compacts the buffer to K.
+constexpr int kTkThreads = 256, kTkEpt = kRowEpt, kTkRound = kTkThreads * kTkEpt, kTkCap = 4096;
+
+struct TopkSmem {
+  uint64_t buf[kTkCap];
+  unsigned hist[256];
+  unsigned wsum[kTkThreads / 32];
+  float red_m[kTkThreads / 32], red_s[kTkThreads / 32];
+  uint64_t thr;   // key of the current K-th best candidate (0 = none yet)
+  float thr_x;    // its value: elements below it cannot enter (cheap first test)
+  int count, digit, krem;
+};
+
+__device__ __forceinline__ void ms_merge(float& m, float& s, float m2, float s2) {
+  const float mn = fmaxf(m, m2);
+  if (mn == -CUDART_INF_F) return;
+  s = s * exp2f((m - mn) * kLog2e) + s2 * exp2f((m2 - mn) * kLog2e);
+  m = mn;
+}
+
+// The k-th largest (1-based) of sm.buf[0..n), n >= k. All threads call; keys are unique.
+__device__ uint64_t block_kth_largest(TopkSmem& sm, int n, int k) {
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  uint64_t prefix = 0, mask = 0;
+  int krem = k;
+  for (int shift = 56; shift >= 0; shift -= 8) {
+    sm.hist[tid] = 0;
+    __syncthreads();
+    for (int i = tid; i < n; i += kTkThreads) {
+      const uint64_t key = sm.buf[i];
+      if ((key & mask) == prefix) atomicAdd(&sm.hist[(key >> shift) & 255], 1u);
+    }
+    __syncthreads();
+    const unsigned v = sm.hist[255 - tid];  // thread tid scans bins from the top
+    unsigned x = v;
+#pragma unroll
+    for (int off = 1; off < 32; off <<= 1) {
+      const unsigned y = __shfl_up_sync(0xffffffffu, x, off);
+      if (lane >= off) x += y;
+    }
+    if (lane == 31) sm.wsum[warp] = x;
+    __syncthreads();
+    unsigned base = 0;
+    for (int w = 0; w < warp; ++w) base += sm.wsum[w];
+    const unsigned incl = base + x, excl = incl - v;
+    if (excl < static_cast<unsigned>(krem) && incl >= static_cast<unsigned>(krem)) {
+      sm.digit = 255 - tid;
+      sm.krem = krem - static_cast<int>(excl);
+    }
+    __syncthreads();
+    prefix |= static_cast<uint64_t>(sm.digit) << shift;
+    mask |= static_cast<uint64_t>(255) << shift;
+    krem = sm.krem;
+  }
+  __syncthreads();
+  return prefix;
+}
+
+// Keeps exactly the k largest keys of the buffer (if it holds more) and raises the threshold to the k-th.
+__device__ void block_compact(TopkSmem& sm, int k) {
+  const int tid = threadIdx.x;
+  const int n = sm.count;
+  if (n <= k) return;
+  const uint64_t kth = block_kth_largest(sm, n, k);
+  uint64_t keep[kTkCap / kTkThreads];
+#pragma unroll
+  for (int j = 0; j < kTkCap / kTkThreads; ++j) {
+    const int i = tid + j * kTkThreads;
+    keep[j] = (i < n && sm.buf[i] >= kth) ? sm.buf[i] : 0;
+  }
+  __syncthreads();
+  if (tid == 0) { sm.count = 0; sm.thr = kth; sm.thr_x = from_ordered_bits(static_cast<uint32_t>(kth >> 32)); }
+  __syncthreads();
+#pragma unroll
+  for (int j = 0; j < kTkCap / kTkThreads; ++j)
+    if (keep[j]) sm.buf[atomicAdd(&sm.count, 1)] = keep[j];
+  __syncthreads();
+}
+
+__device__ void block_sort_desc(uint64_t* a, int n_pow2) {
+  for (int size = 2; size <= n_pow2; size <<= 1)
+    for (int stride = size >> 1; stride > 0; stride >>= 1) {
+      for (int i = threadIdx.x; i < n_pow2 / 2; i += kTkThreads) {
+        const int lo = 2 * stride * (i / stride) + (i % stride), hi = lo + stride;
+        const bool desc = (lo & size) == 0;
+        const uint64_t x = a[lo], y = a[hi];
+        if ((x < y) == desc) { a[lo] = y; a[hi] = x; }
+      }
+      __syncthreads();
+    }
+}
+
+// Buffer -> exactly the top k; then either this chunk's partial keys (unsorted: the merge re-selects) or the
+// final rows, sorted once by (log-prob, reversed id) so values that round to the same log-prob order by id.
+__device__ void topk_finalize(TopkSmem& sm, int k, float m, float s, int64_t out_row, float* out_lp,
+                              int64_t* out_ids, uint64_t* part_keys, float* part_ms) {
+  const int tid = threadIdx.x;
+  __syncthreads();
+  block_compact(sm, k);
+  const int n = sm.count;
+  if (part_keys != nullptr) {
+    for (int i = tid; i < k; i += kTkThreads) part_keys[out_row * k + i] = i < n ? sm.buf[i] : 0;
+    if (tid == 0) { part_ms[2 * out_row] = m; part_ms[2 * out_row + 1] = s; }
+    return;
+  }
+  const int kp = next_pow2(k);
+  const float logs = logf(s);
+  for (int i = tid; i < kp; i += kTkThreads) {
+    uint64_t key = 0;
+    if (i < n) {
+      const uint64_t x_key = sm.buf[i];
+      const float x = from_ordered_bits(static_cast<uint32_t>(x_key >> 32));
+      key = topk_key(((x - m) - logs) + 0.0f, 0xffffffffu - static_cast<uint32_t>(x_key));
+    }
+    sm.buf[i] = key;
+  }
+  __syncthreads();
+  block_sort_desc(sm.buf, kp);
+  for (int i = tid; i < k; i += kTkThreads) {
+    const uint64_t key = sm.buf[i];
+    out_lp[out_row * k + i] = from_ordered_bits(static_cast<uint32_t>(key >> 32));
+    out_ids[out_row * k + i] = static_cast<int64_t>(0xffffffffu - static_cast<uint32_t>(key));
+  }
+}
+
+// One round: 8 elements per thread. Online max / sum-exp, then candidates above the threshold go to the
+// buffer (warp-aggregated). A round where nobody appended costs one barrier.
+__device__ __forceinline__ void topk_consume(TopkSmem& sm, const float (&v)[kTkEpt], int i0, int end, int k,
+                                             float& m, float& s) {
+  const int lane = threadIdx.x & 31;
+  const bool full = i0 + kTkEpt <= end;
+  float lmax = -CUDART_INF_F;
+#pragma unroll
+  for (int e = 0; e < kTkEpt; ++e)
+    if (full || i0 + e < end) lmax = fmaxf(lmax, v[e]);
+  if (lmax > m) {
+    s *= ex2((m - lmax) * kLog2e);
+    m = lmax;
+  }
+  bool maybe = false;
+  if (m > -CUDART_INF_F) {
+    const float ml = m * kLog2e, tx = sm.thr_x;
+#pragma unroll
+    for (int e = 0; e < kTkEpt; ++e) {
+      if (full || i0 + e < end) {
+        s += ex2(fmaf(v[e], kLog2e, -ml));
+        maybe |= v[e] >= tx;
+      }
+    }
+  } else {
+    maybe = i0 < end && sm.thr == 0;  // only -inf so far: they still fill an empty buffer
+  }
+  bool appended = false;
+  if (__any_sync(0xffffffffu, maybe)) {
+    const uint64_t thr = sm.thr;
+#pragma unroll
+    for (int e = 0; e < kTkEpt; ++e) {
+      const uint64_t key = topk_key(v[e], static_cast<uint32_t>(i0 + e));
+      const bool pass = maybe && i0 + e < end && key > thr;
+      const unsigned bal = __ballot_sync(0xffffffffu, pass);
+      if (bal) {
+        const int leader = __ffs(bal) - 1;
+        int base = 0;
+        if (lane == leader) base = atomicAdd(&sm.count, __popc(bal));
+        base = __shfl_sync(0xffffffffu, base, leader);
+        if (pass) sm.buf[base + __popc(bal & ((1u << lane) - 1u))] = key;
+      }
+      appended |= pass;
+    }
+  }
+  if (__syncthreads_or(appended)) {
+    const int cnt = sm.count;
+    __syncthreads();
+    if (cnt > kTkCap - kTkRound) block_compact(sm, k);
+  }
+}
+
+__device__ void block_reduce_ms(TopkSmem& sm, float& m, float& s) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1) {
+    const float m2 = __shfl_xor_sync(0xffffffffu, m, off), s2 = __shfl_xor_sync(0xffffffffu, s, off);
+    ms_merge(m, s, m2, s2);
+  }
+  if (lane == 0) { sm.red_m[warp] = m; sm.red_s[warp] = s; }
+  __syncthreads();
+  m = sm.red_m[0];
+  s = sm.red_s[0];
+  for (int w = 1; w < kTkThreads / 32; ++w) ms_merge(m, s, sm.red_m[w], sm.red_s[w]);
+}
+
+template <typename T>
+__global__ void __launch_bounds__(kTkThreads) topk_kernel(const T* __restrict__ logits, int vocab, int k, int chunks,
+                                                          int chunk_len, float* out_lp, int64_t* out_ids,
+                                                          float* part_ms, uint64_t* part_keys) {
+  __shared__ TopkSmem sm;
+  const int tid = threadIdx.x;
+  const int row = blockIdx.x / chunks, c = blockIdx.x % chunks;
+  const int begin = c * chunk_len, end = min(vocab, begin + chunk_len);
+  const T* x = logits + static_cast<int64_t>(row) * vocab;
+  if (tid == 0) { sm.count = 0; sm.thr = 0; sm.thr_x = -CUDART_INF_F; }
+  __syncthreads();
+  const bool vec = (static_cast<int64_t>(vocab) * sizeof(T)) % 16 == 0 && (reinterpret_cast<uintptr_t>(logits) & 15) == 0;
+  float m = -CUDART_INF_F, s = 0.f;
+  float cur[kTkEpt], nxt[kTkEpt];
+  if (begin < end) load8<T>(x, begin + tid * kTkEpt, end, vec, cur);
+  for (int base = begin; base < end; base += kTkRound) {
+    const int i0 = base + tid * kTkEpt;
+    if (base + kTkRound < end) load8<T>(x, i0 + kTkRound, end, vec, nxt);
+    topk_consume(sm, cur, i0, end, k, m, s);
+#pragma unroll
+    for (int e = 0; e < kTkEpt; ++e) cur[e] = nxt[e];
+  }
+  block_reduce_ms(sm, m, s);
+  if (chunks == 1) topk_finalize(sm, k, m, s, row, out_lp, out_ids, nullptr, nullptr);
+  else topk_finalize(sm, k, m, s, blockIdx.x, nullptr, nullptr, part_keys, part_ms);
+}
+
+__global__ void __launch_bounds__(kTkThreads) topk_merge_kernel(int k, int chunks, const float* part_ms,
+                                                                const uint64_t* part_keys, float* out_lp,
+                                                                int64_t* out_ids) {
+  __shared__ TopkSmem sm;
+  const int tid = threadIdx.x, row = blockIdx.x;
+  const int n = chunks * k;
+  for (int i = tid; i < n; i += kTkThreads) sm.buf[i] = part_keys[static_cast<int64_t>(row) * n + i];
+  if (tid == 0) sm.count = n;
+  float m = -CUDART_INF_F, s = 0.f;
+  for (int c = 0; c < chunks; ++c)
+    ms_merge(m, s, part_ms[2 * (static_cast<int64_t>(row) * chunks + c)], part_ms[2 * (static_cast<int64_t>(row) * chunks + c) + 1]);
+  topk_finalize(sm, k, m, s, row, out_lp, out_ids, nullptr, nullptr);
+}
+
+}  // namespace
+
+int topk_num_chunks(int rows, int vocab, int k, int num_sms) {
+  if (rows <= 0 || rows >= 2 * num_sms) return 1;
+  int want = (2 * num_sms + rows - 1) / rows;
+  const int by_vocab = vocab / (2 * kTkRound);
+  int kp = 1;
+  while (kp < k) kp <<= 1;
+  const int by_cap = kTkCap / kp;
+  want = want < by_vocab ? want : by_vocab;
+  want = want < by_cap ? want : by_cap;
+  if (want <= 1) return 1;
+  const int chunk_len = round_up((vocab + want - 1) / want, 2 * kTkRound);
+  return (vocab + chunk_len - 1) / chunk_len;
+}
+
+size_t topk_workspace_bytes(int rows, int k, int chunks) {
+  if (chunks <= 1) return 0;
+  return static_cast<size_t>(rows) * chunks * (2 * sizeof(float) + k * sizeof(uint64_t)) + 16;
+}
+
+cudaError_t topk_logprobs(const void* logits, DType dtype, int rows, int vocab, int k, int chunks, void* workspace,
+                          float* out_lp, int64_t* out_ids, cudaStream_t stream) {
+  if (rows == 0 || k == 0) return cudaSuccess;
+  if (k > kTopkMaxK || k > vocab) return cudaErrorInvalidValue;
+  const int chunk_len = chunks <= 1 ? vocab : round_up((vocab + chunks - 1) / chunks, 2 * kTkRound);
+  uint64_t* part_keys = nullptr;
+  float* part_ms = nullptr;
+  if (chunks > 1) {
+    part_keys = static_cast<uint64_t*>(workspace);
+    part_ms = reinterpret_cast<float*>(part_keys + static_cast<size_t>(rows) * chunks * k);
+  }
+  const dim3 grid(rows * chunks);
+  if (dtype == kFloat32) topk_kernel<float><<<grid, kTkThreads, 0, stream>>>(static_cast<const float*>(logits), vocab, k, chunks, chunk_len, out_lp, out_ids, part_ms, part_keys);
+  else if (dtype == kFloat16) topk_kernel<__half><<<grid, kTkThreads, 0, stream>>>(static_cast<const __half*>(logits), vocab, k, chunks, chunk_len, out_lp, out_ids, part_ms, part_keys);
+  else topk_kernel<__nv_bfloat16><<<grid, kTkThreads, 0, stream>>>(static_cast<const __nv_bfloat16*>(logits), vocab, k, chunks, chunk_len, out_lp, out_ids, part_ms, part_keys);
+  cudaError_t err = cudaGetLastError();
+  if (err != cudaSuccess || chunks <= 1) return err;
+  topk_merge_kernel<<<rows, kTkThreads, 0, stream>>>(k, chunks, part_ms, part_keys, out_lp, out_ids);
+  return cudaGetLastError();
+}
+
+}  // namespace ddtree

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import math
+import mmap
 import os
 import re
 
@@ -109,6 +110,19 @@ class GGUFWeights(WeightSource):
                 weight = _unpermute_rope_rows(weight, self.config["num_key_value_heads"])
             yield hf_name, weight
             del weight
+            self._drop_pages(tensor)
+
+    def _drop_pages(self, tensor) -> None:
+        """Unmaps the tensor's file pages from this process once it is read (they stay in the page cache), so
+        that the resident set does not grow to the file size over the load. Best effort."""
+        mm = getattr(getattr(self.reader.data, "base", None), "_mmap", None)
+        if mm is None or not hasattr(mm, "madvise") or not hasattr(mmap, "MADV_DONTNEED"):
+            return
+        start = int(tensor.data_offset) // mmap.PAGESIZE * mmap.PAGESIZE
+        try:
+            mm.madvise(mmap.MADV_DONTNEED, start, int(tensor.data_offset) + int(tensor.n_bytes) - start)
+        except (OSError, ValueError):
+            pass
 
     def log_done(self, count: int, nbytes: int, seconds: float, dtype: torch.dtype) -> None:
         logger.info("dequantized %d GGUF tensors (%.2f GiB in the file) from %s to %s in %.2f s", count,

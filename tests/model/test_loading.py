@@ -225,6 +225,18 @@ def test_gguf_dequantized_per_tensor_to_the_target_dtype(tiny_gguf, monkeypatch,
     assert_params_equal(model, state, dtype)
 
 
+def test_gguf_dummy_reads_only_the_metadata(tiny_gguf, monkeypatch):
+    import engine.model.gguf as gguf_module
+
+    def no_data(path, tensor):
+        raise AssertionError("dummy loading dequantized a tensor")
+
+    monkeypatch.setattr(gguf_module, "_dequantize", no_data)
+    loaded = load_model(tiny_gguf, "fp32", load_format="dummy")
+    assert loaded.hf_config["hidden_size"] == 128 and loaded.tokenizer is None
+    assert torch.isfinite(forward_logits(loaded.model, list(range(12)))).all()
+
+
 # ---- generation_config.json ------------------------------------------------------------------------------------
 
 def test_generation_config_eos_and_sampling_defaults(tmp_path):

@@ -85,7 +85,7 @@ async def create_chat_completion(state: ServerState, body: Any, arrival: float) 
     def build() -> Response:
         return json_response(ChatCompletion(
             id=cid, created=created, model=state.model_name, usage=_usage([prompt_ids], choices),
-            choices=[ChatCompletionChoice(index=c.index, message=ChatCompletionMessage(content=c.text.text),
+            choices=[ChatCompletionChoice(index=c.index, message=ChatCompletionMessage(content=c.text),
                                           logprobs=logprobs_of(c.token_ids, c.logprobs, c.top_logprobs),
                                           finish_reason=c.finish_reason, stop_reason=c.stop_reason)
                      for c in choices]))
@@ -144,7 +144,7 @@ async def create_completion(state: ServerState, body: Any, arrival: float) -> Re
     def build() -> Response:
         return json_response(Completion(
             id=cid, created=created, model=state.model_name, usage=_usage(prompts, choices),
-            choices=[CompletionChoice(index=c.index, text=echo_of(c) + c.text.text,
+            choices=[CompletionChoice(index=c.index, text=echo_of(c) + c.text,
                                       logprobs=logprobs_of(c, c.token_ids, c.logprobs, c.top_logprobs),
                                       finish_reason=c.finish_reason, stop_reason=c.stop_reason)
                      for c in choices]))

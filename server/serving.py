@@ -32,7 +32,7 @@ from server.config import ServerConfig
 from server.engine_client import EngineClient, EngineDeadError, EngineRequestError
 from server.metrics import Metrics, RequestStats
 from server.protocol import ErrorResponse, ProtocolError, error_response, model_not_found
-from server.tokenization import LogprobFormatter, TextOffset, TextStream
+from server.tokenization import LogprobFormatter, TextOffset
 
 logger = logging.getLogger("ddtree.server")
 
@@ -179,12 +179,10 @@ class ChoiceStream:
     ChoiceOutput per delta; close() aborts it if unfinished and records its metrics (idempotent)."""
 
     def __init__(self, state: ServerState, index: int, request_id: str, prompt_ids: list[int],
-                 sampling: SamplingParams, stop: Sequence[str], *, skip_special_tokens: bool,
-                 include_stop_str_in_output: bool, arrival: float):
+                 sampling: SamplingParams, *, arrival: float):
         self.state, self.index, self.request_id = state, index, request_id
         self.prompt_ids, self.sampling, self.arrival = prompt_ids, sampling, arrival
-        self.text = TextStream(state.tokenizer, stop=stop, skip_special_tokens=skip_special_tokens,
-                               include_stop_str_in_output=include_stop_str_in_output, prompt_ids=prompt_ids)
+        self.text = ""  # the engine's detokenized output so far (stop strings already cut there)
         self.offset = TextOffset()  # legacy completions text_offset, across the chunks of this choice
         self.token_ids: list[int] = []  # kept output tokens (nothing past a matched stop string)
         self.logprobs: list[float] = []
@@ -236,35 +234,15 @@ class ChoiceStream:
                 metrics.observe_inter_token_latency(now - self._last_token_time, len(new))
             self._last_token_time = now
             metrics.record_tokens(generation_tokens=len(new))
+        # The engine detokenized the tokens and matched stop strings: what arrives is already cut.
         lps = delta.new_logprobs or []
-        out = ChoiceOutput(self.index, "", [], [], [], None, None)
-        parts = []
-        # One token at a time so that a stop string ending inside a multi-token (speculative) delta cuts the
-        # token ids and logprobs exactly where the text stops.
-        for j, token in enumerate(new):
-            result = self.text.push([token])
-            parts.append(result.text)
-            out.token_ids.append(token)
-            if j < len(lps):
-                out.logprobs.append(lps[j][0])
-                out.top_logprobs.append(list(lps[j][1]))
-            if result.stopped:
-                self.finish_reason, self.stop_reason = "stop", result.matched_stop
-                break
-        if self.finish_reason is None and delta.finished:
-            result = self.text.finish()
-            parts.append(result.text)
-            if result.stopped:
-                self.finish_reason, self.stop_reason = "stop", result.matched_stop
-            else:
-                self.finish_reason = delta.finish_reason or "stop"
-                last = new[-1] if new else (self.token_ids[-1] if self.token_ids else None)
-                if self.finish_reason == "stop" and last in self.sampling.stop_token_ids:
-                    self.stop_reason = last
+        out = ChoiceOutput(self.index, delta.text, list(new), [lp[0] for lp in lps],
+                           [list(lp[1]) for lp in lps], None, None)
         if delta.finished:
+            self.finish_reason, self.stop_reason = delta.finish_reason or "stop", delta.stop_reason
             self._queue_time = delta.queue_time
-        out.text = "".join(parts)
         out.finish_reason, out.stop_reason = self.finish_reason, self.stop_reason
+        self.text += out.text
         self.token_ids.extend(out.token_ids)
         self.logprobs.extend(out.logprobs)
         self.top_logprobs.extend(out.top_logprobs)
@@ -399,9 +377,12 @@ def open_choices(state: ServerState, req: Any, prompts: list[list[int]], arrival
                  input_param: str) -> list[ChoiceStream]:
     """Validates every prompt against the context and the admission limit, then opens prompts x n
     ChoiceStreams (choice index = prompt_index * n + j; with a seed, choice i samples with seed + i)."""
-    kwargs = req.to_sampling_kwargs()
-    n, stop = kwargs.pop("n"), kwargs.pop("stop")
-    max_tokens = [_context_checks(state, len(p), kwargs["max_tokens"], input_param) for p in prompts]
+    kwargs = req.to_sampling_kwargs(state.info.default_sampling)
+    n = kwargs.pop("n")
+    asked = req._max_new_tokens()  # the client's own; a generation_config default is clamped, never refused
+    max_tokens = [_context_checks(state, len(p), asked, input_param) for p in prompts]
+    if asked is None and kwargs["max_tokens"] is not None:
+        max_tokens = [min(m, kwargs["max_tokens"]) for m in max_tokens]
     wanted, limit = len(prompts) * n, state.config.max_queue_len
     if wanted > limit:  # could never be admitted: retrying (what a 429 invites) would not help
         raise ApiError.make(f"This request needs {wanted} engine requests (prompts x n); the server admits at "
@@ -415,10 +396,10 @@ def open_choices(state: ServerState, req: Any, prompts: list[list[int]], arrival
             index = p * n + j
             seed = kwargs["seed"]
             sampling = SamplingParams(**{**kwargs, "max_tokens": new_tokens,
-                                         "seed": None if seed is None else (seed + index) % 2 ** 64})
-            choices.append(ChoiceStream(state, index, f"{base_id}-{index}", prompt_ids, sampling, stop,
-                                        skip_special_tokens=req.skip_special_tokens,
-                                        include_stop_str_in_output=req.include_stop_str_in_output,
+                                         "seed": None if seed is None else (seed + index) % 2 ** 64,
+                                         "skip_special_tokens": req.skip_special_tokens,
+                                         "include_stop_str_in_output": req.include_stop_str_in_output})
+            choices.append(ChoiceStream(state, index, f"{base_id}-{index}", prompt_ids, sampling,
                                         arrival=arrival))
     return choices
 

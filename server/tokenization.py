@@ -1,15 +1,14 @@
 """Text <-> token ids for the HTTP server.
 
-Owns: rendering a chat with the tokenizer's chat template and encoding it; the incremental detokenizer
-(UTF-8 safe, exact: the deltas concatenate to `tokenizer.decode(all_ids)`); stop-string matching over the
-streamed text (the stop string itself is never emitted); and the token strings/bytes that logprobs report.
+Owns: rendering a chat with the tokenizer's chat template and encoding it, and the token strings/bytes that
+logprobs report. Output text (incremental detokenization, stop strings) is the engine's: engine/detokenizer.py.
 Works with any Hugging Face tokenizer (transformers 5.x `TokenizersBackend` / `PreTrainedTokenizerFast`).
 """
 from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Any, Iterable, Mapping, NamedTuple, Optional, Sequence, Union
+from typing import Any, Mapping, Optional, Sequence, Union
 
 from server.protocol import (ChatCompletionTokenLogprob, ChatMessage, CompletionLogprobs, ProtocolError,
                              TopLogprob, finite_logprob)
@@ -63,164 +62,6 @@ def encode_chat(tokenizer: Any, messages: Sequence[Union[ChatMessage, Mapping[st
 
 def encode_prompt(tokenizer: Any, text: str, *, add_special_tokens: bool = True) -> list[int]:
     return list(tokenizer.encode(text, add_special_tokens=add_special_tokens))
-
-
-# -------------------------------------------------------------------------------------- detokenizing
-
-class IncrementalDetokenizer:
-    """Token ids in, text deltas out, for one sequence.
-
-    Each step decodes a short window that starts at the previous step's clean boundary and returns the
-    window's text beyond what that boundary had already produced. Decoding from an earlier token keeps the
-    left context that SentencePiece-style decoders need (they strip a leading space at sequence start) and
-    costs O(window), not O(sequence). A step whose text ends in U+FFFD stops at an incomplete character:
-    those tokens are held until the character completes, or until flush().
-
-    Invariant: the deltas of all step() calls plus flush() concatenate to
-    tokenizer.decode(output_ids, skip_special_tokens=...) for decoders whose output is prefix-stable
-    (byte-level BPE, Metaspace, byte fallback). A non-BPE tokenizer with clean_up_tokenization_spaces
-    (transformers 5 ignores it for BPE) may differ in whitespace before punctuation at step boundaries.
-
-    `prompt_ids`: optional prompt whose last tokens serve as left context (never emitted), so that the first
-    output token of a continuation keeps its leading space under SentencePiece decoders.
-    """
-
-    CONTEXT_TOKENS = 4
-
-    def __init__(self, tokenizer: Any, *, skip_special_tokens: bool = True, prompt_ids: Sequence[int] = ()):
-        self._tokenizer = tokenizer
-        self._skip = skip_special_tokens
-        self._ids: list[int] = list(prompt_ids[-self.CONTEXT_TOKENS:]) if prompt_ids else []
-        self._prefix_text = self._decode(0, len(self._ids))
-        if self._prefix_text.endswith(REPLACEMENT):  # prompt ends mid-character: context would misalign
-            self._ids, self._prefix_text = [], ""
-        self._num_context = len(self._ids)
-        self._prefix = 0  # window start (token index)
-        self._read = len(self._ids)  # tokens before this have been emitted
-
-    @property
-    def output_ids(self) -> list[int]:
-        return self._ids[self._num_context:]
-
-    def _decode(self, start: int, end: int) -> str:
-        if start >= end:
-            return ""
-        return self._tokenizer.decode(self._ids[start:end], skip_special_tokens=self._skip)
-
-    def step(self, token_ids: Iterable[int]) -> str:
-        """Append one or several tokens; return the newly complete text (possibly "")."""
-        self._ids.extend(token_ids)
-        return self._advance(final=False)
-
-    def flush(self) -> str:
-        """End of sequence: release whatever is held, incomplete characters included (as U+FFFD)."""
-        return self._advance(final=True)
-
-    def _advance(self, final: bool) -> str:
-        end = len(self._ids)
-        if end == self._read:
-            return ""
-        text = self._decode(self._prefix, end)
-        if not final:
-            # An incomplete UTF-8 character has at most 3 bytes, so at most 3 trailing tokens (4 allows one
-            # skipped special token among them); walking back no further keeps the cost per step bounded.
-            floor = max(self._read, end - 4)
-            while text.endswith(REPLACEMENT) and end > floor:
-                end -= 1
-                text = self._decode(self._prefix, end)
-            if text.endswith(REPLACEMENT) or end == self._read:
-                return ""
-        delta = text[len(self._prefix_text):]
-        self._prefix, self._read = self._read, end
-        self._prefix_text = self._decode(self._prefix, self._read)
-        return delta
-
-
-# ---------------------------------------------------------------------------------------- stop strings
-
-class StopResult(NamedTuple):
-    text: str  # safe to emit now
-    stopped: bool
-    matched_stop: Optional[str]
-
-
-class StopStringMatcher:
-    """Finds stop strings in streamed text. Text that could still begin a stop string is held back, so
-    a stop string is never emitted (unless include_stop_str_in_output) and the text before it always is.
-
-    The sequence stops where the first stop string *ends* (ties: the longer one), which a streaming
-    matcher can decide without look-ahead; the result is the same however the text is chunked."""
-
-    def __init__(self, stop: Sequence[str] = (), *, include_stop_str_in_output: bool = False):
-        if any(not s for s in stop):
-            raise ValueError("stop strings must be non-empty")
-        self._stops = tuple(dict.fromkeys(stop))
-        self._include = include_stop_str_in_output
-        self._held = ""
-        self.stopped = False
-        self.matched_stop: Optional[str] = None
-
-    def feed(self, text: str) -> StopResult:
-        if self.stopped:
-            return StopResult("", True, self.matched_stop)
-        if not self._stops:
-            return StopResult(text, False, None)
-        buf = self._held + text
-        best: Optional[tuple[int, int, str]] = None  # (end, -length, stop)
-        for s in self._stops:
-            i = buf.find(s)
-            if i >= 0 and (best is None or (i + len(s), -len(s)) < best[:2]):
-                best = (i + len(s), -len(s), s)
-        if best is not None:
-            end, neg_len, s = best
-            self.stopped, self.matched_stop, self._held = True, s, ""
-            return StopResult(buf[:end] if self._include else buf[:end + neg_len], True, s)
-        keep = self._partial_suffix(buf)
-        self._held = buf[len(buf) - keep:] if keep else ""
-        return StopResult(buf[:len(buf) - keep], False, None)
-
-    def _partial_suffix(self, buf: str) -> int:
-        """Length of the longest suffix of buf that is a proper prefix of some stop string."""
-        longest = min(len(buf), max(len(s) for s in self._stops) - 1)
-        for k in range(longest, 0, -1):
-            tail = buf[-k:]
-            if any(s.startswith(tail) for s in self._stops):
-                return k
-        return 0
-
-    def flush(self) -> str:
-        """The sequence ended for another reason: held text was not a stop string after all."""
-        held, self._held = self._held, ""
-        return "" if self.stopped else held
-
-
-class TextStream:
-    """Detokenizer + stop matcher for one choice: what the app drives per engine delta."""
-
-    def __init__(self, tokenizer: Any, *, stop: Sequence[str] = (), skip_special_tokens: bool = True,
-                 include_stop_str_in_output: bool = False, prompt_ids: Sequence[int] = ()):
-        self.detokenizer = IncrementalDetokenizer(tokenizer, skip_special_tokens=skip_special_tokens,
-                                                  prompt_ids=prompt_ids)
-        self.matcher = StopStringMatcher(stop, include_stop_str_in_output=include_stop_str_in_output)
-        self.text = ""  # everything emitted so far
-
-    def push(self, token_ids: Iterable[int]) -> StopResult:
-        if self.matcher.stopped:
-            return StopResult("", True, self.matcher.matched_stop)
-        return self._emit(self.matcher.feed(self.detokenizer.step(token_ids)))
-
-    def finish(self) -> StopResult:
-        """Call once when the engine finished the sequence (EOS, length, stop token)."""
-        if self.matcher.stopped:
-            return StopResult("", True, self.matcher.matched_stop)
-        result = self.matcher.feed(self.detokenizer.flush())
-        if not result.stopped:
-            result = StopResult(result.text + self.matcher.flush(), False, None)
-        return self._emit(result)
-
-    def _emit(self, result: StopResult) -> StopResult:
-        self.text += result.text
-        return result
 
 
 # -------------------------------------------------------------------------------------------- logprobs

@@ -94,3 +94,31 @@ def test_prompt_fully_cached_still_computes_last_token():
     bm.commit(a)
     b = Request([1, 2, 3, 4], SamplingParams())
     assert bm.match_prefix(b) == 2  # the last block is recomputed: its last token's logits are needed
+
+
+def test_prefix_cache_after_speculative_request_hits_generated_blocks(reference):
+    """A verify step commits several tokens at once; the blocks they fill must be registered with their real
+    contents. A follow-up turn whose prompt is the first request's prompt + output hits every full block
+    (generated ones included), and its output equals a cold run's token for token."""
+    from engine.speculative.oracle import OracleDrafter
+
+    folder, ref = reference
+    prompt, golden_out = prompts()[1], ref[1]
+    golden = prompt + golden_out
+    oracle = OracleDrafter(lambda r: golden if r.token_ids[:len(prompt)] == prompt else None, 1000, horizon=7)
+    llm = LLM(folder, dtype="fp32", block_size=4, drafter=oracle, spec_budget=8)
+    sp = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    first = llm.generate([prompt], sp)[0]
+    assert first.token_ids == golden_out and max(first.stats["spec"]["accepted_per_depth"]) > 0
+    follow_up = prompt + first.token_ids[:20] + [7, 8, 9]
+    core = llm.engine
+    rid = core.add_request(follow_up, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
+    req, out, hits = core.requests[rid], [], 0
+    while core.has_unfinished():
+        for d in core.step():
+            out.extend(d.new_token_ids)
+        hits += core.last_stats.prefix_cache_hits if core.last_stats else 0
+    assert req.num_cached_tokens == hits == 4 * ((len(follow_up) - 1) // 4)  # every full block, generated too
+    cold = LLM(folder, dtype="fp32", enable_prefix_caching=False).generate(
+        [follow_up], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))[0]
+    assert out == cold.token_ids

@@ -127,7 +127,9 @@ class _LifecycleServer(uvicorn.Server):
             await self._wait(self._busy, time.monotonic() + CUT_FLUSH_S)
             if linger:
                 await asyncio.sleep(max(0.0, start + linger - time.monotonic()))
-            if client is not None:  # stop the engine while still answering 503
+            # Stop a serving engine while still answering 503. One still loading is left to the lifespan's
+            # shutdown, which cancels the startup first (else it would report the stop as a startup failure).
+            if client is not None and client.info is not None:
                 t0 = time.monotonic()
                 await asyncio.to_thread(client.shutdown)
                 logger.info("engine stopped in %.2f s", time.monotonic() - t0)

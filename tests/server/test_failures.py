@@ -84,7 +84,9 @@ def test_fault_in_one_request_fails_it_alone(faulty_server):
         assert r.json()["choices"][0]["finish_reason"] == "length" and r.json()["usage"]["completion_tokens"] == 6
     after = httpx.post(url, json=body("Again:", 2), timeout=60)
     assert after.status_code == 200 and httpx.get(faulty_server.base_url + "/health").status_code == 200
-    assert "failed in the engine" in faulty_server.log_tail(200)
+    log = faulty_server.log_tail(200)
+    assert "failed in the engine" in log  # the server's line
+    assert "ERROR ddtree.engine" in log  # the engine process logs to the server's stderr, at its level
 
 
 def test_engine_sigkill_fails_open_requests_then_server_exits(faulty_server):
@@ -155,7 +157,7 @@ def test_engine_crash_is_logged_with_its_traceback_and_fails_open_requests(caplo
 
     from engine.config import EngineConfig
     from engine.request import SamplingParams
-    from server.engine_client import EngineClient, EngineDeadError
+    from server.engine_client import EngineClient, EngineDeadError, EngineRequestError
     from tests.server import fake_engine
 
     failures: list[str] = []
@@ -167,6 +169,8 @@ def test_engine_crash_is_logged_with_its_traceback_and_fails_open_requests(caplo
         await client.start()
         client.add_failure_listener(failures.append)
         await asyncio.wait_for(client.wait_ready(), 60)
+        with pytest.raises(EngineRequestError, match="empty"):  # a refusal (kind invalid): a 400 upstream
+            await anext(client.generate("refused", [], SamplingParams(max_tokens=1)))
         gen = client.generate("ok", [1, 2], SamplingParams(max_tokens=100))
         assert (await anext(gen)).new_token_ids == [1]
         doomed = client.generate("doomed", [fake_engine.FakeCore.CRASH], SamplingParams(max_tokens=100))

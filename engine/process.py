@@ -4,9 +4,15 @@ EngineCore step, send the step's deltas and statistics to the server, then the r
 blocks on the inbox; when busy it only polls it between steps.
 
 Anything else that goes wrong (the model cannot load, an exception in a step) ends the process after one
-`Failed` message that carries the one-line reason and the full traceback, which the server logs."""
+`Failed` message that carries the one-line reason and the full traceback, which the server logs.
+
+The server owns this process's lifetime: SIGINT and SIGTERM are ignored (a Ctrl-C reaches the whole process
+group, and systemd's default stop signals every process of the service: either would kill the engine under
+requests the server is still draining); the server stops it with a Shutdown message, or SIGKILL when it must.
+If the server dies, the kernel kills this process too (Linux), and the loop also notices a changed parent."""
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
 import queue
@@ -79,8 +85,8 @@ def serve_core(core, inbox, outbox, parent: int | None = None) -> None:
             msg = inbox.get(timeout=0.5) if not core.has_unfinished() else inbox.get_nowait()
         except queue.Empty:
             msg = None
-            if parent is not None and os.getppid() != parent:  # the server died without a Shutdown
-                return
+        if parent is not None and os.getppid() != parent:  # the server died without a Shutdown
+            return
         alive, changed = True, False
         while msg is not None and alive:
             changed = changed or isinstance(msg, AbortRequest)
@@ -103,11 +109,25 @@ def serve_core(core, inbox, outbox, parent: int | None = None) -> None:
             outbox.put(StepOutputs([], idle_stats(core)))
 
 
+def die_with_parent() -> None:
+    """Linux: SIGKILL this process when the server process dies, so that a dead server never leaves an engine
+    holding the GPU behind (the restarted server would find its memory taken)."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, int(signal.SIGKILL))  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
 def run_engine(config: EngineConfig, inbox, outbox, log_level: int | str | None = None) -> None:
-    # Ctrl-C reaches the whole process group; the server shuts this process down itself (Shutdown message).
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    configure_logging(log_level)
+    for sig in (signal.SIGINT, signal.SIGTERM):  # see the module docstring
+        signal.signal(sig, signal.SIG_IGN)
     parent = os.getppid()
+    if sys.platform.startswith("linux"):
+        die_with_parent()
+    if os.getppid() != parent:  # the server died before the line above
+        return
+    configure_logging(log_level)
     try:
         from engine.core import EngineCore
 

@@ -261,8 +261,8 @@ class EngineClient:
         self.closing = True
         if not self.alive:
             return
-        if self.info is None:  # still loading: it reads no messages yet
-            self.process.terminate()
+        if self.info is None:  # still loading: it reads no messages yet, and there is nothing to save
+            self.process.kill()
         else:
             try:
                 self.inbox.put(Shutdown())
@@ -270,8 +270,6 @@ class EngineClient:
                 pass
         if self._exited.wait(timeout):
             return
-        logger.warning("the engine did not stop within %.0f s; terminating it", timeout)
-        self.process.terminate()
-        if not self._exited.wait(timeout):
-            self.process.kill()
-            self._exited.wait(timeout)
+        logger.warning("the engine did not stop within %.0f s; killing it", timeout)
+        self.process.kill()  # it ignores SIGTERM (engine/process.py)
+        self._exited.wait(timeout)

@@ -85,6 +85,8 @@ class EngineClient:
         self.on_step = on_step
         ctx = mp.get_context("spawn")
         self.inbox, self.outbox = ctx.Queue(), ctx.Queue()
+        # At exit, never wait for the inbox's feeder thread: with the engine dead, a full pipe would block it.
+        self.inbox.cancel_join_thread()
         from engine.process import run_engine
 
         if log_level is None:  # the engine logs at the server's level (serve() configures the root logger)

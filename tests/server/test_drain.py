@@ -1,5 +1,6 @@
 """Graceful drain: on SIGTERM /health turns 503 and new requests get a 503 envelope while an open stream runs
-to its end; then the process exits 0 (what Kubernetes' terminationGracePeriod relies on)."""
+to its end; then the process exits 0 (what Kubernetes' terminationGracePeriod relies on). What outlives
+--drain-timeout is cut at that one deadline, each stream with an error event then [DONE]."""
 from __future__ import annotations
 
 import json

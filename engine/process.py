@@ -140,8 +140,7 @@ def run_engine(config: EngineConfig, inbox, outbox, log_level: int | str | None 
     status = 0
     try:
         serve_core(core, inbox, outbox, parent)
-    except Exception as e:
-        logger.exception("engine step failed")
+    except Exception as e:  # the server logs the traceback (once) and fails the open requests
         outbox.put(failure("engine step failed: ", e))
         status = 1
     quick_exit(outbox, status)

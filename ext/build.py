@@ -324,6 +324,7 @@ def workspace_dir(targets: list[str]) -> Path:
 def _compile(targets: list[str], verbose: bool) -> Path:
     """Compiles in workspace_dir(targets) and loads the result into this process (which also proves that it
     links and loads). Returns the built library. Raises BuildError."""
+    global _built_here
     nv, nj = nvcc(), ninja()
     if nv is None or nj is None:
         raise BuildError(toolchain_missing() or "no toolchain")
@@ -353,7 +354,8 @@ def _compile(targets: list[str], verbose: bool) -> Path:
             is_python_module=False,
             verbose=False,  # keeps the compiler output in the exception: its first error is the reason
         )
-        return Path(path) if path else workspace / LIB_NAME
+        _built_here = Path(path) if path else workspace / LIB_NAME
+        return _built_here
     except BuildError:
         raise
     except Exception as e:
@@ -408,6 +410,7 @@ def build(out_dir: str | Path | None = None, arch_list_text: str | None = None, 
 
 _lock = threading.Lock()
 _state: tuple | None = None  # (ops namespace or None, error or None, library path or None)
+_built_here: Path | None = None  # built (and so loaded) by this process: never load a second copy
 
 
 def load_ops(verbose: bool = False):
@@ -458,6 +461,8 @@ def _load(verbose: bool):
         return None, f"torch {torch.__version__} is a CPU-only build (torch.version.cuda is None)", None
     if not torch.cuda.is_available():
         return None, "no CUDA device is visible (torch.cuda.is_available() is False)", None
+    if _built_here is not None:
+        return _loaded(_built_here, verbose)
     capability = tuple(torch.cuda.get_device_capability())
     want = expected()
     rejected = []

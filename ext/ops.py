@@ -118,6 +118,7 @@ def write_kv(cache: torch.Tensor, rows: torch.Tensor, slot_mapping: torch.Tensor
     _fallback("write_kv", cache, ops)
     reference.write_kv(cache, rows, slot_mapping)
 
+
 def paged_attention(q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
     """GQA attention of q [num_tokens, num_heads, head_dim] over the paged cache -> [num_tokens, num_heads, head_dim]."""
     ops = _cuda_ops(q)

@@ -76,7 +76,8 @@ __global__ void __launch_bounds__(kSmThreads, 2) sample_tokens_kernel(const T* _
   __shared__ int s_bi[kSmWarps];
   const int row = blockIdx.x, tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const T* x = logits + static_cast<int64_t>(row) * vocab;
-  const bool vec = (static_cast<int64_t>(vocab) * sizeof(T)) % 16 == 0 && (reinterpret_cast<uintptr_t>(logits) & 15) == 0;
+  const bool vec = (static_cast<int64_t>(vocab) * sizeof(T)) % 16 == 0 &&
+                   (reinterpret_cast<uintptr_t>(logits) & 15) == 0;
 
   // 1. arg-max (two independent loads in flight per thread)
   constexpr int kStride = kSmThreads * kRowEpt;
@@ -211,12 +212,16 @@ cudaError_t sample_tokens(const void* logits, DType dtype, int rows, int vocab, 
   const int chunk_len = per_chunk * kSmSub;
   const int num_chunks = (vocab + chunk_len - 1) / chunk_len;
   const size_t smem = static_cast<size_t>(num_chunks) * sizeof(double);  // <= 32 KiB
+  const dim3 grid(rows), block(kSmThreads);
   if (dtype == kFloat32)
-    sample_tokens_kernel<float><<<rows, kSmThreads, smem, stream>>>(static_cast<const float*>(logits), vocab, chunk_len, num_chunks, temperature, min_p, uniform, out);
+    sample_tokens_kernel<float><<<grid, block, smem, stream>>>(static_cast<const float*>(logits), vocab, chunk_len,
+                                                               num_chunks, temperature, min_p, uniform, out);
   else if (dtype == kFloat16)
-    sample_tokens_kernel<__half><<<rows, kSmThreads, smem, stream>>>(static_cast<const __half*>(logits), vocab, chunk_len, num_chunks, temperature, min_p, uniform, out);
+    sample_tokens_kernel<__half><<<grid, block, smem, stream>>>(static_cast<const __half*>(logits), vocab, chunk_len,
+                                                                num_chunks, temperature, min_p, uniform, out);
   else
-    sample_tokens_kernel<__nv_bfloat16><<<rows, kSmThreads, smem, stream>>>(static_cast<const __nv_bfloat16*>(logits), vocab, chunk_len, num_chunks, temperature, min_p, uniform, out);
+    sample_tokens_kernel<__nv_bfloat16><<<grid, block, smem, stream>>>(
+        static_cast<const __nv_bfloat16*>(logits), vocab, chunk_len, num_chunks, temperature, min_p, uniform, out);
   return cudaGetLastError();
 }
 

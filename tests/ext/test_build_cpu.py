@@ -233,6 +233,17 @@ def test_load_reason_of_a_failed_build(fake_cuda_torch, monkeypatch):
                                   "sampling.cu(3): error: boom")
 
 
+def test_a_library_built_in_this_process_is_the_one_loaded(fake_cuda_torch, monkeypatch, tmp_path):
+    """build() loads what it compiled; a later load_ops() must not dlopen a second copy (one TORCH_LIBRARY)."""
+    write_library(fake_cuda_torch)  # compatible on paper: would fail to load if tried
+    monkeypatch.setattr(build, "_built_here", tmp_path / "build-sm_90" / build.LIB_NAME)
+    from ext import fake
+
+    monkeypatch.setattr(fake, "register", lambda: None)  # no real ddtree ops to attach fakes to here
+    assert build.load_ops() is torch.ops.ddtree and build.load_error() is None
+    assert build.loaded_from() == tmp_path / "build-sm_90" / build.LIB_NAME
+
+
 def test_load_without_a_device(monkeypatch):
     monkeypatch.setattr(torch.version, "cuda", "13.0")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)

@@ -63,7 +63,8 @@ def test_greedy_rows_equal_torch_argmax(dtype, vocab):
     min_p = torch.rand(rows, generator=gen)
     got = kernel(logits, temperature, min_p, torch.rand(rows, generator=gen, dtype=torch.float64))
     assert torch.equal(got, logits.argmax(-1).cpu())
-    assert torch.equal(got, reference.sample_tokens(logits.cpu(), temperature, min_p, torch.zeros(rows, dtype=torch.float64)))
+    zeros = torch.zeros(rows, dtype=torch.float64)
+    assert torch.equal(got, reference.sample_tokens(logits.cpu(), temperature, min_p, zeros))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

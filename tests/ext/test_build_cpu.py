@@ -1,7 +1,8 @@
 """CPU checks of the CUDA extension: every kernel source compiles with nvcc alone for the shipped architectures
-(syntax, types, ptxas), ops.cpp compiles against torch's headers, the pure-Python build/load logic (build.json
-compatibility, architecture lists, the one-line reasons), and without a GPU every op in ext.ops falls back to
-the reference with the same results; reference calls on CUDA tensors are counted and warned about."""
+(syntax, types, ptxas), ops.cpp compiles against torch's headers, the pure-Python build/load logic (ext.prebuilt:
+build.json compatibility, architecture lists; ext.build: the one-line reasons), and without a GPU every op in
+ext.ops falls back to the reference with the same results; reference calls on CUDA tensors are counted and
+warned about."""
 from __future__ import annotations
 
 import json
@@ -17,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from ext import build, ops, reference
+from ext import build, ops, prebuilt, reference
 from ext.metadata import build_metadata, pack_bits
 
 
@@ -26,7 +27,7 @@ def test_every_kernel_source_compiles_with_nvcc(tmp_path):
     sources = build.kernel_sources()
     assert {s.name for s in sources} >= {"attention.cu", "attention_gqa.cu", "attention_mla.cu", "cache.cu",
                                          "topk.cu", "tree_build.cu", "tree_accept.cu", "sampling.cu"}
-    arch_flags = build.gencode_flags(build.parse_arch_list(build.DEFAULT_ARCH_LIST))  # what build-ext ships
+    arch_flags = prebuilt.gencode_flags(prebuilt.parse_arch_list(prebuilt.DEFAULT_ARCH_LIST))  # what build-ext ships
 
     def compile_one(src):
         cmd = [build.nvcc(), "-c", *arch_flags, "-std=c++17", "-Xptxas", "-O0", "-I", str(build.CSRC), str(src),
@@ -79,52 +80,52 @@ WANT = {"torch": "2.11.0+cu130", "cuda": "13.0", "source_hash": "abc"}
 
 
 def manifest(**over):
-    return {**WANT, "library": build.LIB_NAME, "archs": ["sm_80", "sm_90", "compute_90"], **over}
+    return {**WANT, "library": prebuilt.LIB_NAME, "archs": ["sm_80", "sm_90", "compute_90"], **over}
 
 
 def test_manifest_compatibility():
-    assert build.check_manifest(manifest(), WANT, (9, 0)) is None
-    assert build.check_manifest(manifest(), WANT) is None  # no device to check
-    assert build.check_manifest(manifest(torch="2.10.0+cu128"), WANT) == \
+    assert prebuilt.check_manifest(manifest(), WANT, (9, 0)) is None
+    assert prebuilt.check_manifest(manifest(), WANT) is None  # no device to check
+    assert prebuilt.check_manifest(manifest(torch="2.10.0+cu128"), WANT) == \
         "built for torch 2.10.0+cu128, this is torch 2.11.0+cu130"
-    assert build.check_manifest(manifest(cuda="12.8"), WANT) == "built for CUDA 12.8, this torch uses CUDA 13.0"
-    assert "other sources" in build.check_manifest(manifest(source_hash="def"), WANT)
-    reason = build.check_manifest(manifest(archs=["sm_90"]), WANT, (8, 0))
+    assert prebuilt.check_manifest(manifest(cuda="12.8"), WANT) == "built for CUDA 12.8, this torch uses CUDA 13.0"
+    assert "other sources" in prebuilt.check_manifest(manifest(source_hash="def"), WANT)
+    reason = prebuilt.check_manifest(manifest(archs=["sm_90"]), WANT, (8, 0))
     assert reason.startswith("built for sm_90, the device is sm_80") and "8.0" in reason
-    assert "incomplete" in build.check_manifest({"torch": "x"}, WANT)
-    assert build.check_manifest(manifest(), WANT, (12, 0)) is None  # compute_90 PTX runs on newer GPUs
+    assert "incomplete" in prebuilt.check_manifest({"torch": "x"}, WANT)
+    assert prebuilt.check_manifest(manifest(), WANT, (12, 0)) is None  # compute_90 PTX runs on newer GPUs
 
 
 @pytest.mark.parametrize("cc, ok", [((8, 0), True), ((8, 6), True), ((8, 9), True), ((9, 0), True),
                                     ((10, 0), True), ((12, 1), True), ((7, 5), False)])
 def test_default_archs_cover(cc, ok):
-    assert build.covers(build.parse_arch_list(build.DEFAULT_ARCH_LIST), cc) is ok
+    assert prebuilt.covers(prebuilt.parse_arch_list(prebuilt.DEFAULT_ARCH_LIST), cc) is ok
 
 
 def test_arch_lists():
-    targets = build.parse_arch_list("8.0;9.0+PTX")
+    targets = prebuilt.parse_arch_list("8.0;9.0+PTX")
     assert targets == ["sm_80", "sm_90", "compute_90"]
-    assert build.gencode_flags(targets) == ["-gencode=arch=compute_80,code=sm_80",
+    assert prebuilt.gencode_flags(targets) == ["-gencode=arch=compute_80,code=sm_80",
                                             "-gencode=arch=compute_90,code=sm_90",
                                             "-gencode=arch=compute_90,code=compute_90"]
-    assert build.torch_arch_list(targets) == "8.0;9.0+PTX"
-    assert build.parse_arch_list("9.0a, 10.0 12.0+PTX") == ["sm_90a", "sm_100", "sm_120", "compute_120"]
-    assert build.covers(["sm_90a"], (9, 0)) and not build.covers(["sm_90a"], (10, 0))
-    assert not build.covers(["sm_90"], (8, 9)) and not build.covers(["sm_80"], (9, 0))
+    assert prebuilt.torch_arch_list(targets) == "8.0;9.0+PTX"
+    assert prebuilt.parse_arch_list("9.0a, 10.0 12.0+PTX") == ["sm_90a", "sm_100", "sm_120", "compute_120"]
+    assert prebuilt.covers(["sm_90a"], (9, 0)) and not prebuilt.covers(["sm_90a"], (10, 0))
+    assert not prebuilt.covers(["sm_90"], (8, 9)) and not prebuilt.covers(["sm_80"], (9, 0))
     with pytest.raises(ValueError):
-        build.parse_arch_list("sm_90")
+        prebuilt.parse_arch_list("sm_90")
 
 
 def test_check_dir_and_search_order(tmp_path, monkeypatch):
     monkeypatch.setenv("DDTREE_EXT_DIR", str(tmp_path))
     assert build.search_dirs() == [tmp_path] and build.output_dir() == tmp_path == build.jit_dir()
-    assert build.check_dir(tmp_path, WANT) == "no prebuilt library"
-    (tmp_path / build.MANIFEST).write_text(json.dumps(manifest()))
-    assert build.check_dir(tmp_path, WANT) == f"{build.MANIFEST} but no {build.LIB_NAME}"
-    (tmp_path / build.LIB_NAME).write_bytes(b"")
-    assert build.check_dir(tmp_path, WANT, (9, 0)) is None
-    (tmp_path / build.MANIFEST).write_text("{not json")
-    assert build.check_dir(tmp_path, WANT) == f"no readable {build.MANIFEST}"
+    assert prebuilt.check_dir(tmp_path, WANT) == "no prebuilt library"
+    (tmp_path / prebuilt.MANIFEST).write_text(json.dumps(manifest()))
+    assert prebuilt.check_dir(tmp_path, WANT) == f"{prebuilt.MANIFEST} but no {prebuilt.LIB_NAME}"
+    (tmp_path / prebuilt.LIB_NAME).write_bytes(b"")
+    assert prebuilt.check_dir(tmp_path, WANT, (9, 0)) is None
+    (tmp_path / prebuilt.MANIFEST).write_text("{not json")
+    assert prebuilt.check_dir(tmp_path, WANT) == f"no readable {prebuilt.MANIFEST}"
     monkeypatch.delenv("DDTREE_EXT_DIR")
     monkeypatch.setenv("DDTREE_CACHE", str(tmp_path / "cache"))
     assert build.search_dirs() == [build.package_lib_dir(), tmp_path / "cache" / "ext"]
@@ -132,10 +133,10 @@ def test_check_dir_and_search_order(tmp_path, monkeypatch):
 
 
 def test_manifest_records_this_build():
-    m = build.make_manifest(build.parse_arch_list(build.DEFAULT_ARCH_LIST))
+    m = prebuilt.make_manifest(prebuilt.parse_arch_list(prebuilt.DEFAULT_ARCH_LIST), build.expected())
     assert m["torch"] == torch.__version__ and m["source_hash"] == build.source_hash()
     assert m["archs"] == ["sm_80", "sm_90", "compute_90"] and m["arch_list"] == "8.0;9.0+PTX"
-    assert build.check_manifest(m, build.expected()) is None
+    assert prebuilt.check_manifest(m, build.expected()) is None
 
 
 def test_source_hash_covers_every_source():
@@ -149,12 +150,12 @@ def test_first_error_line():
            "FAILED: sampling.cuda.o\n/usr/local/cuda/bin/nvcc -O3 -c sampling.cu -o sampling.cuda.o\n"
            "/x/ext/csrc/sampling.cu(42): error: identifier \"foo\" is undefined\n1 error detected\n"
            "ninja: build stopped: subcommand failed.\n")
-    assert build.first_error_line(log) == '/x/ext/csrc/sampling.cu(42): error: identifier "foo" is undefined'
+    assert prebuilt.first_error_line(log) == '/x/ext/csrc/sampling.cu(42): error: identifier "foo" is undefined'
     gcc = "[2/3] c++ -c ops.cpp\nFAILED: ops.o\nops.cpp:12:3: error: 'x' was not declared in this scope\n"
-    assert build.first_error_line(gcc) == "ops.cpp:12:3: error: 'x' was not declared in this scope"
-    assert build.first_error_line("ld: x.o: undefined reference to `foo'\ncollect2: error: ld returned 1") \
+    assert prebuilt.first_error_line(gcc) == "ops.cpp:12:3: error: 'x' was not declared in this scope"
+    assert prebuilt.first_error_line("ld: x.o: undefined reference to `foo'\ncollect2: error: ld returned 1") \
         .startswith("ld: x.o: undefined reference")
-    assert build.first_error_line("CUDA_HOME environment variable is not set.\nmore") == \
+    assert prebuilt.first_error_line("CUDA_HOME environment variable is not set.\nmore") == \
         "CUDA_HOME environment variable is not set."
 
 
@@ -197,8 +198,9 @@ def fake_cuda_torch(monkeypatch, tmp_path):
 
 
 def write_library(directory, **over):
-    (directory / build.MANIFEST).write_text(json.dumps({**build.make_manifest(["sm_80", "sm_90"]), **over}))
-    (directory / build.LIB_NAME).write_bytes(b"not a shared library")
+    m = prebuilt.make_manifest(["sm_80", "sm_90"], build.expected())
+    (directory / prebuilt.MANIFEST).write_text(json.dumps({**m, **over}))
+    (directory / prebuilt.LIB_NAME).write_bytes(b"not a shared library")
 
 
 def test_load_reasons(fake_cuda_torch, monkeypatch):
@@ -236,12 +238,12 @@ def test_load_reason_of_a_failed_build(fake_cuda_torch, monkeypatch):
 def test_a_library_built_in_this_process_is_the_one_loaded(fake_cuda_torch, monkeypatch, tmp_path):
     """build() loads what it compiled; a later load_ops() must not dlopen a second copy (one TORCH_LIBRARY)."""
     write_library(fake_cuda_torch)  # compatible on paper: would fail to load if tried
-    monkeypatch.setattr(build, "_built_here", tmp_path / "build-sm_90" / build.LIB_NAME)
+    monkeypatch.setattr(build, "_built_here", tmp_path / "build-sm_90" / prebuilt.LIB_NAME)
     from ext import fake
 
     monkeypatch.setattr(fake, "register", lambda: None)  # no real ddtree ops to attach fakes to here
     assert build.load_ops() is torch.ops.ddtree and build.load_error() is None
-    assert build.loaded_from() == tmp_path / "build-sm_90" / build.LIB_NAME
+    assert build.loaded_from() == tmp_path / "build-sm_90" / prebuilt.LIB_NAME
 
 
 def test_load_without_a_device(monkeypatch):

@@ -14,12 +14,7 @@ from engine.config import EngineConfig
 from engine.detokenizer import OutputText
 from engine.memory import measure_cuda_peak, plan_kv_cache
 from engine.messages import Delta, RequestError, StepStats
-from engine.model.loader import load_model, resolve_dtype
-try:  # TEMPORARY until the loader change lands
-    from engine.model.loader import default_sampling
-except ImportError:  # pragma: no cover
-    def default_sampling(gen):
-        return {}
+from engine.model.loader import default_sampling, load_model, resolve_dtype
 from engine.plan import ScheduledSeq, StepPlan
 from engine.request import Request, SamplingParams
 from engine.runner import ModelRunner
@@ -69,11 +64,9 @@ class EngineCore:
         self.config = config
         self.dtype = resolve_dtype(config.dtype, config.device)
         check_extension(config)
-        self.loaded = loaded or load_model(config.model, self.dtype, config.device,
-                                           **({"load_format": config.load_format}
-                                              if config.load_format != "auto" else {}))
+        self.loaded = loaded or load_model(config.model, self.dtype, config.device, config.load_format)
         self.model, self.tokenizer = self.loaded.model, self.loaded.tokenizer
-        cfg, gen = self.loaded.hf_config, getattr(self.loaded, "generation_config", None) or {}
+        cfg, gen = self.loaded.hf_config, self.loaded.generation_config
         self.max_model_len = config.max_model_len or min(cfg.get("max_position_embeddings") or 2048, 32768)
         self.eos_token_ids = eos_token_ids(cfg, gen, self.tokenizer)
         self.default_sampling = default_sampling(gen)

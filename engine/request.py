@@ -71,7 +71,7 @@ class Status(enum.Enum):
 _ids = itertools.count()
 
 
-@dataclass
+@dataclass(eq=False)  # identity: the scheduler's list.remove() must not compare every field
 class Request:
     prompt_token_ids: list[int]
     sampling: SamplingParams

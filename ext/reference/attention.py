@@ -35,6 +35,48 @@ def _visibility(meta: AttentionMetadata, seq: int, q0: int, num_q: int, seq_len:
     return torch.cat([prefix, causal], dim=1)
 
 
+BATCH_MAX_QUERY = 64  # sequences with at most this many new tokens are batched by query length
+
+
+def _groups(meta: AttentionMetadata) -> tuple[list[int], dict[int, list[int]], list[int]]:
+    """(first query row per sequence, query length -> batchable sequences, sequences done one by one)."""
+    starts, batched, single, q0 = [], {}, [], 0
+    for seq, num_q in enumerate(meta.query_lens_host):
+        starts.append(q0)
+        q0 += num_q
+        if 0 < num_q <= BATCH_MAX_QUERY:
+            batched.setdefault(num_q, []).append(seq)
+        elif num_q:
+            single.append(seq)
+    for num_q, seqs in list(batched.items()):
+        if len(seqs) == 1:
+            single.extend(batched.pop(num_q))
+    return starts, batched, single
+
+
+def _batched_layout(meta: AttentionMetadata, seqs: list[int], starts: list[int], num_q: int):
+    """For sequences sharing a query length: KV slots [S, L] (L = longest KV), query rows [S, num_q], and the
+    visibility [S, num_q, L] (the whole context, then causal or tree-masked among the new tokens)."""
+    device = meta.block_tables.device
+    seq_lens = torch.tensor([meta.seq_lens_host[s] for s in seqs], device=device)  # [S]
+    longest = int(max(meta.seq_lens_host[s] for s in seqs))
+    cols = torch.arange(longest, device=device)
+    logical = torch.minimum(cols[None, :], seq_lens[:, None] - 1)  # [S, L], clamped inside each sequence
+    tables = meta.block_tables[torch.tensor(seqs, device=device)].long()
+    slots = tables.gather(1, logical // meta.block_size) * meta.block_size + logical % meta.block_size
+    q_rows = torch.tensor([starts[s] for s in seqs], device=device)[:, None] + torch.arange(num_q, device=device)
+    context = seq_lens - num_q  # [S]
+    rel = cols[None, :] - context[:, None]  # [S, L]: index among the new tokens, < 0 in the context
+    is_new = (rel >= 0) & (rel < num_q)
+    if meta.tree_mask is None:
+        new_visible = rel[:, None, :] <= torch.arange(num_q, device=device)[None, :, None]  # causal
+    else:
+        rows = meta.tree_mask[q_rows.reshape(-1), :num_q].view(len(seqs), num_q, num_q)
+        new_visible = rows.gather(2, rel.clamp(0, num_q - 1)[:, None, :].expand(-1, num_q, -1))
+    visible = (rel < 0)[:, None, :] | (is_new[:, None, :] & new_visible)
+    return slots, q_rows, visible
+
+
 def paged_attention(
     q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
     k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
@@ -48,8 +90,21 @@ def paged_attention(
     group = num_heads // num_kv_heads  # query head h reads KV head h // group
     k_flat = k_cache.view(-1, num_kv_heads, head_dim)
     v_flat = v_cache.view(-1, num_kv_heads, head_dim)
-    q0 = 0
-    for seq, (num_q, seq_len) in enumerate(zip(meta.query_lens_host, meta.seq_lens_host)):
+    starts, batched, single = _groups(meta)
+    for num_q, seqs in batched.items():  # decode rows and tree-verify blocks: one batched product per length
+        slots, q_rows, visible = _batched_layout(meta, seqs, starts, num_q)
+        num_seqs, longest = slots.shape
+        k = k_flat[slots].float().permute(0, 2, 3, 1)  # [S, kv_heads, head_dim, L]
+        v = v_flat[slots].float().transpose(1, 2)  # [S, kv_heads, L, head_dim]
+        qs = q[q_rows.reshape(-1)].float().view(num_seqs, num_q, num_kv_heads, group, head_dim)
+        qs = qs.permute(0, 2, 3, 1, 4).reshape(num_seqs, num_kv_heads, group * num_q, head_dim)
+        scores = (qs @ k * scale).view(num_seqs, num_kv_heads, group, num_q, longest)
+        scores = scores.masked_fill(~visible[:, None, None], float("-inf"))
+        probs = scores.softmax(dim=-1).view(num_seqs, num_kv_heads, group * num_q, longest)
+        o = (probs @ v).view(num_seqs, num_kv_heads, group, num_q, head_dim).permute(0, 3, 1, 2, 4)
+        out[q_rows.reshape(-1)] = o.reshape(num_seqs * num_q, num_heads, head_dim).to(q.dtype)
+    for seq in single:
+        num_q, seq_len, q0 = meta.query_lens_host[seq], meta.seq_lens_host[seq], starts[seq]
         slots = meta.kv_slots(seq)
         k = k_flat[slots].float().transpose(0, 1)  # [num_kv_heads, seq_len, head_dim]
         v = v_flat[slots].float().transpose(0, 1)
@@ -63,7 +118,6 @@ def paged_attention(
         probs = scores.softmax(dim=-1).view(num_kv_heads, group * num_q, seq_len)
         o = torch.bmm(probs, v).view(num_kv_heads, group, num_q, head_dim).permute(2, 0, 1, 3)
         out[q0 : q0 + num_q] = o.reshape(num_q, num_heads, head_dim).to(q.dtype)
-        q0 += num_q
     return out
 
 

@@ -51,7 +51,7 @@ def check_extension(config: EngineConfig) -> None:
     if build.load_ops() is not None:
         logger.info("CUDA extension loaded in %.1f s", time.perf_counter() - t0)
         return
-    reason = getattr(build, "load_error", lambda: None)() or "unknown reason"
+    reason = build.load_error() or "unknown reason"
     if not config.reference_kernels:
         raise RuntimeError(f"the CUDA extension cannot be loaded ({reason}); build it with `ddtree build-ext`, "
                            f"or pass --reference-kernels to run the slow PyTorch references on the GPU")
@@ -237,11 +237,10 @@ class EngineCore:
     def _stats(self, plan, result, preemptions_before: int) -> StepStats:
         from ext import ops
 
-        take = getattr(ops, "take_reference_fallbacks", None)
         return StepStats(
             num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
             kv_cache_usage=self.blocks.usage, batch_size=len(plan.seqs),
             num_preemptions=self.scheduler.num_preemptions - preemptions_before, timings=result.timings,
             accept_lengths=result.accept_lengths, tree_nodes=result.tree_nodes,
             accepted_per_position=result.accepted_per_position, prefix_cache_queries=plan.prefix_cache_queries,
-            prefix_cache_hits=plan.prefix_cache_hits, kernel_fallbacks=take() if take is not None else {})
+            prefix_cache_hits=plan.prefix_cache_hits, kernel_fallbacks=ops.take_reference_fallbacks())

@@ -193,7 +193,7 @@ class Sampler:
             x = apply_top_k_top_p(x, params[:, 3].to(torch.int64), params[:, 1])
         u = uniforms(seeds_and_pos[:, 0], seeds_and_pos[:, 1] + self._row_depths(batch, index))
         ones = torch.ones_like(params[:, 0])
-        drawn = _sample_tokens(x, ones, params[:, 2], u)
+        drawn = ops.sample_tokens(x, ones, params[:, 2], u)
         return greedy.index_copy(0, index, drawn)
 
     def _logprobs(self, logits: torch.Tensor, tokens: torch.Tensor, rows: "_RowPlan") -> SampleOutput:
@@ -296,10 +296,3 @@ class _RowPlan:
             self.logprob_rows.extend(rows)
             self.max_top_logprobs = max(self.max_top_logprobs, sp.logprobs)
 
-
-def _sample_tokens(logits, temperature, min_p, uniform):  # TEMPORARY until ext.ops.sample_tokens has this signature
-    probs = (logits.float() / temperature[:, None]).softmax(-1)
-    probs = probs.masked_fill(probs < min_p[:, None] * probs.amax(-1, keepdim=True), 0.0)
-    cdf = probs.double().cumsum(-1)
-    target = uniform * cdf[:, -1]
-    return torch.searchsorted(cdf, target[:, None], right=True)[:, 0].clamp(max=logits.shape[-1] - 1)

@@ -51,6 +51,9 @@ class StepStats:
     # derived from accept_lengths when empty
     num_prompt_tokens: int = 0  # prompt tokens of requests whose prefill completed (prefix-cache hits included)
     num_generation_tokens: int = 0  # output tokens committed in the step
+    prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache (requests admitted this step)
+    prefix_cache_hits: int = 0  # of those, tokens found cached
+    kernel_fallbacks: dict[str, int] = field(default_factory=dict)  # ext op -> reference calls on CUDA tensors
 
 
 @dataclass
@@ -118,6 +121,12 @@ class Metrics:
                                              "Draft tokens accepted at each tree depth (position 0 = depth 1).",
                                              ["position"])
         self.http_requests = counter("http_requests", "HTTP responses by status code.", ["status"])
+        self.prefix_cache_queries = counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache "
+                                            "(first admission of each request).").labels(model_name)
+        self.prefix_cache_hits = counter("prefix_cache_hits", "Prompt tokens whose KV came from the prefix "
+                                         "cache.").labels(model_name)
+        self.kernel_fallbacks = counter("kernel_reference_fallbacks", "Calls of an ext op on a CUDA tensor that "
+                                        "ran its PyTorch reference (only with --reference-kernels).", ["op"])
 
         self.time_to_first_token = histogram("time_to_first_token_seconds", "Time to first output token.",
                                              REQUEST_LATENCY_BUCKETS).labels(model_name)
@@ -167,6 +176,13 @@ class Metrics:
         preempted = _get(stats, "num_preemptions", 0)
         if preempted:
             self.num_preemptions.inc(preempted)
+        queries, hits = _get(stats, "prefix_cache_queries", 0), _get(stats, "prefix_cache_hits", 0)
+        if queries:
+            self.prefix_cache_queries.inc(queries)
+        if hits:
+            self.prefix_cache_hits.inc(hits)
+        for op, count in (_get(stats, "kernel_fallbacks", None) or {}).items():
+            self.kernel_fallbacks.labels(self.model_name, op).inc(count)
         for phase, seconds in (_get(stats, "timings", None) or {}).items():
             self.step_time.labels(self.model_name, phase).observe(seconds)
 

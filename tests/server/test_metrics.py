@@ -11,7 +11,7 @@ from server.metrics import PHASES, Metrics, RequestStats, StepStats
 COUNTERS = ["prompt_tokens_total", "generation_tokens_total", "request_success_total", "num_preemptions_total",
             "spec_decode_num_drafts_total", "spec_decode_num_draft_tokens_total",
             "spec_decode_num_accepted_tokens_total", "spec_decode_num_accepted_tokens_per_pos_total",
-            "http_requests_total"]
+            "http_requests_total", "prefix_cache_queries_total", "prefix_cache_hits_total"]
 GAUGES = ["num_requests_running", "num_requests_waiting", "kv_cache_usage_perc"]
 HISTOGRAMS = ["time_to_first_token_seconds", "inter_token_latency_seconds", "e2e_request_latency_seconds",
               "request_queue_time_seconds", "spec_decode_accept_length", "spec_decode_tree_nodes",
@@ -37,7 +37,7 @@ def busy_metrics() -> Metrics:
                             timings={"schedule": 0.0002, "draft": 0.003, "tree_build": 0.0004, "verify": 0.008,
                                      "accept": 0.0003},
                             accept_lengths=[3, 1, 5], tree_nodes=[16, 16, 32], num_prompt_tokens=40,
-                            num_generation_tokens=9))
+                            num_generation_tokens=9, prefix_cache_queries=48, prefix_cache_hits=32))
     m.record_request(RequestStats("stop", queue_time=0.01, time_to_first_token=0.05, e2e_latency=1.5,
                                   token_intervals=[(0.02, 1), (0.03, 3)]))
     m.record_http_response(200)
@@ -75,6 +75,7 @@ def test_step_record_values():
     assert value(m, "kv_cache_usage_perc") == 0.25
     assert value(m, "prompt_tokens_total") == 40 and value(m, "generation_tokens_total") == 9
     assert value(m, "num_preemptions_total") == 1
+    assert value(m, "prefix_cache_queries_total") == 48 and value(m, "prefix_cache_hits_total") == 32
     assert value(m, "spec_decode_num_drafts_total") == 3
     assert value(m, "spec_decode_num_draft_tokens_total") == 64
     assert value(m, "spec_decode_num_accepted_tokens_total") == 2 + 0 + 4
@@ -120,6 +121,11 @@ def test_accepts_the_engines_step_stats():
                                      num_preemptions=0, timings={"verify": 0.01}, accept_lengths=[4],
                                      tree_nodes=[8]))
     assert value(m, "spec_decode_num_accepted_tokens_total") == 3 and value(m, "kv_cache_usage_perc") == 0.5
+    m.record_step(messages.StepStats(num_running=1, num_waiting=0, kv_cache_usage=0.5, batch_size=1,
+                                     num_preemptions=0, timings={}, prefix_cache_queries=20, prefix_cache_hits=16,
+                                     kernel_fallbacks={"paged_attention": 30}))
+    assert value(m, "prefix_cache_hits_total") == 16 and value(m, "prefix_cache_queries_total") == 20
+    assert value(m, "kernel_reference_fallbacks_total", op="paged_attention") == 30
 
 
 def test_registries_are_per_instance():

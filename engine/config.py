@@ -30,8 +30,10 @@ CPU_KV_CACHE_MEMORY = 1 << 30  # bytes of KV cache on the CPU when --kv-cache-me
 
 @dataclass(frozen=True)
 class SpecConfig:
-    drafter: str = opt("none", "drafter: none, ngram, dflash (needs --draft-model) or oracle (tests)")
-    budget: int = opt(16, "draft-tree nodes per request per step (B); 0 = plain decoding")
+    drafter: str = opt("none", "drafter: none, ngram, dflash (needs --draft-model) or oracle (tests)",
+                       choices=DRAFTERS)
+    budget: int = opt(16, "draft-tree nodes per request per step (B); 0 = plain decoding", flag="--spec-budget",
+                      aliases=("--budget",))
     draft_model: str | None = opt(None, "DFlash drafter checkpoint folder")
     chain: bool = opt(False, "verify the drafter's top-1 chain instead of a tree (DFlash's own method)")
 
@@ -51,15 +53,16 @@ class SpecConfig:
 @dataclass(frozen=True)
 class EngineConfig:
     model: str | None = opt(None, "HF checkpoint folder or .gguf file (default: the embedded "
-                                  "SmolLM2-135M-Instruct)")
-    dtype: str | None = opt(None, "fp32, bf16 or fp16 (default: fp32 on CPU, bf16 on CUDA)")
+                                  "SmolLM2-135M-Instruct)", positional=True)
+    dtype: str | None = opt(None, "fp32, bf16 or fp16 (default: fp32 on CPU, bf16 on CUDA)",
+                            choices=("fp32", "bf16", "fp16"))
     device: str = opt("cpu", "cpu, cuda or cuda:N")
     load_format: str = opt("auto", "auto (read the checkpoint's weights) or dummy (random weights of the "
-                                   "checkpoint's shapes, for benchmarks)")
+                                   "checkpoint's shapes, for benchmarks)", choices=("auto", "dummy"))
     block_size: int = opt(16, "tokens per KV-cache page")
     num_kv_blocks: int | None = opt(None, "KV-cache pages (overrides every memory-based sizing)")
     kv_cache_memory: int | None = opt(None, "bytes of KV cache, e.g. 4G (default: sized from "
-                                            "--gpu-memory-utilization on CUDA, 1 GiB on CPU)")
+                                            "--gpu-memory-utilization on CUDA, 1 GiB on CPU)", kind="bytes")
     gpu_memory_utilization: float = opt(0.90, "fraction of the GPU's memory this engine may use: weights, "
                                               "activations and the KV cache, which takes what remains")
     max_num_seqs: int = opt(64, "requests running in the engine at once")
@@ -71,7 +74,7 @@ class EngineConfig:
     enable_prefix_caching: bool = opt(True, "reuse the KV of shared prompt prefixes")
     reference_kernels: bool = opt(False, "on CUDA, run ext's PyTorch references when the CUDA extension cannot "
                                          "be loaded (slow; for debugging) instead of failing at startup")
-    spec: SpecConfig = opt(None, "speculative decoding", factory=SpecConfig)
+    spec: SpecConfig = opt(None, "speculative decoding", factory=SpecConfig, cli=False)
     # test-only: a request whose sampling seed equals this fails inside its sampling step (fault isolation
     # tests); set through DDTREE_TEST_FAULT_SEED, never a flag
     test_fault_seed: int | None = field(default_factory=test_fault_seed_from_env, metadata={"cli": False})

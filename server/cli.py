@@ -6,29 +6,32 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import sys
 import time
 
 
-def add_engine_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("model", nargs="?", default=None,
-                   help="HF checkpoint folder or .gguf file (default: the embedded SmolLM2-135M-Instruct)")
-    p.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default=None,
-                   help="default fp32 on CPU, bf16 on CUDA")
-    p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N")
-    p.add_argument("--drafter", choices=["none", "ngram", "dflash", "oracle"], default=None)
-    p.add_argument("--draft-model", default=None, help="DFlash drafter checkpoint folder")
-    p.add_argument("--budget", "--spec-budget", dest="budget", type=int, default=16, help="tree nodes per step")
-    p.add_argument("--block-size", type=int, default=16, help="KV page size in tokens")
-    p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--seed", type=int, default=0)
+# `ddtree serve`'s own defaults where they differ from the library's (each default lives here or in the
+# config dataclasses, nowhere else): serve drafts with the n-gram drafter unless told otherwise.
+SERVE_SPEC_DEFAULTS = {"drafter": "ngram"}
 
 
-def engine_kwargs(args) -> dict:
-    drafter = args.drafter or ("dflash" if args.draft_model else "none")
-    return dict(model=args.model, dtype=args.dtype, device=args.device, drafter=drafter, spec_budget=args.budget,
-                draft_model=args.draft_model, block_size=args.block_size, max_model_len=args.max_model_len)
+def add_engine_flags(p: argparse.ArgumentParser, spec_defaults: dict | None = None) -> None:
+    from engine.config import EngineConfig, SpecConfig
+    from server.flags import add_flags
+
+    add_flags(p, EngineConfig)
+    add_flags(p, SpecConfig, defaults=spec_defaults)
+
+
+def engine_config(args, spec_defaults: dict | None = None):
+    """EngineConfig from the parsed flags. Without --drafter, --draft-model means dflash."""
+    from engine.config import EngineConfig, SpecConfig
+    from server.flags import build
+
+    defaults = dict(spec_defaults or {})
+    if getattr(args, "draft_model", None) and not hasattr(args, "drafter"):
+        defaults["drafter"] = "dflash"
+    return build(EngineConfig, args, spec=build(SpecConfig, args, defaults))
 
 
 def token_id_list(text: str) -> list[int]:
@@ -39,20 +42,23 @@ def token_id_list(text: str) -> list[int]:
 
 
 def cmd_generate(args) -> int:
+    import dataclasses
+
     from engine import LLM, SamplingParams
 
-    kwargs = engine_kwargs(args)
+    config = engine_config(args)
     sampling = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                               top_k=args.top_k, seed=args.seed_sampling)
-    if kwargs["drafter"] == "oracle":
+    drafter = None
+    if config.spec.drafter == "oracle":
         # the oracle proposes a golden continuation: the target's own plain output, computed first
         from engine.speculative.oracle import OracleDrafter
 
-        plain = LLM(**dict(kwargs, drafter="none"))
+        plain = LLM(config=dataclasses.replace(config, spec=dataclasses.replace(config.spec, drafter="none")))
         prompt_ids = args.prompt_ids or plain.encode(args.prompt, args.chat)
         golden = prompt_ids + plain.generate([prompt_ids], sampling)[0].token_ids
-        kwargs["drafter"] = OracleDrafter(lambda req: golden, plain.engine.vocab_size, horizon=7)
-    llm = LLM(**kwargs)
+        drafter = OracleDrafter(lambda req: golden, plain.engine.vocab_size, horizon=7)
+    llm = LLM(config=config, drafter=drafter)
     t0 = time.perf_counter()
     (out,) = llm.generate(args.prompt_ids or args.prompt, sampling, chat=args.chat)
     elapsed = time.perf_counter() - t0
@@ -67,16 +73,6 @@ def cmd_generate(args) -> int:
     return 0
 
 
-def parse_bytes(text: str) -> int:
-    """'1073741824', '512M', '1G', '1.5GiB' -> bytes (binary units)."""
-    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b)?\s*", text, re.IGNORECASE)
-    if not m:
-        raise argparse.ArgumentTypeError(f"expected a size such as 536870912, 512M or 1G, got {text!r}")
-    unit = m.group(2).lower()
-    scale = 1024 ** ("kmgt".find(unit) + 1) if unit else 1
-    return int(float(m.group(1)) * scale)
-
-
 def cmd_serve(args) -> int:
     from server.serve import exit_now, serve
 
@@ -85,26 +81,18 @@ def cmd_serve(args) -> int:
 
 def serve_configs(args):
     """(ServerConfig, EngineConfig) for `ddtree serve` from its parsed flags; ValueError for a bad setup."""
-    from engine.config import EngineConfig, SpecConfig
     from server.config import ServerConfig, api_key_from_env
+    from server.flags import build
 
-    if args.drafter == "oracle":
+    engine = engine_config(args, SERVE_SPEC_DEFAULTS)
+    if engine.spec.drafter == "oracle":
         raise ValueError("--drafter oracle cannot serve: it replays golden continuations, which only "
                          "`ddtree generate` and the tests have; use ngram, dflash (--draft-model) or none")
-    if args.model is not None:
-        if not os.path.exists(os.path.expanduser(args.model)):
-            raise ValueError(f"{args.model}: no such file or directory (expected an HF folder or a .gguf file)")
-    drafter = args.drafter or ("dflash" if args.draft_model else "ngram")
-    spec = SpecConfig(drafter=drafter, budget=args.budget, draft_model=args.draft_model)
-    engine = EngineConfig(model=args.model, dtype=args.dtype, device=args.device, block_size=args.block_size,
-                          kv_cache_memory=args.kv_cache_memory, max_num_seqs=args.max_num_seqs,
-                          max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
-                          seed=args.seed, spec=spec)
-    api_key = args.api_key if args.api_key is not None else api_key_from_env()
-    server = ServerConfig(host=args.host, port=args.port, api_key=api_key,
-                          served_model_name=args.served_model_name, max_queue_len=args.max_queue_len,
-                          max_body_bytes=args.max_body_bytes, drain_timeout_s=args.drain_timeout,
-                          log_level=args.log_level, access_log=not args.no_access_log)
+    if engine.model is not None and not os.path.exists(os.path.expanduser(engine.model)):
+        raise ValueError(f"{engine.model}: no such file or directory (expected an HF folder or a .gguf file)")
+    server = build(ServerConfig, args)
+    if server.api_key is None and api_key_from_env() is not None:
+        server = build(ServerConfig, args, api_key=api_key_from_env())
     return server, engine
 
 
@@ -140,31 +128,18 @@ def parser() -> argparse.ArgumentParser:
     prompt.add_argument("--prompt-ids", type=token_id_list, help="comma-separated prompt token ids")
     g.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     g.add_argument("--max-tokens", type=int, default=64)
-    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (the CLI's default)")
     g.add_argument("--top-p", type=float, default=1.0)
     g.add_argument("--top-k", type=int, default=0)
     g.add_argument("--seed-sampling", type=int, default=None, help="sampling seed")
     g.add_argument("--json", action="store_true", help="print one JSON object with text, token_ids and timing")
     g.set_defaults(func=cmd_generate)
     s = sub.add_parser("serve", help="run the OpenAI-compatible HTTP server")
-    add_engine_flags(s)
-    s.set_defaults(drafter=None)  # serve: n-gram drafting unless --drafter or --draft-model says otherwise
-    s.add_argument("--host", default="127.0.0.1")
-    s.add_argument("--port", type=int, default=8000)
-    s.add_argument("--api-key", default=None,
-                   help="require 'Authorization: Bearer KEY' on /v1/* (default: $DDTREE_API_KEY, which keeps "
-                        "the key out of `ps`)")
-    s.add_argument("--served-model-name", default=None, help="the model id clients send (default: from MODEL)")
-    s.add_argument("--max-num-seqs", type=int, default=64, help="requests running in the engine at once")
-    s.add_argument("--max-num-batched-tokens", type=int, default=2048, help="token budget of one engine step")
-    s.add_argument("--kv-cache-memory", type=parse_bytes, default=1 << 30, help="KV cache size, e.g. 512M or 4G")
-    s.add_argument("--max-queue-len", type=int, default=1024,
-                   help="engine requests in flight (running + waiting) beyond which requests get a 429")
-    s.add_argument("--max-body-bytes", type=parse_bytes, default=4 << 20, help="request bodies above get a 413")
-    s.add_argument("--drain-timeout", type=float, default=30.0,
-                   help="on SIGTERM: seconds open requests get in total before they are cut")
-    s.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
-    s.add_argument("--no-access-log", action="store_true")
+    add_engine_flags(s, SERVE_SPEC_DEFAULTS)
+    from server.config import ServerConfig
+    from server.flags import add_flags
+
+    add_flags(s, ServerConfig)
     s.set_defaults(func=cmd_serve)
     b = sub.add_parser("build-ext", help="build the CUDA extension now instead of on first use")
     b.set_defaults(func=cmd_build_ext)

@@ -8,6 +8,8 @@ import os
 from dataclasses import dataclass
 from typing import Optional
 
+from engine.config import opt
+
 EMBEDDED_MODEL_NAME = "SmolLM2-135M-Instruct"
 API_KEY_ENV = "DDTREE_API_KEY"
 
@@ -21,15 +23,17 @@ def api_key_from_env() -> Optional[str]:
 
 @dataclass(frozen=True)
 class ServerConfig:
-    host: str = "127.0.0.1"
-    port: int = 8000
-    api_key: Optional[str] = None  # when set, /v1/*, /tokenize and /detokenize need "Authorization: Bearer <key>"
-    served_model_name: Optional[str] = None  # default: derived from the model path (see model_name())
-    max_queue_len: int = 1024  # engine requests in flight (running + waiting) beyond which we answer 429
-    max_body_bytes: int = 4 << 20  # larger request bodies get a 413
-    drain_timeout_s: float = 30.0  # on SIGTERM: how long open streams may finish before they are cut
-    log_level: str = "info"
-    access_log: bool = True
+    host: str = opt("127.0.0.1", "address to listen on")
+    port: int = opt(8000, "port to listen on")
+    api_key: Optional[str] = opt(None, "require 'Authorization: Bearer KEY' on /v1/*, /tokenize and /detokenize "
+                                       "(default: $DDTREE_API_KEY, which keeps the key out of `ps`)")
+    served_model_name: Optional[str] = opt(None, "the model id clients send (default: from MODEL)")
+    max_queue_len: int = opt(1024, "engine requests in flight (running + waiting) beyond which requests get a 429")
+    max_body_bytes: int = opt(4 << 20, "request bodies above this size get a 413", kind="bytes")
+    drain_timeout_s: float = opt(30.0, "on SIGTERM: seconds open requests get in total before they are cut",
+                                 flag="--drain-timeout")
+    log_level: str = opt("info", "log level", choices=("debug", "info", "warning", "error"))
+    access_log: bool = opt(True, "log every HTTP request")
 
     def __post_init__(self):
         if not 0 <= self.port <= 65535:

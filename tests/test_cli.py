@@ -53,3 +53,34 @@ def test_bad_flags_are_one_line(tiny_checkpoints, args, needle):
     assert proc.returncode == 2
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and needle in lines[0], proc.stderr
+
+
+def test_cli_defaults_are_the_config_dataclasses_defaults():
+    """Flags carry no defaults of their own: `serve` and `generate` with no flags build exactly the
+    dataclasses' defaults (serve's one documented difference: the n-gram drafter), and every field has a flag
+    whose --help text is the field's own."""
+    import dataclasses
+
+    from engine.config import EngineConfig, SpecConfig
+    from server import cli
+    from server.config import ServerConfig
+    from server.flags import cli_fields, flag_name
+
+    p = cli.parser()
+    serve_args = p.parse_args(["serve"])
+    server, engine = cli.serve_configs(serve_args)
+    assert server == ServerConfig()
+    assert engine == EngineConfig(spec=SpecConfig(**cli.SERVE_SPEC_DEFAULTS))
+    generate_args = p.parse_args(["generate", "--prompt", "hi"])
+    assert cli.engine_config(generate_args) == EngineConfig()
+    assert cli.engine_config(p.parse_args(["generate", "--prompt", "hi", "--draft-model", "x"])).spec.drafter == \
+        "dflash"
+    serve_help = p._subparsers._group_actions[0].choices["serve"].format_help()
+    for cls in (EngineConfig, SpecConfig, ServerConfig):
+        for f in cli_fields(cls):
+            name = f.name if f.metadata.get("positional") else flag_name(f)
+            assert name in serve_help, name
+    assert {f.name for f in dataclasses.fields(EngineConfig)} - {f.name for f in cli_fields(EngineConfig)} == \
+        {"spec", "test_fault_seed"}
+    assert cli.serve_configs(p.parse_args(["serve", "--kv-cache-memory", "2G", "--no-access-log"]))[1] \
+        .kv_cache_memory == 2 << 30

@@ -49,7 +49,26 @@ def test_ddtree_equals_plain_with_cuda_ops(tiny_checkpoints, plain_cuda, family,
     used = {k: v - before.get(k, 0) for k, v in ops.cuda_calls().items()}
     attention = "mla_paged_attention" if family == "deepseek_v3" else "paged_attention"
     assert used.get(attention, 0) > 0 and used.get("write_kv", 0) > 0, used
-    assert used.get("kv_compact", 0) > 0, used  # demoted golden tokens: accepted paths leave the spine
+    # demoted golden tokens: accepted paths leave the spine; the whole round ran through the extension
+    assert used.get("kv_compact_tree", 0) > 0 and used.get("tree_accept", 0) > 0, used
+    assert ops.reference_fallbacks() == {}, ops.reference_fallbacks()
+
+
+@pytest.mark.parametrize("family", ["llama", "deepseek_v3"])
+def test_sampled_ddtree_on_cuda_reproduces_seeded_plain_sampling(tiny_checkpoints, family):
+    """T = 1 with top-p, penalties and logprobs, through the CUDA sampler and tree kernels: seeded DDTree emits
+    what seeded plain sampling emits (the same counter-based uniforms decide every position)."""
+    folder, _ = tiny_checkpoints(family)
+    sp = SamplingParams(max_tokens=MAX_TOKENS, temperature=1.0, top_p=0.9, seed=7, ignore_eos=True,
+                        repetition_penalty=1.1, logprobs=2)
+    plain = LLM(folder, dtype="fp32", device="cuda").generate(prompts(), sp)
+    before = ops.cuda_calls()
+    spec = LLM(folder, dtype="fp32", device="cuda", drafter="ngram", spec_budget=8).generate(prompts(), sp)
+    used = {k: v - before.get(k, 0) for k, v in ops.cuda_calls().items()}
+    assert [o.token_ids for o in spec] == [o.token_ids for o in plain]
+    for a, b in zip(spec, plain):
+        assert [lp[0] for lp in a.logprobs] == pytest.approx([lp[0] for lp in b.logprobs], abs=1e-4)
+    assert used.get("sample_tokens", 0) > 0 and used.get("tree_accept", 0) > 0, used
 
 
 @pytest.mark.parametrize("family", ["llama", "deepseek_v3"])

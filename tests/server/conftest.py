@@ -136,15 +136,17 @@ def free_port() -> int:
 
 
 def start_server(log_dir, name: str, *flags: str, api_key: str | None = None,
-                 env: dict[str, str] | None = None) -> LiveServer:
+                 env: dict[str, str] | None = None, kv_cache_memory: str | None = "256M",
+                 model: str | None = None) -> LiveServer:
     """`api_key` goes through DDTREE_API_KEY (as a deployment should pass it: not on the command line);
     `env` adds environment variables (DDTREE_TEST_FAULT_SEED, say)."""
     import httpx
 
     port = free_port()
     log_path = os.path.join(str(log_dir), f"{name}.log")
-    cmd = [sys.executable, "-m", "server", "serve", "--host", "127.0.0.1", "--port", str(port),
-           "--max-model-len", "2048", "--kv-cache-memory", "256M", "--log-level", "warning", *flags]
+    cmd = [sys.executable, "-m", "server", "serve", *([model] if model else []), "--host", "127.0.0.1",
+           "--port", str(port), "--max-model-len", "2048", "--log-level", "warning",
+           *(["--kv-cache-memory", kv_cache_memory] if kv_cache_memory else []), *flags]
     # One intra-op thread: on a busy 2-core machine (CI running other suites, developers' runs side by side)
     # two OpenMP threads that wait for each other at every op run ~20x slower than one.
     env = {**{k: v for k, v in os.environ.items() if k not in ("DDTREE_API_KEY", "DDTREE_TEST_FAULT_SEED")},

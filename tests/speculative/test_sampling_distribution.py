@@ -89,8 +89,8 @@ class TargetTopKDrafter:
 
     target_layer_ids = ()
 
-    def __init__(self, hf, horizon: int = 4):
-        self.hf, self.horizon = hf, horizon
+    def __init__(self, hf, horizon: int = 4, device: str = "cpu"):
+        self.hf, self.horizon, self.device = hf, horizon, device
         self.cache: dict[tuple[int, ...], tuple[torch.Tensor, torch.Tensor]] = {}  # history -> proposal
 
     def release(self, request_id):
@@ -112,23 +112,23 @@ class TargetTopKDrafter:
                 cache[key] = (torch.stack(lp_rows), torch.stack(id_rows))
             lps.append(cache[key][0])
             ids.append(cache[key][1])
-        return torch.stack(lps), torch.stack(ids)
+        return torch.stack(lps).to(self.device), torch.stack(ids).to(self.device)
 
 
-def make_drafter(kind: str, folder: str, hf):
+def make_drafter(kind: str, folder: str, hf, device: str = "cpu"):
     if kind == "ngram":
         return "ngram"
     if kind == "topk":
-        return TargetTopKDrafter(hf)
+        return TargetTopKDrafter(hf, device=device)
     greedy = LLM(folder, dtype="fp32").generate([PROMPT], SamplingParams(max_tokens=MAX_TOKENS + 4, temperature=0,
                                                                          ignore_eos=True))[0].token_ids
-    return OracleDrafter(lambda r: PROMPT + greedy, VOCAB, horizon=4, check_prefix=False)
+    return OracleDrafter(lambda r: PROMPT + greedy, VOCAB, horizon=4, check_prefix=False, device=device)
 
 
-def engine(folder, drafter=None, budget=0) -> LLM:
+def engine(folder, drafter=None, budget=0, device="cpu") -> LLM:
     kwargs = {} if drafter is None else dict(drafter=drafter, spec_budget=budget)
-    return LLM(folder, dtype="fp32", max_num_seqs=4096, max_num_batched_tokens=4096 * 2 * (budget + 2),
-               max_model_len=64, **kwargs)
+    return LLM(folder, dtype="fp32", device=device, max_num_seqs=4096,
+               max_num_batched_tokens=4096 * 2 * (budget + 2), max_model_len=64, **kwargs)
 
 
 @pytest.fixture(scope="module")
@@ -180,3 +180,20 @@ def test_top_k_top_p_under_ddtree_match_transformers_warpers(target):
     samples = first_tokens(llm, PROMPT, temperature=1.0, top_k=4, top_p=0.8)
     assert chi_square_p(samples, exact_joint(hf, PROMPT, warp)) > 1e-3
     assert chi_square_p(samples, exact_joint(hf, PROMPT)) < 1e-3  # the warpers did change the distribution
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind, budget", [("ngram", 4), ("oracle", 16), ("topk", 16)])
+def test_ddtree_sampling_on_cuda_matches_exact_distribution(target, kind, budget):
+    """The same test through the CUDA sampler, tree and attention kernels (fp32)."""
+    from ext import ops
+
+    folder, hf = target
+    before = ops.cuda_calls()
+    samples = first_tokens(engine(folder, make_drafter(kind, folder, hf, "cuda"), budget, "cuda"), PROMPT,
+                           temperature=1.0)
+    assert chi_square_p(samples, exact_joint(hf, PROMPT)) > 1e-3
+    used = {k: v - before.get(k, 0) for k, v in ops.cuda_calls().items()}
+    assert used.get("sample_tokens", 0) > 0 and used.get("tree_accept", 0) > 0, used
+    plain = first_tokens(engine(folder, device="cuda"), PROMPT, temperature=1.0)
+    assert sum(a == b for a, b in zip(samples, plain)) >= 0.999 * NUM_SAMPLES

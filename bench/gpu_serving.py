@@ -1,0 +1,80 @@
+"""[gpu-serving] numbers: the KV cache a Qwen3-8B-shaped model gets at the default --gpu-memory-utilization (and
+its maximum concurrency at a 32k context), and decode tokens/s at T=0 against T=1 (top_p 0.9), with DDTree on
+(n-gram drafter, a prompt that repeats itself so drafts get accepted) and off, on a real model. Prints JSON
+lines; not a test.
+
+    python bench/gpu_serving.py capacity --device cuda                       # Qwen3-8B shape, dummy weights
+    python bench/gpu_serving.py decode --model SmolLM2.gguf --device cuda --batch 1 16
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+from engine import LLM, SamplingParams  # noqa: E402
+
+QWEN3_8B = {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "hidden_size": 4096,
+            "intermediate_size": 12288, "num_hidden_layers": 36, "num_attention_heads": 32, "num_key_value_heads": 8,
+            "head_dim": 128, "vocab_size": 151936, "max_position_embeddings": 40960, "rope_theta": 1000000.0,
+            "rms_norm_eps": 1e-6, "tie_word_embeddings": False, "hidden_act": "silu", "torch_dtype": "bfloat16"}
+COPY_PROMPT = ("Repeat this list exactly, twice: apple, banana, cherry, date, elderberry, fig, grape, honeydew, "
+               "kiwi, lemon, mango, nectarine, orange, papaya, quince, raspberry, strawberry, tangerine.")
+
+
+def capacity(args) -> None:
+    folder = tempfile.mkdtemp(prefix="qwen3-8b-shape-")
+    with open(os.path.join(folder, "config.json"), "w") as f:
+        json.dump(QWEN3_8B, f)
+    t0 = time.perf_counter()
+    llm = LLM(folder, device=args.device, load_format="dummy", max_model_len=32768)
+    plan = llm.engine.kv_plan
+    print(json.dumps({"bench": "capacity", "model": "Qwen3-8B shape (dummy bf16)", "device": args.device,
+                      "gpu_memory_utilization": llm.config.gpu_memory_utilization, "kv_blocks": plan.num_blocks,
+                      "kv_tokens": plan.num_tokens, "kv_gib": round(plan.num_bytes / 2**30, 2),
+                      "max_concurrency_at_32k": round(plan.max_concurrency(32768), 2),
+                      "startup_s": round(time.perf_counter() - t0, 1)}), flush=True)
+
+
+def decode(args) -> None:
+    for drafter in ("none", "ngram"):
+        llm = LLM(args.model, device=args.device, drafter=drafter, spec_budget=args.budget)
+        prompt = llm.encode(COPY_PROMPT, chat=True)
+        for batch in args.batch:
+            for temperature in (0.0, 1.0):
+                sp = SamplingParams(max_tokens=args.max_tokens, temperature=temperature, top_p=0.9, seed=1,
+                                    ignore_eos=True)
+                llm.generate([prompt], SamplingParams(max_tokens=8, temperature=temperature))  # warm-up
+                t0 = time.perf_counter()
+                outs = llm.generate([prompt] * batch, sp)
+                elapsed = time.perf_counter() - t0
+                tokens = sum(len(o.token_ids) for o in outs)
+                spec = outs[0].stats.get("spec", {})
+                print(json.dumps({"bench": "decode", "model": os.path.basename(str(args.model)), "drafter": drafter,
+                                  "budget": args.budget if drafter != "none" else 0, "batch": batch,
+                                  "temperature": temperature, "tokens_per_s": round(tokens / elapsed, 1),
+                                  "steps": outs[0].stats["steps"],
+                                  "mean_accept_length": round(spec.get("mean_accept_length", 1.0), 2)}),
+                      flush=True)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("what", choices=["capacity", "decode"])
+    p.add_argument("--model", default=None)
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--batch", type=int, nargs="+", default=[1, 16])
+    p.add_argument("--budget", type=int, default=16)
+    p.add_argument("--max-tokens", type=int, default=256)
+    args = p.parse_args()
+    capacity(args) if args.what == "capacity" else decode(args)
+
+
+if __name__ == "__main__":
+    main()

@@ -18,6 +18,8 @@ import pytest
 import yaml
 
 from server.cli import parser as cli_parser
+from server.cli import serve_configs
+from server.config import ServerConfig
 from server.metrics import Metrics
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -25,7 +27,14 @@ DEPLOY = ROOT / "deploy"
 K8S = DEPLOY / "k8s"
 DASHBOARDS = DEPLOY / "grafana" / "dashboards"
 PROVISIONING = DEPLOY / "grafana" / "provisioning"
-SERVE_DEFAULTS = cli_parser().parse_args(["serve"])
+SERVE_DEFAULTS = ServerConfig()
+
+
+def serve_setup(argv: list[str]):
+    """(ServerConfig, EngineConfig) that `ddtree <argv>` would serve with."""
+    args = cli_parser().parse_args(argv)
+    assert args.command == "serve"
+    return serve_configs(args)
 IMAGE_UID = 10001
 
 
@@ -47,9 +56,18 @@ def compose_defaults(value: str) -> str:
 
 
 def parse_serve(argv: list[str]):
-    """Parses a container command with the real CLI: every flag must exist and take its value."""
+    """Parses a container command with the real CLI (every flag must exist and take its value) into the
+    settings it serves with: the ServerConfig and EngineConfig fields in one namespace."""
+    from types import SimpleNamespace
+
+    from server.cli import SERVE_SPEC_DEFAULTS, engine_config
+    from server.flags import build
+
     assert argv[:2] == ["ddtree", "serve"], argv
-    return cli_parser().parse_args([compose_defaults(a) for a in argv[1:]])
+    args = cli_parser().parse_args([compose_defaults(a) for a in argv[1:]])
+    server, engine = build(ServerConfig, args), engine_config(args, SERVE_SPEC_DEFAULTS)
+    return SimpleNamespace(**vars(engine), **vars(server), drain_timeout=server.drain_timeout_s,
+                           draft_model=engine.spec.draft_model)
 
 
 def exported_metric_names() -> set[str]:
@@ -299,12 +317,12 @@ def test_entrypoint_binds_all_interfaces_and_keeps_explicit_flags(entrypoint):
     argv = entrypoint("ddtree", "serve", "/models/X", "--draft-model", "/models/Y", device="cuda")
     args = cli_parser().parse_args(argv)
     assert (args.host, args.device, args.model, args.draft_model) == ("0.0.0.0", "cuda", "/models/X", "/models/Y")
-    args = cli_parser().parse_args(entrypoint("ddtree", "serve", "--host", "127.0.0.1", "--device", "cpu",
-                                              device="cuda"))
-    assert (args.host, args.device, args.model) == ("127.0.0.1", "cpu", None)
-    args = cli_parser().parse_args(entrypoint())  # the CPU image: no DDTREE_DEVICE
-    assert (args.command, args.host, args.device, args.port) == ("serve", "0.0.0.0", "cpu", SERVE_DEFAULTS.port)
-    assert cli_parser().parse_args(entrypoint("--drafter", "none")).drafter == "none"
+    server, engine = serve_setup(entrypoint("ddtree", "serve", "--host", "127.0.0.1", "--device", "cpu",
+                                            device="cuda"))
+    assert (server.host, engine.device, engine.model) == ("127.0.0.1", "cpu", None)
+    server, engine = serve_setup(entrypoint())  # the CPU image: no DDTREE_DEVICE
+    assert (server.host, engine.device, server.port) == ("0.0.0.0", "cpu", SERVE_DEFAULTS.port)
+    assert serve_setup(entrypoint("--drafter", "none"))[1].spec.drafter == "none"
     assert entrypoint("ddtree", "build-ext") == ["build-ext"]
 
 

@@ -70,8 +70,11 @@ def test_greedy_rows_equal_torch_argmax(dtype, vocab):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows, vocab", [(4096, 1000), (2048, 32003), (256, 151936), (4, 1_300_000)])
 def test_sampled_rows_agree_with_the_twin(dtype, rows, vocab):
-    """fp32 exp on the GPU and the CPU may differ by an ulp, which moves a crossing only when the uniform lands
-    within that much of a boundary: >= 99.9% of rows pick the same token."""
+    """fp32 exp on the GPU and the CPU may differ by an ulp. That moves a crossing only when the uniform lands
+    within that much of a boundary, or when a token's weight sits on the min_p threshold (it is kept by one and
+    dropped by the other): >= 99.9% of the other rows pick the same token. A uniform just below 1 picks the
+    last kept token, whose mass can be far below the totals' rounding: there the kernel's token must be kept with
+    no more than 1e-9 of the mass after it."""
     r, gen = rng()
     logits, temperature, min_p, uniform = random_rows(gen, rows, vocab, dtype)
     k = max(1, rows // 20)
@@ -79,8 +82,20 @@ def test_sampled_rows_agree_with_the_twin(dtype, rows, vocab):
     uniform[k:2 * k] = BELOW_ONE  # the last kept token
     got = kernel(logits, temperature, min_p, uniform)
     want = reference.sample_tokens(logits, temperature, min_p, uniform)
-    mismatches = int((got != want).sum())
-    assert mismatches <= max(1, rows // 1000), (mismatches, rows)
+    x = logits.double()
+    weights = torch.exp((x - x.amax(-1, keepdim=True)) / temperature.double()[:, None])  # e = p / max p
+    kept = (weights > 0) & (weights >= min_p.double()[:, None])
+    on_threshold = ((weights / min_p.double()[:, None].clamp(min=1e-30) - 1).abs() < 1e-5).any(-1) & (min_p > 0)
+    plain = torch.ones(rows, dtype=torch.bool)
+    plain[k:2 * k] = False
+    plain &= ~on_threshold
+    mismatches = int((got != want)[plain].sum())
+    assert int(plain.sum()) > 0.8 * rows and mismatches <= max(1, int(plain.sum()) // 1000), (mismatches, rows)
+    mass = torch.where(kept, weights, torch.zeros_like(weights))
+    for row in range(k, 2 * k):
+        token = int(got[row])
+        after = float(mass[row, token + 1:].sum())
+        assert bool(kept[row, token]) and after <= 1e-9 * float(mass[row].sum()), (row, token, after)
     chosen = logits.float().gather(1, got[:, None])[:, 0]
     assert torch.isfinite(chosen).all()
 

@@ -99,7 +99,7 @@ class EngineCore:
             drafter = make_drafter(spec, self.model, self.model.vocab_size, device=self.config.device,
                                    dtype=self.dtype)
         budget = drafter.horizon if spec.chain else spec.budget
-        return Speculator(drafter, budget, chain=spec.chain) if budget > 0 else None
+        return Speculator(drafter, budget, chain=spec.chain, device=self.config.device) if budget > 0 else None
 
     def _warmup(self) -> None:
         """The largest step shape on a scratch cache: a max_num_batched_tokens forward, then the sampler over

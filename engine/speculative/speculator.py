@@ -54,8 +54,9 @@ class Walk:
 
 
 class Speculator:
-    def __init__(self, drafter, max_budget: int, chain: bool = False):
+    def __init__(self, drafter, max_budget: int, chain: bool = False, device: torch.device | str = "cpu"):
         self.drafter, self.max_budget, self.chain = drafter, max_budget, chain
+        self.device = torch.device(device)  # the target's: trees live where the verify rows are
         self.pending_hidden: dict[str, list[torch.Tensor]] = {}  # request -> feature rows not yet drafted on
 
     @property
@@ -94,7 +95,8 @@ class Speculator:
             self.restore_hidden(consumed)
             raise
         t1 = time.perf_counter()
-        device = logprobs.device
+        device = self.device
+        logprobs, token_ids = logprobs.to(device, non_blocking=True), token_ids.to(device, non_blocking=True)
         budget_t = torch.tensor(budgets, dtype=torch.int64).to(device, non_blocking=True)
         roots = torch.tensor([s.request.all_token_ids[-1] for s in seqs], dtype=torch.int64).to(device,
                                                                                                non_blocking=True)

@@ -90,7 +90,7 @@ def test_sampled_rows_agree_with_the_twin(dtype, rows, vocab):
     plain[k:2 * k] = False
     plain &= ~on_threshold
     mismatches = int((got != want)[plain].sum())
-    assert int(plain.sum()) > 0.8 * rows and mismatches <= max(1, int(plain.sum()) // 1000), (mismatches, rows)
+    assert int(plain.sum()) >= 0.5 * rows and mismatches <= max(1, int(plain.sum()) // 1000), (mismatches, rows)
     mass = torch.where(kept, weights, torch.zeros_like(weights))
     for row in range(k, 2 * k):
         token = int(got[row])

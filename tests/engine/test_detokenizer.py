@@ -155,3 +155,31 @@ def test_output_text_finish_without_stop(tokenizer):
     out = OutputText(tokenizer, stop=["</stop>"])
     emitted = "".join(out.push(i).text for i in ids)
     assert emitted == "partial " and out.finish() == ("</st", False, None) and out.text == "partial </st"
+
+
+@pytest.mark.parametrize("drafter", ["none", "ngram"])
+def test_engine_stops_at_a_stop_string_and_frees_the_request(tiny_checkpoints, tokenizer, tmp_path, drafter):
+    """LLM.generate honours stop strings: the engine matches them in its own detokenized text (also inside a
+    multi-token speculative step), cuts the text before the stop string, keeps the tokens up to the one that
+    completed it, reports the string as stop_reason, and frees the request's KV blocks at once."""
+    import shutil
+
+    from engine import LLM, SamplingParams
+
+    folder, _ = tiny_checkpoints("llama")
+    model = str(tmp_path / "with-tokenizer")
+    shutil.copytree(folder, model)
+    tokenizer.save_pretrained(model)  # a 2048-id tokenizer for a 1000-id model: every emitted id decodes
+    llm = LLM(model, dtype="fp32", drafter=drafter, spec_budget=8)
+    prompt = [11, 12, 13, 11, 12, 13, 11, 12]
+    free = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    (full,) = llm.generate([prompt], free)
+    text = full.text
+    stop = text[len(text) // 2: len(text) // 2 + 3]
+    assert len(stop) == 3 and text.find(stop) > 0
+    (cut,) = llm.generate([prompt], SamplingParams(max_tokens=40, temperature=0, ignore_eos=True, stop=[stop]))
+    assert cut.finish_reason == "stop" and cut.stop_reason == stop
+    assert cut.text == text[:text.find(stop)]
+    assert full.token_ids[:len(cut.token_ids)] == cut.token_ids
+    assert stop in tokenizer.decode(cut.token_ids) and stop not in tokenizer.decode(cut.token_ids[:-1])
+    assert llm.engine.blocks.num_free_blocks == llm.engine.blocks.num_blocks and not llm.engine.requests

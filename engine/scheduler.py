@@ -5,6 +5,7 @@ recompute (its KV dropped, it re-queues at the front)."""
 from __future__ import annotations
 
 from collections import deque
+from typing import Callable
 
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
@@ -14,9 +15,11 @@ from engine.request import Request, Status
 
 class Scheduler:
     def __init__(self, config: EngineConfig, block_manager: BlockManager, max_model_len: int,
-                 max_budget: int = 0):
+                 max_budget: int = 0, budget_of: Callable[[Request], int] | None = None):
         self.config, self.blocks, self.max_model_len = config, block_manager, max_model_len
         self.max_budget = max_budget  # tree nodes per request at low load (0 = no speculation)
+        # each request's wanted tree budget this step (the adaptive controller), before the caps below
+        self.budget_of = budget_of or (lambda request: max_budget)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
@@ -48,24 +51,28 @@ class Scheduler:
         self.waiting.appendleft(request)
 
     def step_budget(self, num_running: int) -> int:
-        """Tree nodes per request this step: the configured budget, shrinking as the batch grows so that trees
-        take at most half of the step's token budget (DDTree must not cost throughput at high load). Every tree
-        request of the step gets this many rows of KV (its verify rows are padded to one width)."""
+        """The most tree nodes a request may verify this step: the configured budget, shrinking as the batch
+        grows so that trees take at most half of the step's token budget."""
         share = self.config.max_num_batched_tokens // (2 * max(1, num_running)) - 1
         return max(0, min(self.max_budget, share))
 
     def spec_budget(self, request: Request, step_budget: int) -> int:
-        """Drafted nodes this request verifies: the step's budget, never past the request's remaining tokens or
-        the context. 0 = plain decoding."""
+        """Drafted nodes this request verifies: what the budget controller wants, never past the step's cap, the
+        request's remaining tokens or the context. 0 = plain decoding."""
         if step_budget == 0 or request.num_tokens - request.num_computed_tokens != 1:
             return 0  # a tree needs a decoding request: only its root (last token) lacks KV
         remaining = request.sampling.max_tokens - len(request.output_token_ids)
-        return max(0, min(step_budget, remaining - 1, self.max_model_len - request.num_tokens - 1))
+        wanted = self.budget_of(request)
+        return max(0, min(wanted, step_budget, remaining - 1, self.max_model_len - request.num_tokens - 1))
 
     def schedule(self) -> StepPlan:
         plan = StepPlan()
         budget = self.config.max_num_batched_tokens
         step_budget = self.step_budget(len(self.running) + min(len(self.waiting), 1))
+        # every tree of the step is padded to one width: decide the budgets first, then reserve that width
+        wanted = {id(r): self.spec_budget(r, step_budget) for r in self.running}
+        plan.spec_budgets = [wanted[id(r)] for r in self.running if r.num_tokens - r.num_computed_tokens == 1]
+        step_budget = max(wanted.values(), default=0)
         scheduled: list[Request] = []
         # 1. requests already running, oldest first; preempt from the newest end when blocks run out
         i = 0
@@ -73,7 +80,7 @@ class Scheduler:
             req = self.running[i]
             n = min(req.num_tokens - req.num_computed_tokens, budget)
             sample = req.num_computed_tokens + n == req.num_tokens
-            nodes = self.spec_budget(req, step_budget) if sample else 0
+            nodes = wanted[id(req)] if sample else 0
             lookahead = step_budget if nodes else 0
             while not self.blocks.allocate(req, req.num_computed_tokens + n + lookahead):
                 victim = self.running.pop()

@@ -31,6 +31,7 @@ class TreeBatch:
     seqs: list[ScheduledSeq]
     tree: DraftTree  # [N, W] rows, root first
     budgets: list[int]  # drafted nodes per request (host copy of what the scheduler granted)
+    curve: torch.Tensor | None = None  # [N, B] the full-budget tree's cumulative draft probability (adaptive budgets)
     draft_s: float = 0.0  # seconds in the drafter's propose()
     tree_build_s: float = 0.0  # seconds building the trees from its proposal
 
@@ -97,11 +98,16 @@ class Speculator:
         t1 = time.perf_counter()
         device = self.device
         logprobs, token_ids = logprobs.to(device, non_blocking=True), token_ids.to(device, non_blocking=True)
-        budget_t = torch.tensor(budgets, dtype=torch.int64).to(device, non_blocking=True)
         roots = torch.tensor([s.request.all_token_ids[-1] for s in seqs], dtype=torch.int64).to(device,
                                                                                                non_blocking=True)
-        tree = DraftTree.from_topk(logprobs, token_ids, roots, budget_t, max(budgets))
-        return TreeBatch(seqs, tree, budgets, draft_s=t1 - t0, tree_build_s=time.perf_counter() - t1)
+        # built at the full budget (its node probabilities tell the adaptive budget what a bigger tree would
+        # bring), then cut to each request's budget: best-first trees nest, so the cut is the smaller tree
+        full = torch.full((len(seqs),), self.max_budget, dtype=torch.int64, device=device)
+        tree = DraftTree.from_topk(logprobs, token_ids, roots, full, self.max_budget)
+        budget_t = torch.tensor(budgets, dtype=torch.int64).to(device, non_blocking=True)
+        curve = tree.acceptance_curve()
+        tree = tree.truncated(budget_t, max(budgets) + 1)
+        return TreeBatch(seqs, tree, budgets, curve, draft_s=t1 - t0, tree_build_s=time.perf_counter() - t1)
 
     def restore_hidden(self, consumed: dict[str, list[torch.Tensor]]) -> None:
         """Puts features a failed step consumed back in front of any recorded since."""

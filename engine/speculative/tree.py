@@ -73,6 +73,19 @@ class DraftTree:
         return cls(node_token_ids, built.parents, built.depths, built.num_nodes,
                    built.visibility, built.scores, draft_logprobs.shape[1])
 
+    def truncated(self, budgets: Tensor, width: int) -> "DraftTree":
+        """The first budgets[n] drafted nodes of each tree, in `width` rows. Best-first trees nest (the first b
+        nodes of a tree built for B >= b are the tree built for b), so this is the b-node tree; rows past a
+        request's budget become padding (never children, never accepted)."""
+        num_nodes = torch.minimum(self.num_nodes, budgets.to(self.num_nodes.device) + 1)
+        return DraftTree(self.node_token_ids[:, :width], self.parents[:, :width], self.depths[:, :width], num_nodes,
+                         self.visibility[:, :width, :width], self.scores[:, :width], self.max_depth)
+
+    def acceptance_curve(self) -> Tensor:
+        """[N, B] float64: cumulative draft probability of the first 1..B drafted nodes (padding adds 0): the
+        drafter's own estimate of the drafts a tree of that budget accepts (DDTree, Prop. 1)."""
+        return self.scores[:, 1:].exp().cumsum(-1)
+
     @property
     def num_rows(self) -> int:
         """B+1: verify rows per request, padding included."""

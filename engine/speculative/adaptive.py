@@ -1,0 +1,117 @@
+"""Adaptive speculation: each request's tree budget, step by step, from its own measured acceptance and the
+measured cost of a verify row, so that DDTree never costs throughput (0 = plain decoding).
+
+The model. A best-first tree's nodes come in decreasing draft probability q_1 >= q_2 >= ... (q_j = the drafter's
+probability of node j's prefix), and the expected number of accepted drafts of the first b nodes is the sum of
+the target's probabilities of those prefixes (DDTree, Prop. 1). The drafter's q are rarely calibrated, so per
+request we keep c = (drafts it accepted) / (sum of q over the nodes it verified), as decayed sums, and predict
+the gain of node j as c * q_j, from the request's latest tree (the runner builds it at the full budget and
+returns its cumulative q curve). A verify row costs t_row seconds; the step's throughput is tokens / T; a row is
+worth adding when c * q_j >= t_row * tokens / T. t_row and T come from a decayed least-squares fit of the step
+time on the number of rows, started from a prior. The gains are decreasing, so the budget is the number of
+nodes above that threshold, capped by the configured budget. A request at 0 is probed with a small tree every
+PROBE_EVERY steps, so that it can come back when its text turns predictable.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+DECAY = 0.9  # per observation, for the acceptance sums and the cost fit
+PROBE_EVERY = 16  # steps a request stays at budget 0 before a probe
+PROBE_BUDGET = 4
+PRIOR_WEIGHT = 4.0  # pseudo-observations behind the cost prior
+MIN_GAIN = 0.02  # a row is never free: below this many expected accepted tokens a node is not verified
+
+
+@dataclass
+class _RequestStats:
+    accepted: float = 0.0  # decayed sum of drafts accepted
+    predicted: float = 0.0  # decayed sum of the q mass that was verified
+    curve: list[float] = field(default_factory=list)  # latest tree: cumulative q of its first 1..B nodes
+    steps_at_zero: int = 0
+
+
+class _CostFit:
+    """Decayed least squares of step seconds on rows: T = t0 + t_row * rows."""
+
+    def __init__(self):
+        self.n = self.sx = self.sy = self.sxx = self.sxy = 0.0
+
+    def add(self, x: float, y: float, weight: float = 1.0) -> None:
+        self.n, self.sx, self.sy = DECAY * self.n + weight, DECAY * self.sx + weight * x, DECAY * self.sy + weight * y
+        self.sxx, self.sxy = DECAY * self.sxx + weight * x * x, DECAY * self.sxy + weight * x * y
+
+    def slope(self) -> float | None:
+        var = self.sxx / self.n - (self.sx / self.n) ** 2 if self.n else 0.0
+        if var <= 1e-9:
+            return None
+        return max(0.0, (self.sxy / self.n - self.sx * self.sy / self.n ** 2) / var)
+
+
+class BudgetController:
+    def __init__(self, max_budget: int, enabled: bool = True, prior_row_share: float = 0.5):
+        """prior_row_share: before measurements, the share of a plain step's time one row is assumed to cost
+        relative to the average row (1 = fully compute-bound, 0 = rows are free)."""
+        self.max_budget, self.enabled, self.prior_row_share = max_budget, enabled, prior_row_share
+        self.requests: dict[str, _RequestStats] = {}
+        self.fit = _CostFit()
+        self.last_rows, self.last_seconds, self.last_tokens = 0, 0.0, 0
+
+    def release(self, request_id: str) -> None:
+        self.requests.pop(request_id, None)
+
+    # -------------------------------------------------------------------------------------------- observing
+
+    def observe_step(self, rows: int, seconds: float, tokens: int) -> None:
+        """One engine step: rows through the target, its wall time, tokens it produced."""
+        if rows <= 0 or seconds <= 0:
+            return
+        if self.fit.n == 0:  # the prior: t_row = share * T / rows
+            t_row = self.prior_row_share * seconds / rows
+            for r in (max(1, rows // 2), rows * 2):
+                self.fit.add(r, seconds + t_row * (r - rows), PRIOR_WEIGHT / 2)
+        self.fit.add(rows, seconds)
+        self.last_rows, self.last_seconds, self.last_tokens = rows, seconds, tokens
+
+    def observe_request(self, request_id: str, budget: int, accepted: int, curve: list[float]) -> None:
+        """A tree step of one request: the budget it verified, drafts it accepted, and its tree's cumulative q
+        curve (curve[j] = sum of q over the first j + 1 nodes, up to the full budget)."""
+        stats = self.requests.setdefault(request_id, _RequestStats())
+        predicted = curve[budget - 1] if 0 < budget <= len(curve) else 0.0
+        stats.accepted = DECAY * stats.accepted + accepted
+        stats.predicted = DECAY * stats.predicted + predicted
+        stats.curve = list(curve)
+
+    # ----------------------------------------------------------------------------------------------- choosing
+
+    def threshold(self) -> float:
+        """Expected accepted tokens a verify row must bring: t_row * throughput of the last step."""
+        if self.last_seconds <= 0:
+            return MIN_GAIN
+        t_row = self.fit.slope()
+        if t_row is None:
+            t_row = self.prior_row_share * self.last_seconds / max(1, self.last_rows)
+        return max(MIN_GAIN, t_row * self.last_tokens / self.last_seconds)
+
+    def budget(self, request_id: str) -> int:
+        """This step's tree budget for the request (before the scheduler's caps)."""
+        if not self.enabled or self.max_budget == 0:
+            return self.max_budget
+        stats = self.requests.get(request_id)
+        if stats is None or not stats.curve:
+            return self.max_budget  # nothing measured yet: a full tree (measures acceptance and the curve)
+        calibration = stats.accepted / stats.predicted if stats.predicted > 0 else 1.0
+        theta, previous = self.threshold(), 0.0
+        chosen = 0
+        for j, cumulative in enumerate(stats.curve[:self.max_budget]):
+            if calibration * (cumulative - previous) <= theta:
+                break
+            chosen, previous = j + 1, cumulative
+        if chosen == 0:
+            stats.steps_at_zero += 1
+            if stats.steps_at_zero >= PROBE_EVERY:
+                stats.steps_at_zero = 0
+                return min(PROBE_BUDGET, self.max_budget)
+        else:
+            stats.steps_at_zero = 0
+        return chosen

@@ -1,0 +1,104 @@
+"""Adaptive tree budgets (engine/speculative/adaptive.py) and padded verify rows: the budget falls to 0 for a
+drafter that never matches and rises to the whole chain for one that always does; requests with different
+budgets share one padded verify width without any padding row ever being accepted, and greedy output stays
+identical to plain decoding."""
+from __future__ import annotations
+
+import torch
+
+from engine import LLM, SamplingParams
+from engine.speculative.adaptive import PROBE_BUDGET, BudgetController
+from engine.speculative.oracle import OracleDrafter
+from tests.speculative.test_ddtree_e2e import golden_lookup, prompts
+
+MAX_TOKENS = 96
+
+
+def greedy(llm):
+    return [o.token_ids for o in llm.generate(prompts(), SamplingParams(max_tokens=MAX_TOKENS, temperature=0,
+                                                                          ignore_eos=True))]
+
+
+def chosen_budgets(llm) -> list[list[int]]:
+    """Runs the prompts step by step; returns each step's chosen budgets (StepStats.spec_budgets)."""
+    core, steps = llm.engine, []
+    sp = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
+    for p in prompts():
+        core.add_request(p, sp)
+    while core.has_unfinished():
+        core.step()
+        if core.last_stats is not None and core.last_stats.spec_budgets:
+            steps.append(core.last_stats.spec_budgets)
+    return steps
+
+
+def test_budget_falls_to_zero_for_a_drafter_that_never_matches(tiny_checkpoints):
+    folder, _ = tiny_checkpoints("llama")
+    ref = greedy(LLM(folder, dtype="fp32"))
+    wrong = [(p + [(t + 1) % 1000 for t in r], len(p)) for p, r in zip(prompts(), ref)]  # confident, always wrong
+    oracle = OracleDrafter(golden_lookup(wrong), 1000, horizon=7, check_prefix=False)
+    llm = LLM(folder, dtype="fp32", drafter=oracle, spec_budget=16)
+    steps = chosen_budgets(llm)
+    late = [b for step in steps[len(steps) // 2:] for b in step]
+    assert steps[0] == [16] * 4  # nothing measured yet: a full tree
+    assert late.count(0) >= 0.8 * len(late) and max(late) <= PROBE_BUDGET, late  # plain decoding, with probes
+    assert greedy(LLM(folder, dtype="fp32", drafter=oracle, spec_budget=16)) == ref
+
+
+def test_budget_rises_for_a_drafter_that_always_matches(tiny_checkpoints):
+    folder, _ = tiny_checkpoints("llama")
+    ref = greedy(LLM(folder, dtype="fp32"))
+    oracle = OracleDrafter(golden_lookup([(p + r, len(p)) for p, r in zip(prompts(), ref)]), 1000, horizon=7)
+    llm = LLM(folder, dtype="fp32", drafter=oracle, spec_budget=16)
+    steps = chosen_budgets(llm)
+    middle = [b for step in steps[1:len(steps) // 2] for b in step]
+    assert min(middle) >= 7, middle  # at least the whole 7-deep golden chain every step
+    out = LLM(folder, dtype="fp32", drafter=oracle, spec_budget=16).generate(
+        prompts(), SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True))
+    assert [o.token_ids for o in out] == ref
+    assert all(o.stats["spec"]["mean_accept_length"] > 6 for o in out)
+
+
+def test_controller_threshold_follows_the_measured_row_cost():
+    controller = BudgetController(max_budget=16)
+    curve = [0.9 * (1 - 0.5 ** (j + 1)) / 0.5 for j in range(16)]  # node j brings 0.9 * 0.5**j
+    controller.observe_request("r", 16, accepted=1, curve=curve)  # calibrated: accepted ~ predicted
+    for rows in (10, 20, 40, 80):  # rows are nearly free: T barely grows
+        controller.observe_step(rows, 0.010 + 0.00001 * rows, tokens=rows)
+    cheap = controller.budget("r")
+    for rows in (10, 20, 40, 80):  # now each row costs as much as the whole fixed part
+        controller.observe_step(rows, 0.001 * rows, tokens=rows)
+    for _ in range(40):
+        controller.observe_step(80, 0.08, tokens=80)
+        controller.observe_step(10, 0.01, tokens=10)
+    dear = controller.budget("r")
+    assert cheap > dear and dear <= 1, (cheap, dear)
+
+
+def test_mixed_budgets_share_one_padded_width_and_padding_is_never_accepted(tiny_checkpoints, monkeypatch):
+    """Four requests verify 1, 3, 7 and 16 nodes in the same step (width 17): every accepted row lies inside its
+    own request's tree, and greedy output equals plain decoding."""
+    from engine.speculative import speculator
+
+    folder, _ = tiny_checkpoints("qwen3")
+    ref = greedy(LLM(folder, dtype="fp32"))
+    oracle = OracleDrafter(golden_lookup([(p + r, len(p)) for p, r in zip(prompts(), ref)]), 1000, horizon=7,
+                           noise=0.3, noise_rank=2, seed=5)
+    llm = LLM(folder, dtype="fp32", drafter=oracle, spec_budget=16)
+    fixed = {}
+    llm.engine.scheduler.budget_of = lambda req: fixed.setdefault(req.request_id, [1, 3, 7, 16][len(fixed) % 4])
+    walks, widths = [], []
+    walk = speculator.Speculator.walk
+
+    def spy(batch, targets):
+        result = walk(batch, targets)
+        widths.append(batch.width)
+        walks.append((torch.tensor(batch.budgets), result.accepted_nodes.clone()))
+        return result
+
+    monkeypatch.setattr(speculator.Speculator, "walk", staticmethod(spy))
+    assert greedy(llm) == ref
+    assert 17 in widths
+    for budgets, nodes in walks:
+        assert bool((nodes <= budgets[:, None]).all()), (budgets, nodes)  # rows past b are padding
+    assert any(bool((nodes[:, 1:] > 0).any()) for _, nodes in walks)  # drafts were accepted at all

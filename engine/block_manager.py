@@ -51,6 +51,12 @@ class BlockManager:
         if self.ref_counts[block] == 0:
             self.free_blocks[block] = None
 
+    def reserve(self, count: int) -> list[int]:
+        """Takes `count` blocks out of circulation for good (CUDA-graph padding rows write into them)."""
+        blocks = [self._take() for _ in range(count)]
+        self.num_blocks -= count  # usage and sizing see only what requests can use
+        return blocks
+
     def blocks_needed(self, request: Request, num_tokens: int) -> int:
         """Blocks to add so `request` has room for `num_tokens` KV entries in total."""
         return max(0, -(-num_tokens // self.block_size) - len(request.block_ids))

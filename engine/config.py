@@ -75,6 +75,8 @@ class EngineConfig:
                                           "capped at 32768)")
     seed: int = opt(0, "seed for requests that do not set one")
     enable_prefix_caching: bool = opt(True, "reuse the KV of shared prompt prefixes")
+    enforce_eager: bool = opt(False, "run every step eagerly: no CUDA graphs (they are captured at startup on "
+                                     "CUDA for decode-only steps)")
     reference_kernels: bool = opt(False, "on CUDA, run ext's PyTorch references when the CUDA extension cannot "
                                          "be loaded (slow; for debugging) instead of failing at startup")
     spec: SpecConfig = opt(None, "speculative decoding", factory=SpecConfig, cli=False)

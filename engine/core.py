@@ -11,6 +11,7 @@ import torch
 
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
+from engine.cuda_graphs import CudaGraphs, supports_graphs
 from engine.detokenizer import OutputText
 from engine.memory import measure_cuda_peak, plan_kv_cache
 from engine.messages import Delta, RequestError, StepStats
@@ -88,6 +89,11 @@ class EngineCore:
         self.budgets = BudgetController(max_budget, enabled=adaptive)
         self.scheduler = Scheduler(config, self.blocks, self.max_model_len, max_budget,
                                    budget_of=lambda request: self.budgets.budget(request.request_id))
+        graph_blocker = self._graph_blocker()
+        if graph_blocker is None:
+            self.enable_graphs()
+        elif config.is_cuda:
+            logger.warning("CUDA graphs are off (%s): every step runs eagerly", graph_blocker)
         self.rng = random.Random(config.seed)
         self.requests: dict[str, Request] = {}
         self.request_errors: list[RequestError] = []  # requests that failed while the engine went on
@@ -104,6 +110,31 @@ class EngineCore:
                                    dtype=self.dtype)
         budget = drafter.horizon if spec.chain else spec.budget
         return Speculator(drafter, budget, chain=spec.chain, device=self.config.device) if budget > 0 else None
+
+    def _graph_blocker(self) -> str | None:
+        """Why this engine cannot use CUDA graphs, or None."""
+        if not self.config.is_cuda:
+            return "not a CUDA device"
+        if self.config.enforce_eager:
+            return "--enforce-eager"
+        return supports_graphs(self.model)
+
+    def enable_graphs(self, emulate: bool = False) -> None:
+        """CUDA graphs for decode-only steps (captured now). `emulate` runs the same padded layout eagerly
+        instead of capturing: how CPU tests check it."""
+        config = self.config
+        max_budget = self.speculator.max_budget if self.speculator is not None else 0
+        max_blocks = -(-(self.max_model_len + max_budget + 1) // config.block_size)
+        scratch = self.blocks.reserve(-(-(max_budget + 1) // config.block_size))  # padding rows write here
+        capture = self.speculator.capture_layer_ids if self.speculator is not None else ()
+        graphs = CudaGraphs(self.model, self.runner.kv_caches, config.block_size, scratch, config.max_num_seqs,
+                            max_budget + 1, config.max_num_batched_tokens, self.max_model_len, max_blocks, capture,
+                            torch.device(config.device), emulate=emulate)
+        if not emulate:
+            graphs.capture()
+        self.runner.graphs = graphs
+        self.runner.uniform_trees = self.scheduler.uniform_trees = self.speculator is not None
+        self.runner.uniform_trees = self.scheduler.uniform_trees = self.speculator is not None
 
     def _warmup(self) -> None:
         """The largest step shape on a scratch cache: a max_num_batched_tokens forward, then the sampler over
@@ -264,4 +295,4 @@ class EngineCore:
             accept_lengths=result.accept_lengths, tree_nodes=result.tree_nodes,
             accepted_per_position=result.accepted_per_position, prefix_cache_queries=plan.prefix_cache_queries,
             prefix_cache_hits=plan.prefix_cache_hits, kernel_fallbacks=ops.take_reference_fallbacks(),
-            spec_budgets=plan.spec_budgets)
+            spec_budgets=plan.spec_budgets, cuda_graph=result.cuda_graph)

@@ -36,6 +36,9 @@ class Ready:
     # sampling defaults from the checkpoint's generation_config.json (temperature, top_p, top_k, min_p,
     # repetition_penalty); a request's own values override them
     default_sampling: dict[str, Any] = field(default_factory=dict)
+    # the engine's tokenizer exported with save_pretrained (engine/tokenizer_export.py): the HTTP process
+    # tokenizes from these files without transformers; None when the model has no tokenizer
+    tokenizer_dir: str | None = None
 
 
 @dataclass
@@ -83,6 +86,8 @@ class StepStats:
     # prefix cache, over the requests admitted this step: prompt tokens looked up, and found cached
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
+    # "replay" when a CUDA graph ran the forward, "eager: <why>" when graphs exist but could not serve the step
+    cuda_graph: str = ""
     # tree budget the scheduler chose for each decoding request this step (0 = plain decoding)
     spec_budgets: list[int] = field(default_factory=list)
     # ext ops that ran their PyTorch reference on a CUDA tensor this step (only with reference kernels allowed)

@@ -43,5 +43,8 @@ class StepResult:
     accepted_per_position: list[int] = field(default_factory=list)  # index d: drafts accepted at depth d + 1
     # request_id -> cumulative draft probability of its full-budget tree's first 1..B nodes (adaptive budgets)
     curves: dict[str, list[float]] = field(default_factory=dict)
+    # "replay" (a CUDA graph ran the forward), "eager: <why>" where graphs exist but could not serve the step,
+    # "" without graphs
+    cuda_graph: str = ""
     # phase -> seconds spent this step (schedule, draft, tree_build, verify, accept, forward, sample)
     timings: dict[str, float] = field(default_factory=dict)

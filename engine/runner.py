@@ -22,6 +22,8 @@ class ModelRunner:
         self.num_blocks, self.block_size = num_blocks, block_size
         self.sampler = sampler if sampler is not None else Sampler(model.vocab_size, device)
         self.speculator = speculator
+        self.graphs = None  # engine.cuda_graphs.CudaGraphs once captured (CUDA, not --enforce-eager)
+        self.uniform_trees = False  # with graphs: a tree step lays out every decoding request as a tree
         self.kv_caches = [
             torch.zeros(model.kv_cache_shape(i, num_blocks, block_size), dtype=dtype, device=device)
             for i in range(model.num_layers)
@@ -52,6 +54,8 @@ class ModelRunner:
     def execute(self, plan: StepPlan) -> StepResult:
         spec = self.speculator
         is_tree = [spec is not None and s.spec_budget > 0 for s in plan.seqs]
+        if self.uniform_trees and any(is_tree) and all(_decoding(s) for s in plan.seqs):
+            is_tree = [True] * len(plan.seqs)  # budget-0 requests ride as root-only trees: one graph shape
         plain = [s for s, t in zip(plan.seqs, is_tree) if not t]
         tree_seqs = [s for s, t in zip(plan.seqs, is_tree) if t]
         # a step that fails after this leaves no trace the next step would see: the drafter's state covers
@@ -62,8 +66,7 @@ class ModelRunner:
     def _run(self, plain: list[ScheduledSeq], batch: TreeBatch | None) -> StepResult:
         t1 = time.perf_counter()
         inputs = prepare_inputs(plain, batch, self.block_size, self.device)
-        capture = self.speculator.capture_layer_ids if self.speculator is not None else ()
-        hidden, captured = self.model(inputs.input_ids, inputs.meta, self.kv_caches, capture_layer_ids=capture)
+        hidden, captured, graph_mode = self._forward(plain, batch, inputs)
         features = torch.cat(captured, dim=-1) if captured else None  # [num_tokens, num_layers * hidden]
         t2 = time.perf_counter()
         sampling = [(s.request, r0 + n - 1) for s, (r0, n) in zip(plain, inputs.plain_rows) if s.sample]
@@ -79,6 +82,7 @@ class ModelRunner:
             for s, (r0, n) in zip(plain, inputs.plain_rows):
                 self.speculator.record_hidden(s.request.request_id,
                                               features[r0:r0 + n] if features is not None else None)
+        result.cuda_graph = graph_mode
         if batch is not None:
             self._tree_results(batch, inputs, host, len(sampling), features, result)
             result.timings.update(draft=batch.draft_s, tree_build=batch.tree_build_s, verify=t2 - t1,
@@ -86,6 +90,21 @@ class ModelRunner:
         else:
             result.timings.update(forward=t2 - t1, sample=t3 - t2)
         return result
+
+    def _forward(self, plain: list[ScheduledSeq], batch: TreeBatch | None, inputs: StepInputs
+                 ) -> tuple[torch.Tensor, list[torch.Tensor], str]:
+        """The target forward: a CUDA-graph replay when the step is N decoding requests x W rows and a graph
+        fits, else eager. Returns (hidden, captured layers, "replay" | "eager: <why>" | "" without graphs)."""
+        capture = self.speculator.capture_layer_ids if self.speculator is not None else ()
+        mode = ""
+        if self.graphs is not None:
+            shape = _uniform_shape(plain, batch)
+            out = self.graphs.run(inputs.input_ids, inputs.meta, *shape) if shape is not None else None
+            if out is not None:
+                return out[0], out[1], "replay"
+            mode = "eager: mixed step" if shape is None else f"eager: no graph for {shape[0]}x{shape[1]}"
+        hidden, captured = self.model(inputs.input_ids, inputs.meta, self.kv_caches, capture_layer_ids=capture)
+        return hidden, captured, mode
 
     def _sample(self, hidden: torch.Tensor, inputs: StepInputs, sampling: list, batch: TreeBatch | None
                 ) -> tuple[SampleOutput, Walk | None]:
@@ -138,6 +157,18 @@ class ModelRunner:
                 if d >= len(result.accepted_per_position):
                     result.accepted_per_position.append(0)
                 result.accepted_per_position[d] += 1
+
+
+def _decoding(s: ScheduledSeq) -> bool:
+    """A request feeding only its last token and sampling the next."""
+    return s.sample and s.num_new_tokens == 1 and s.request.num_computed_tokens == s.request.num_tokens - 1
+
+
+def _uniform_shape(plain: list[ScheduledSeq], batch: TreeBatch | None) -> tuple[int, int] | None:
+    """(requests, rows each) when every request of the step has the same rows and only decodes, else None."""
+    if batch is not None:
+        return (batch.num_requests, batch.width) if not plain else None
+    return (len(plain), 1) if plain and all(_decoding(s) for s in plain) else None
 
 
 class _HostResults:

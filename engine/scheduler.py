@@ -20,6 +20,9 @@ class Scheduler:
         self.max_budget = max_budget  # tree nodes per request at low load (0 = no speculation)
         # each request's wanted tree budget this step (the adaptive controller), before the caps below
         self.budget_of = budget_of or (lambda request: max_budget)
+        # CUDA graphs: a step with trees lays out every decoding request at the step's width, so all of them
+        # reserve its KV rows
+        self.uniform_trees = False
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
@@ -81,7 +84,8 @@ class Scheduler:
             n = min(req.num_tokens - req.num_computed_tokens, budget)
             sample = req.num_computed_tokens + n == req.num_tokens
             nodes = wanted[id(req)] if sample else 0
-            lookahead = step_budget if nodes else 0
+            decoding = sample and n == 1 and self.uniform_trees
+            lookahead = step_budget if nodes or decoding else 0
             while not self.blocks.allocate(req, req.num_computed_tokens + n + lookahead):
                 victim = self.running.pop()
                 self.preempt(victim)

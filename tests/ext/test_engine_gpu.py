@@ -75,3 +75,66 @@ def test_sampled_ddtree_on_cuda_reproduces_seeded_plain_sampling(tiny_checkpoint
 def test_cuda_plain_equals_cpu_plain(tiny_checkpoints, plain_cuda, family):
     folder, _ = tiny_checkpoints(family)
     assert plain_cuda(family) == greedy(LLM(folder, dtype="fp32"))
+
+
+def graph_prompts(n: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(n)
+    return [torch.randint(0, 1000, (int(torch.randint(3, 30, (1,), generator=g)),), generator=g).tolist()
+            for _ in range(n)]
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+@pytest.mark.parametrize("batch", [1, 3, 17])
+def test_cuda_graphs_equal_eager_for_plain_and_ddtree(tiny_checkpoints, family, batch):
+    """Greedy output with CUDA graphs (replayed at padded bucket sizes) equals eager, for plain decoding and for
+    DDTree with an oracle whose golden tokens are sometimes demoted (sibling paths, KV compaction)."""
+    folder, _ = tiny_checkpoints(family)
+    ps = graph_prompts(batch)
+    sp = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
+    eager = LLM(folder, dtype="fp32", device="cuda", enforce_eager=True, max_num_seqs=32)
+    ref = [o.token_ids for o in eager.generate(ps, sp)]
+    graphed = LLM(folder, dtype="fp32", device="cuda", max_num_seqs=32)
+    assert graphed.engine.runner.graphs is not None and eager.engine.runner.graphs is None
+    core = graphed.engine
+    ids = [core.add_request(p, sp) for p in ps]
+    out, modes = {rid: [] for rid in ids}, set()
+    while core.has_unfinished():
+        for d in core.step():
+            out[d.request_id].extend(d.new_token_ids)
+        modes.add(core.last_stats.cuda_graph if core.last_stats else None)
+    assert [out[rid] for rid in ids] == ref and "replay" in modes
+    oracle = OracleDrafter(golden_lookup([(p + r, len(p)) for p, r in zip(ps, ref)]), 1000, horizon=HORIZON,
+                           noise=0.3, noise_rank=2, seed=3)
+    spec = LLM(folder, dtype="fp32", device="cuda", drafter=oracle, spec_budget=16, max_num_seqs=32)
+    assert [o.token_ids for o in spec.generate(ps, sp)] == ref
+
+
+def test_graph_replay_follows_changed_block_tables(tiny_checkpoints):
+    """Capture once, then replay a decode step whose request's KV moved to other blocks: the replay reads the
+    new block table (static buffers written in place), and equals the eager forward each time."""
+    from engine.inputs import prepare_inputs
+    from engine.plan import ScheduledSeq
+    from engine.request import Request
+
+    folder, _ = tiny_checkpoints("llama")
+    llm = LLM(folder, dtype="fp32", device="cuda", block_size=4, max_num_seqs=4)
+    core = llm.engine
+    graphs, runner = core.runner.graphs, core.runner
+    req = Request(graph_prompts(1)[0][:12] + [7], SamplingParams(max_tokens=4))
+    core.blocks.allocate(req, req.num_tokens)
+    prefill = ScheduledSeq(req, req.num_tokens - 1, sample=False)
+    first = prepare_inputs([prefill], None, 4, runner.device)
+    runner.model(first.input_ids, first.meta, runner.kv_caches)  # the prefix's KV
+    req.num_computed_tokens = req.num_tokens - 1
+    for _ in range(2):
+        inputs = prepare_inputs([ScheduledSeq(req, 1, sample=True)], None, 4, runner.device)
+        eager, _ = runner.model(inputs.input_ids, inputs.meta, runner.kv_caches)
+        replayed, _ = graphs.run(inputs.input_ids, inputs.meta, 1, 1)
+        assert torch.equal(replayed, eager)
+        old = list(req.block_ids)  # move the request's KV to fresh blocks, then replay again
+        core.blocks.allocate(req, req.num_tokens + 4 * len(old))
+        new = req.block_ids[len(old):2 * len(old)]
+        for view in runner.slot_views:
+            for a, b in zip(old, new):
+                view[b * 4:(b + 1) * 4].copy_(view[a * 4:(a + 1) * 4])
+        req.block_ids = new + req.block_ids[2 * len(old):]

@@ -1,0 +1,185 @@
+"""CUDA graphs for decode-only steps: the target forward of N requests x W rows each (W = 1 plain decoding,
+W = budget + 1 tree verify), captured once per bucket at startup and replayed with the step's inputs written
+in place into static buffers. Kernel launches per step drop from thousands to one replay.
+
+Layout of a bucket (N_pad, W_pad) with T = N_pad * W_pad rows: request i owns rows i*W_pad .. i*W_pad + W - 1
+of its verify width W <= W_pad (a step's own W is padded up: extra rows are padding rows). Static buffers hold
+input ids, rope positions, cache slots, cumulative query lengths, KV lengths, block tables and the tree mask.
+Invariants of padding: a padding row writes its K/V into scratch blocks that no request owns (the engine
+reserves them past the BlockManager's blocks), attends only to itself and its request's context, and its output
+is never read; a padding request (i >= N) is a W_pad-token sequence over the scratch blocks. The attention
+kernels' launch shape is fixed at capture from capacities (W_pad query rows, max_model_len + W_pad keys), and
+every per-step length is read from the device buffers, so a replay serves any lengths up to those.
+
+Graphs run only where they can: CUDA, no --enforce-eager, models without host-synchronizing layers (MoE routing
+still syncs), steps of decoding requests only; other steps run eagerly, and each eager step is counted with its
+reason (StepStats.cuda_graph).
+"""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+from tqdm import tqdm
+
+from ext.metadata import AttentionMetadata
+
+logger = logging.getLogger("ddtree.engine")
+
+BATCH_SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512)
+WIDTHS = (1, 2, 3, 5, 9, 17, 33, 65, 129, 257)  # verify rows per request (budget + 1); 1 = plain decoding
+
+
+def bucket_of(values: tuple[int, ...], n: int) -> int | None:
+    return next((v for v in values if v >= n), None)
+
+
+@dataclass
+class _Captured:
+    graph: torch.cuda.CUDAGraph
+    hidden: torch.Tensor  # [T, hidden]
+    captured: list[torch.Tensor]  # captured decoder-layer outputs, [T, hidden] each
+
+
+class CudaGraphs:
+    def __init__(self, model, kv_caches: list[torch.Tensor], block_size: int, scratch_blocks: list[int],
+                 max_num_seqs: int, max_width: int, max_tokens: int, max_model_len: int, max_blocks: int,
+                 capture_layer_ids: tuple[int, ...], device: torch.device, emulate: bool = False):
+        """emulate: no capture; each "replay" runs the model eagerly over the same padded static buffers (CPU
+        tests of the layout and the padding)."""
+        self.model, self.kv_caches, self.block_size = model, kv_caches, block_size
+        self.scratch_blocks, self.max_model_len = scratch_blocks, max_model_len
+        self.capture_layer_ids, self.device = capture_layer_ids, device
+        self.batch_sizes = [n for n in BATCH_SIZES if n <= max_num_seqs]
+        self.widths = [w for w in WIDTHS if w <= max(1, max_width)]
+        self.buckets = [(n, w) for w in self.widths for n in self.batch_sizes if n * w <= max_tokens]
+        rows = max((n * w for n, w in self.buckets), default=1)
+        seqs = max(self.batch_sizes, default=1)
+        i64, i32 = dict(dtype=torch.int64, device=device), dict(dtype=torch.int32, device=device)
+        self.input_ids = torch.zeros(rows, **i64)
+        self.positions = torch.zeros(rows, **i64)
+        self.slot_mapping = torch.zeros(rows, **i64)
+        self.query_start_loc = torch.zeros(seqs + 1, **i32)
+        self.seq_lens = torch.zeros(seqs, **i32)
+        self.block_tables = torch.zeros(seqs, max(max_blocks, len(scratch_blocks)), **i32)
+        self.tree_masks = {w: torch.zeros(rows, w, dtype=torch.bool, device=device) for w in self.widths if w > 1}
+        self.graphs: dict[tuple[int, int], _Captured] = {}
+        self.pool = None
+        self.emulate = emulate
+        if emulate:
+            self.graphs = {b: None for b in self.buckets}
+
+    # ---------------------------------------------------------------------------------------------- capture
+
+    def meta(self, n: int, w: int) -> AttentionMetadata:
+        """Metadata over the static buffers for bucket (n, w); host lengths are capacities (launch shapes)."""
+        t = n * w
+        return AttentionMetadata(
+            positions=self.positions[:t], slot_mapping=self.slot_mapping[:t],
+            query_start_loc=self.query_start_loc[:n + 1], seq_lens=self.seq_lens[:n],
+            block_tables=self.block_tables[:n], block_size=self.block_size,
+            tree_mask=self.tree_masks[w][:t] if w > 1 else None,
+            query_lens_host=[w] * n, seq_lens_host=[self.max_model_len + w] * n)
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        """Captures every bucket, largest first (they share one memory pool)."""
+        t0 = time.perf_counter()
+        for n, w in tqdm(sorted(self.buckets, key=lambda b: -b[0] * b[1]), desc="capturing CUDA graphs",
+                         unit="graph", disable=None, leave=False):
+            self._fill_padding(0, n, w)
+            meta = self.meta(n, w)
+            ids = self.input_ids[:n * w]
+            self.model(ids, meta, self.kv_caches, capture_layer_ids=self.capture_layer_ids)  # warm-up, eager
+            torch.cuda.synchronize(self.device)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self.pool):
+                hidden, captured = self.model(ids, self.meta(n, w), self.kv_caches,
+                                              capture_layer_ids=self.capture_layer_ids)
+            self.pool = graph.pool()
+            self.graphs[n, w] = _Captured(graph, hidden, captured)
+        torch.cuda.synchronize(self.device)
+        logger.info("captured %d CUDA graphs (batch sizes %s, verify widths %s) in %.1f s", len(self.graphs),
+                    self.batch_sizes, self.widths, time.perf_counter() - t0)
+
+    # ----------------------------------------------------------------------------------------------- replay
+
+    def bucket(self, num_seqs: int, width: int) -> tuple[int, int] | None:
+        n, w = bucket_of(tuple(self.batch_sizes), num_seqs), bucket_of(tuple(self.widths), width)
+        return (n, w) if n is not None and w is not None and (n, w) in self.graphs else None
+
+    def run(self, input_ids: torch.Tensor, meta: AttentionMetadata, num_seqs: int, width: int
+            ) -> tuple[torch.Tensor, list[torch.Tensor]] | None:
+        """Replays the bucket for a step of num_seqs requests x width rows (inputs laid out request-major, as
+        engine.inputs builds them); returns the first num_seqs * width rows of hidden and captured layers, or
+        None when no bucket fits."""
+        key = self.bucket(num_seqs, width)
+        if key is None:
+            return None
+        n, w = key
+        rows = torch.arange(num_seqs, device=self.device)[:, None] * w + torch.arange(width, device=self.device)
+        rows = rows.reshape(-1)  # where the step's rows go in the padded layout
+        self._fill_padding(num_seqs, n, w, width)
+        self.input_ids.index_copy_(0, rows, input_ids)
+        self.positions.index_copy_(0, rows, meta.positions)
+        self.slot_mapping.index_copy_(0, rows, meta.slot_mapping)
+        self.query_start_loc[:num_seqs + 1].copy_(torch.arange(num_seqs + 1, device=self.device) * w)
+        self.seq_lens[:num_seqs].copy_(meta.seq_lens + (w - width))
+        self.block_tables[:num_seqs].zero_()
+        self.block_tables[:num_seqs, :meta.block_tables.shape[1]].copy_(meta.block_tables)
+        if w > 1:
+            mask = self.tree_masks[w]
+            mask[:num_seqs * w].copy_(self._padded_mask(meta, num_seqs, width, w))
+        if self.emulate:
+            meta = self.meta(n, w)
+            meta.query_lens_host = [w] * n  # the CPU reference reads host lengths: the real ones
+            meta.seq_lens_host = self.seq_lens[:n].tolist()
+            hidden, layers = self.model(self.input_ids[:n * w], meta, self.kv_caches,
+                                        capture_layer_ids=self.capture_layer_ids)
+            return hidden.index_select(0, rows), [c.index_select(0, rows) for c in layers]
+        captured = self.graphs[key]
+        captured.graph.replay()
+        return captured.hidden.index_select(0, rows), [c.index_select(0, rows) for c in captured.captured]
+
+    def _padded_mask(self, meta: AttentionMetadata, num_seqs: int, width: int, w: int) -> torch.Tensor:
+        """The step's [num_seqs * width, width] visibility in the bucket's [num_seqs * w, w] layout: each request's
+        extra rows see only themselves."""
+        out = torch.eye(w, dtype=torch.bool, device=self.device).repeat(num_seqs, 1, 1)  # [N, w, w]
+        if meta.tree_mask is not None:
+            out[:, :width, :width] = meta.tree_mask[:, :width].reshape(num_seqs, width, width)
+        elif width == 1:
+            out[:, 0, 0] = True
+        return out.reshape(num_seqs * w, w)
+
+    def _fill_padding(self, first: int, n: int, w: int, width: int | None = None) -> None:
+        """Padding: requests first..n-1 become w-row sequences over the scratch blocks, and each real request's
+        rows width..w-1 write into scratch slots (never into a request's blocks)."""
+        scratch = torch.tensor(self.scratch_blocks, dtype=torch.int32, device=self.device)
+        slots = scratch.long()[:, None] * self.block_size + torch.arange(self.block_size, device=self.device)
+        slots = slots.reshape(-1)[:w]  # one scratch slot per row position
+        if width is not None and width < w and first > 0:
+            extra = (torch.arange(first, device=self.device)[:, None] * w
+                     + torch.arange(width, w, device=self.device)).reshape(-1)
+            self.slot_mapping.index_copy_(0, extra, slots[width:w].repeat(first))
+            self.positions.index_fill_(0, extra, 0)
+            self.input_ids.index_fill_(0, extra, 0)
+        if first < n:
+            self.input_ids[first * w:n * w].zero_()
+            self.positions[first * w:n * w].copy_(torch.arange(w, device=self.device).repeat(n - first))
+            self.slot_mapping[first * w:n * w].copy_(slots.repeat(n - first))
+            self.query_start_loc[first:n + 1].copy_(torch.arange(first, n + 1, device=self.device) * w)
+            self.seq_lens[first:n].fill_(w)
+            self.block_tables[first:n].zero_()
+            self.block_tables[first:n, :len(self.scratch_blocks)].copy_(scratch)
+            if w > 1:
+                causal = torch.ones(w, w, dtype=torch.bool, device=self.device).tril()
+                self.tree_masks[w][first * w:n * w].copy_(causal.repeat(n - first, 1))
+
+
+def supports_graphs(model) -> str | None:
+    """None when the model's forward can be captured, else why not."""
+    if any(hasattr(m, "experts") for m in model.modules()):
+        return "MoE routing synchronizes with the host"
+    return None

@@ -1,0 +1,87 @@
+"""CUDA-graph layout on the CPU: graphs are bypassed cleanly on a CPU engine; with the padded graph layout
+emulated (the same static buffers, scratch blocks and padding rows, run eagerly instead of replayed), greedy
+output equals eager plain decoding for plain decoding and DDTree at batch 1, 3 and 17 (odd sizes pad to a
+bucket) and at tree widths that pad to a bucket, and no padding row is ever accepted. The GPU tests replay real
+graphs (tests/ext/test_engine_gpu.py)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine import LLM, SamplingParams
+from engine.speculative.oracle import OracleDrafter
+from tests.speculative.test_ddtree_e2e import golden_lookup
+
+MAX_TOKENS = 24
+
+
+def prompts(n: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(n)
+    return [torch.randint(0, 1000, (int(torch.randint(3, 30, (1,), generator=g)),), generator=g).tolist()
+            for _ in range(n)]
+
+
+def greedy(llm, ps) -> list[list[int]]:
+    sp = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
+    return [o.token_ids for o in llm.generate(ps, sp)]
+
+
+def graph_modes(llm, ps) -> tuple[list[list[int]], set[str]]:
+    core, modes, out = llm.engine, set(), {}
+    sp = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
+    ids = [core.add_request(p, sp) for p in ps]
+    out = {rid: [] for rid in ids}
+    while core.has_unfinished():
+        for d in core.step():
+            out[d.request_id].extend(d.new_token_ids)
+        if core.last_stats is not None:
+            modes.add(core.last_stats.cuda_graph)
+    return [out[rid] for rid in ids], modes
+
+
+def test_graphs_are_bypassed_on_cpu(tiny_checkpoints):
+    folder, _ = tiny_checkpoints("llama")
+    llm = LLM(folder, dtype="fp32")
+    assert llm.engine.runner.graphs is None and llm.engine._graph_blocker() == "not a CUDA device"
+    _, modes = graph_modes(llm, prompts(2))
+    assert modes == {""}
+
+
+@pytest.mark.parametrize("batch", [1, 3, 17])
+def test_emulated_graph_layout_equals_eager_plain_decoding(tiny_checkpoints, batch):
+    folder, _ = tiny_checkpoints("qwen3")
+    ps = prompts(batch)
+    ref = greedy(LLM(folder, dtype="fp32"), ps)
+    llm = LLM(folder, dtype="fp32", max_num_seqs=32)
+    llm.engine.enable_graphs(emulate=True)
+    out, modes = graph_modes(llm, ps)
+    assert out == ref
+    assert "replay" in modes  # decode steps went through the padded layout (prefill steps stay eager)
+
+
+@pytest.mark.parametrize("batch", [1, 3, 17])
+@pytest.mark.parametrize("budget", [1, 3, 16])  # widths 2, 4 (padded to 5) and 17
+def test_emulated_graph_layout_equals_eager_for_ddtree(tiny_checkpoints, batch, budget, monkeypatch):
+    from engine.speculative import speculator
+
+    folder, _ = tiny_checkpoints("llama")
+    ps = prompts(batch)
+    ref = greedy(LLM(folder, dtype="fp32"), ps)
+    oracle = OracleDrafter(golden_lookup([(p + r, len(p)) for p, r in zip(ps, ref)]), 1000, horizon=7,
+                           noise=0.3, noise_rank=2, seed=1)
+    llm = LLM(folder, dtype="fp32", drafter=oracle, spec_budget=budget, adaptive=False, max_num_seqs=32)
+    llm.engine.enable_graphs(emulate=True)
+    walks = []
+    walk = speculator.Speculator.walk
+
+    def spy(tree_batch, targets):
+        result = walk(tree_batch, targets)
+        walks.append((torch.tensor(tree_batch.budgets), result.accepted_nodes.clone()))
+        return result
+
+    monkeypatch.setattr(speculator.Speculator, "walk", staticmethod(spy))
+    out, modes = graph_modes(llm, ps)
+    assert out == ref and "replay" in modes
+    for budgets, nodes in walks:
+        assert bool((nodes <= budgets[:, None]).all())  # padding rows (past each budget) never accepted
+    assert any(bool((nodes[:, 1:] > 0).any()) for _, nodes in walks)

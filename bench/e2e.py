@@ -1,0 +1,149 @@
+"""End-to-end decode speed on one device, everything measured in the same run: our plain decoding, DFlash-style
+chain verification (the drafter's top-1 path, B = depth) and DDTree (oracle drafter at a controlled acceptance),
+at several batch sizes, beside transformers' static-cache `generate` (compiled by transformers) on a model of the
+same shapes, and the weight-read floor (weight bytes over the device-to-device copy bandwidth measured here).
+Prints one JSON line per run; not a test.
+
+    python bench/e2e.py --model SmolLM2.gguf --batch 1 8 32 64
+    python bench/e2e.py --qwen3-8b --batch 1 16          # Qwen3-8B shape, dummy bf16 weights
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import torch  # noqa: E402
+
+from bench.gpu_serving import QWEN3_8B  # noqa: E402
+from engine import LLM, SamplingParams  # noqa: E402
+from engine.speculative.oracle import OracleDrafter  # noqa: E402
+
+
+def emit(**record) -> None:
+    print(json.dumps(record), flush=True)
+
+
+def copy_bandwidth(device: str) -> float:
+    """Bytes read + written per second of a large device-to-device copy."""
+    x = torch.empty(1 << 30, dtype=torch.uint8, device=device)
+    y = torch.empty_like(x)
+    for _ in range(3):
+        y.copy_(x)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(10):
+        y.copy_(x)
+    torch.cuda.synchronize()
+    return 2 * x.numel() * 10 / (time.perf_counter() - t0)
+
+
+def weight_bytes(model) -> int:
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+def prompts(vocab: int, batch: int, length: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(0)
+    return [torch.randint(0, vocab, (length,), generator=g).tolist() for _ in range(batch)]
+
+
+def timed(llm: LLM, ps: list[list[int]], new_tokens: int) -> tuple[float, list]:
+    sp = SamplingParams(max_tokens=new_tokens, temperature=0, ignore_eos=True)
+    llm.generate([ps[0]], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))  # warm-up
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    outs = llm.generate(ps, sp)
+    torch.cuda.synchronize()
+    return time.perf_counter() - t0, outs
+
+
+def run_ours(args, model_path: str, load_format: str) -> None:
+    common = dict(device=args.device, load_format=load_format, max_num_seqs=max(args.batch),
+                  max_num_batched_tokens=max(2048, max(args.batch) * (args.budget + 1)), max_model_len=4096)
+    plain = LLM(model_path, **common)
+    vocab = plain.engine.vocab_size
+    floor_s = weight_bytes(plain.engine.model) / copy_bandwidth(args.device)
+    emit(bench="floor", weight_gb=round(weight_bytes(plain.engine.model) / 1e9, 3), floor_ms=round(floor_s * 1e3, 3),
+         floor_tok_s_batch1=round(1 / floor_s, 1))
+    golden = {}
+    for batch in args.batch:
+        ps = prompts(vocab, batch, args.prompt_len)
+        elapsed, outs = timed(plain, ps, args.new_tokens)
+        tokens = sum(len(o.token_ids) for o in outs)
+        emit(bench="ours", mode="plain", batch=batch, tok_s=round(tokens / elapsed, 1),
+             ms_per_step=round(elapsed / args.new_tokens * 1e3, 3))
+        golden.update({tuple(p): p + o.token_ids for p, o in zip(ps, outs)})
+    del plain
+    oracle = OracleDrafter(lambda r: golden.get(tuple(r.token_ids[:args.prompt_len])), vocab, horizon=args.depth)
+    for mode, kwargs in (("chain", dict(chain=True)), ("ddtree", dict(spec_budget=args.budget))):
+        llm = LLM(model_path, drafter=oracle, **kwargs, **common)
+        for batch in args.batch:
+            ps = prompts(vocab, batch, args.prompt_len)
+            elapsed, outs = timed(llm, ps, args.new_tokens)
+            tokens = sum(len(o.token_ids) for o in outs)
+            spec = outs[0].stats.get("spec", {})
+            emit(bench="ours", mode=mode, batch=batch, tok_s=round(tokens / elapsed, 1),
+                 tau=round(spec.get("mean_accept_length", 1.0), 2), steps=spec.get("steps"))
+        del llm
+
+
+def run_transformers(args, hf_source) -> None:
+    """transformers' generate with its static cache (it compiles the forward itself), greedy."""
+    import transformers
+
+    with torch.device(args.device):
+        model = hf_source().eval()
+    for batch in args.batch:
+        ids = torch.tensor(prompts(model.config.vocab_size, batch, args.prompt_len), device=args.device)
+        kwargs = dict(max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens, do_sample=False,
+                      cache_implementation="static", pad_token_id=0)
+        with torch.no_grad():
+            model.generate(ids, **kwargs)  # compile + warm-up
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            model.generate(ids, **kwargs)
+            torch.cuda.synchronize()
+        elapsed = time.perf_counter() - t0
+        emit(bench="transformers", mode="static-cache generate", batch=batch,
+             tok_s=round(batch * args.new_tokens / elapsed, 1), version=transformers.__version__)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default=None, help="HF folder or GGUF (ours and transformers)")
+    p.add_argument("--qwen3-8b", action="store_true", help="a Qwen3-8B-shaped model with dummy bf16 weights")
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--batch", type=int, nargs="+", default=[1, 8, 32, 64])
+    p.add_argument("--prompt-len", type=int, default=512)
+    p.add_argument("--new-tokens", type=int, default=128)
+    p.add_argument("--budget", type=int, default=16)
+    p.add_argument("--depth", type=int, default=7, help="oracle horizon (tau = depth + 1 when all accepted)")
+    p.add_argument("--skip-transformers", action="store_true")
+    args = p.parse_args()
+    import transformers
+
+    if args.qwen3_8b:
+        folder = tempfile.mkdtemp(prefix="qwen3-8b-shape-")
+        with open(os.path.join(folder, "config.json"), "w") as f:
+            json.dump(QWEN3_8B, f)
+        run_ours(args, folder, "dummy")
+        config = transformers.Qwen3Config(**{k: v for k, v in QWEN3_8B.items() if k not in ("architectures",)})
+        hf_source = lambda: transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)  # noqa: E731
+    else:
+        run_ours(args, args.model, "auto")
+        folder, name = os.path.split(args.model)
+        hf_source = lambda: transformers.AutoModelForCausalLM.from_pretrained(  # noqa: E731
+            folder, gguf_file=name, dtype=torch.bfloat16)
+    if not args.skip_transformers:
+        torch.cuda.empty_cache()
+        run_transformers(args, hf_source)
+
+
+if __name__ == "__main__":
+    main()

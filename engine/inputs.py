@@ -9,6 +9,7 @@ import torch
 
 from engine.plan import ScheduledSeq
 from engine.speculative.speculator import Speculator, TreeBatch
+from engine.staging import Staging
 from ext.metadata import AttentionMetadata
 
 
@@ -26,7 +27,8 @@ def slot_of(block_ids: list[int], block_size: int, index: int) -> int:
 
 
 def prepare_inputs(plain: list[ScheduledSeq], batch: TreeBatch | None, block_size: int,
-                   device: torch.device) -> StepInputs:
+                   device: torch.device, stage: Staging | None = None) -> StepInputs:
+    stage = stage or Staging(device)
     ids, positions, slots, offsets = [], [], [], []  # offsets: row index inside its sequence (causal mask)
     query_lens, seq_lens, tables, rows = [], [], [], []
     for s in plain:
@@ -53,27 +55,25 @@ def prepare_inputs(plain: list[ScheduledSeq], batch: TreeBatch | None, block_siz
             query_lens.append(width)
             seq_lens.append(start + width)
             tables.append(req.block_ids)
-        starts_t = torch.tensor(starts, dtype=torch.int64).to(device, non_blocking=True)
-        tree_ids, tree_pos, tree_vis = Speculator.verify_rows(batch, starts_t)
-        tree_slots = torch.tensor(tree_slot_list, dtype=torch.int64).to(device, non_blocking=True)
-        tree_slots = tree_slots.view(batch.num_requests, width)
-    input_ids = _concat(ids, tree_ids, device)
+        tree_ids, tree_pos, tree_vis = Speculator.verify_rows(batch, stage(starts))
+        tree_slots = stage(tree_slot_list).view(batch.num_requests, width)
+    input_ids = _concat(stage(ids), tree_ids)
     meta = AttentionMetadata(
-        positions=_concat(positions, tree_pos, device),
-        slot_mapping=_concat(slots, tree_slots.reshape(-1) if tree_slots is not None else None, device),
-        query_start_loc=torch.tensor(_cumulative(query_lens), dtype=torch.int32).to(device, non_blocking=True),
-        seq_lens=torch.tensor(seq_lens, dtype=torch.int32).to(device, non_blocking=True),
-        block_tables=_block_table(tables).to(device, non_blocking=True),
+        positions=_concat(stage(positions), tree_pos),
+        slot_mapping=_concat(stage(slots), tree_slots.reshape(-1) if tree_slots is not None else None),
+        query_start_loc=stage(_cumulative(query_lens), torch.int32),
+        seq_lens=stage(seq_lens, torch.int32),
+        block_tables=stage(_block_table(tables), torch.int32),
         block_size=block_size,
-        tree_mask=_tree_mask(offsets, tree_vis, max(query_lens, default=1), device),
+        tree_mask=_tree_mask(stage(offsets) if tree_vis is not None else None, tree_vis,
+                             max(query_lens, default=1), device),
         query_lens_host=query_lens,
         seq_lens_host=seq_lens,
     )
     return StepInputs(input_ids, meta, rows, tree_row0, tree_slots)
 
 
-def _concat(host: list[int], tail: torch.Tensor | None, device) -> torch.Tensor:
-    head = torch.tensor(host, dtype=torch.int64).to(device, non_blocking=True)
+def _concat(head: torch.Tensor, tail: torch.Tensor | None) -> torch.Tensor:
     return head if tail is None else torch.cat([head, tail])
 
 
@@ -93,13 +93,15 @@ def _block_table(tables: list[list[int]]) -> torch.Tensor:
     return table
 
 
-def _tree_mask(offsets: list[int], tree_vis: torch.Tensor | None, max_q: int, device) -> torch.Tensor | None:
-    """[num_tokens, max_q] bool visibility among each sequence's new tokens: causal for the plain rows, the
-    trees' ancestor-or-self visibility for the verify rows; None (all causal) when there is no tree."""
+def _tree_mask(offsets: torch.Tensor | None, tree_vis: torch.Tensor | None, max_q: int, device
+               ) -> torch.Tensor | None:
+    """[num_tokens, max_q] bool visibility among each sequence's new tokens: causal for the plain rows (offsets:
+    each row's index inside its sequence), the trees' ancestor-or-self visibility for the verify rows; None (all
+    causal) when there is no tree."""
     if tree_vis is None:
         return None
     cols = torch.arange(max_q, device=device)
-    plain = cols[None, :] <= torch.tensor(offsets, dtype=torch.int64).to(device, non_blocking=True)[:, None]
+    plain = cols[None, :] <= offsets[:, None]
     tree = torch.zeros(tree_vis.shape[0], max_q, dtype=torch.bool, device=device)
     tree[:, :tree_vis.shape[1]] = tree_vis
     return torch.cat([plain, tree])

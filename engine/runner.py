@@ -13,6 +13,7 @@ from engine.inputs import StepInputs, prepare_inputs
 from engine.plan import ScheduledSeq, StepPlan, StepResult
 from engine.sampler import SampleOutput, Sampler, SamplingBatch
 from engine.speculative.speculator import Speculator, TreeBatch, Walk
+from engine.staging import Staging
 
 
 class ModelRunner:
@@ -23,6 +24,10 @@ class ModelRunner:
         self.sampler = sampler if sampler is not None else Sampler(model.vocab_size, device)
         self.speculator = speculator
         self.graphs = None  # engine.cuda_graphs.CudaGraphs once captured (CUDA, not --enforce-eager)
+        self.staging = Staging(device)  # pinned host buffers for the step's metadata (reset every step)
+        self.sampler.stage = self.staging
+        if speculator is not None:
+            speculator.stage = self.staging
         self.uniform_trees = False  # with graphs: a tree step lays out every decoding request as a tree
         self.kv_caches = [
             torch.zeros(model.kv_cache_shape(i, num_blocks, block_size), dtype=dtype, device=device)
@@ -52,6 +57,7 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> StepResult:
+        self.staging.reset()  # the previous step's results came back: its host-to-device copies are done
         spec = self.speculator
         is_tree = [spec is not None and s.spec_budget > 0 for s in plan.seqs]
         if self.uniform_trees and any(is_tree) and all(_decoding(s) for s in plan.seqs):
@@ -65,7 +71,7 @@ class ModelRunner:
 
     def _run(self, plain: list[ScheduledSeq], batch: TreeBatch | None) -> StepResult:
         t1 = time.perf_counter()
-        inputs = prepare_inputs(plain, batch, self.block_size, self.device)
+        inputs = prepare_inputs(plain, batch, self.block_size, self.device, self.staging)
         hidden, captured, graph_mode = self._forward(plain, batch, inputs)
         features = torch.cat(captured, dim=-1) if captured else None  # [num_tokens, num_layers * hidden]
         t2 = time.perf_counter()
@@ -109,7 +115,7 @@ class ModelRunner:
     def _sample(self, hidden: torch.Tensor, inputs: StepInputs, sampling: list, batch: TreeBatch | None
                 ) -> tuple[SampleOutput, Walk | None]:
         """Logits of every sampled row -> tokens (and, for the trees, the walk and the KV compaction)."""
-        rows = torch.tensor([r for _, r in sampling], dtype=torch.int64).to(self.device, non_blocking=True)
+        rows = self.staging([r for _, r in sampling])
         requests, num_rows = [req for req, _ in sampling], [1] * len(sampling)
         depths = tree_tokens = tree_vis = None
         if batch is not None:

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.request import Request
+from engine.staging import Staging
 from ext import ops
 
 _GOLDEN = 0x9E3779B97F4A7C15 - (1 << 64)  # splitmix64 constants as signed int64 (torch wraps on overflow)
@@ -104,6 +105,7 @@ class Sampler:
     def __init__(self, vocab_size: int, device, fault_seed: int | None = None):
         self.vocab_size, self.device, self.fault_seed = vocab_size, torch.device(device), fault_seed
         self._penalties: dict[str, _PenaltyState] = {}
+        self.stage = Staging(device)  # the runner shares its own (reset every step)
 
     def release(self, request_id: str) -> None:
         self._penalties.pop(request_id, None)
@@ -129,7 +131,7 @@ class Sampler:
     # ------------------------------------------------------------------------------------------- steps
 
     def _tensor(self, values, dtype=torch.int64) -> torch.Tensor:
-        return torch.tensor(values, dtype=dtype).to(self.device, non_blocking=True)
+        return self.stage(values, dtype)
 
     def _row_depths(self, batch: SamplingBatch, index: torch.Tensor) -> torch.Tensor:
         if batch.depths is None:

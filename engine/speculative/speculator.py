@@ -21,6 +21,7 @@ from engine.plan import ScheduledSeq
 from engine.speculative import verify
 from engine.speculative.drafter import DraftRequest
 from engine.speculative.tree import DraftTree
+from engine.staging import Staging
 from ext import ops
 
 
@@ -58,6 +59,7 @@ class Speculator:
     def __init__(self, drafter, max_budget: int, chain: bool = False, device: torch.device | str = "cpu"):
         self.drafter, self.max_budget, self.chain = drafter, max_budget, chain
         self.device = torch.device(device)  # the target's: trees live where the verify rows are
+        self.stage = Staging(device)  # the runner shares its own (reset every step)
         self.pending_hidden: dict[str, list[torch.Tensor]] = {}  # request -> feature rows not yet drafted on
 
     @property
@@ -98,13 +100,12 @@ class Speculator:
         t1 = time.perf_counter()
         device = self.device
         logprobs, token_ids = logprobs.to(device, non_blocking=True), token_ids.to(device, non_blocking=True)
-        roots = torch.tensor([s.request.all_token_ids[-1] for s in seqs], dtype=torch.int64).to(device,
-                                                                                               non_blocking=True)
+        roots = self.stage([s.request.all_token_ids[-1] for s in seqs])
         # built at the full budget (its node probabilities tell the adaptive budget what a bigger tree would
         # bring), then cut to each request's budget: best-first trees nest, so the cut is the smaller tree
         full = torch.full((len(seqs),), self.max_budget, dtype=torch.int64, device=device)
         tree = DraftTree.from_topk(logprobs, token_ids, roots, full, self.max_budget)
-        budget_t = torch.tensor(budgets, dtype=torch.int64).to(device, non_blocking=True)
+        budget_t = self.stage(budgets)
         curve = tree.acceptance_curve()
         tree = tree.truncated(budget_t, max(budgets) + 1)
         return TreeBatch(seqs, tree, budgets, curve, draft_s=t1 - t0, tree_build_s=time.perf_counter() - t1)

@@ -1,0 +1,41 @@
+"""Host-to-device staging of a step's small metadata (token ids, positions, slots, lengths, sampling
+parameters): on CUDA each array is written into a pinned host buffer and copied with a non-blocking copy, so
+the host never waits on the device to hand over a step's inputs.
+
+Invariant: a region of the pinned buffer is reused only in a later step, after that step's device-to-host copy
+of its results has synchronized (so every earlier host-to-device copy has completed): `reset()` is called at the
+start of each step by the runner, never inside one.
+"""
+from __future__ import annotations
+
+import torch
+
+
+class Staging:
+    def __init__(self, device, capacity: int = 1 << 16):
+        self.device = torch.device(device)
+        self.pinned = self.device.type == "cuda"
+        self._buffers: dict[torch.dtype, torch.Tensor] = {}
+        self._offsets: dict[torch.dtype, int] = {}
+        self._capacity = capacity
+
+    def reset(self) -> None:
+        self._offsets = {}
+
+    def __call__(self, values, dtype: torch.dtype = torch.int64) -> torch.Tensor:
+        """A device tensor holding `values` (a list, or a host tensor)."""
+        host = values if isinstance(values, torch.Tensor) else torch.tensor(values, dtype=dtype)
+        host = host.to(dtype)
+        if not self.pinned:
+            return host
+        n = host.numel()
+        buffer, offset = self._buffers.get(dtype), self._offsets.get(dtype, 0)
+        if buffer is None or offset + n > buffer.numel():
+            # a fresh buffer (regions of the old one may still be in flight this step: it is not reused)
+            size = max(self._capacity, 2 * (offset + n), buffer.numel() * 2 if buffer is not None else 0)
+            buffer = self._buffers[dtype] = torch.empty(size, dtype=dtype, pin_memory=True)
+            offset = 0
+        region = buffer[offset:offset + n]
+        region.copy_(host.reshape(-1))
+        self._offsets[dtype] = offset + n
+        return region.view(host.shape).to(self.device, non_blocking=True)

@@ -132,11 +132,12 @@ def run_engine(config: EngineConfig, inbox, outbox, log_level: int | str | None 
         from engine.core import EngineCore
 
         core = EngineCore(config)
+        extras = ready_extras(core)
     except Exception as e:  # the one-line reason for /health and the exit message; the traceback for the log
         outbox.put(failure("", e))
         return
     outbox.put(Ready(core.vocab_size, core.max_model_len, core.eos_token_ids, core.blocks.num_blocks,
-                     config.block_size, **ready_extras(core)))
+                     config.block_size, **extras))
     status = 0
     try:
         serve_core(core, inbox, outbox, parent)
@@ -169,6 +170,12 @@ def quick_exit(outbox, status: int) -> None:
 
 
 def ready_extras(core) -> dict:
-    """Optional Ready fields the core may provide (sampling defaults from generation_config.json)."""
+    """Optional Ready fields the core may provide: sampling defaults from generation_config.json, and its
+    tokenizer exported for the HTTP process (engine/tokenizer_export.py)."""
+    from engine.tokenizer_export import export_tokenizer
+
     defaults = getattr(core, "default_sampling", None)
-    return {"default_sampling": dict(defaults)} if isinstance(defaults, dict) else {}
+    extras = {"default_sampling": dict(defaults)} if isinstance(defaults, dict) else {}
+    loaded = getattr(core, "loaded", None)
+    extras["tokenizer_dir"] = export_tokenizer(getattr(core, "tokenizer", None), getattr(loaded, "path", None))
+    return extras

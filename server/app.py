@@ -3,7 +3,8 @@
 Owns the HTTP surface: the lifespan (engine process up at startup, down at shutdown), the routes, auth,
 the request-body cap, the race of each generation request against the client's `http.disconnect`, the
 error envelope for every failure (validation errors are 400s, never 422s; no route returns a bare 500
-page), and per-status HTTP metrics. Generation lives in server/routes_openai.py on server/serving.py.
+page), per-status HTTP metrics of the API routes (not of the /health and /metrics probes), and /openapi.json
+(server/openapi.py). Generation: server/chat.py and server/completions.py on server/generation.py.
 
 Public without a key: /health and /metrics (orchestrators and Prometheus). With --api-key everything
 else needs "Authorization: Bearer <key>".
@@ -26,17 +27,24 @@ from starlette.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from engine.config import EngineConfig
+from server.chat import create_chat_completion
+from server.completions import create_completion
 from server.config import ServerConfig
 from server.engine_client import EngineInternalError, ServiceUnavailableError
-from server.protocol import (DetokenizeRequest, DetokenizeResponse, ErrorResponse, ModelCard, ModelList,
-                             TokenizeRequest, TokenizeResponse, error_response)
-from server.routes_openai import create_chat_completion, create_completion
-from server.serving import ApiError, ServerState, json_response, parse_request
-from server.tokenization import encode_prompt, render_chat
+from server.errors import ApiError, ErrorResponse, error_response
+from server.generation import json_response
+from server.openapi import body, install_openapi, path_param, replies
+from server.requests import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest,
+                             parse_request)
+from server.responses import (ChatCompletion, Completion, DetokenizeResponse, ModelCard, ModelList,
+                              TokenizeResponse)
+from server.state import ServerState
+from server.tokenizer import encode_prompt, render_chat
 
 logger = logging.getLogger("ddtree.server")
 
 CLIENT_CLOSED = 499  # nginx's "client closed request": what the metrics see for a request whose client left
+PROBES = ("/health", "/metrics")  # not counted in http_requests_total (vLLM's instrumentator excludes them too)
 DISCARD_LIMIT = 64 << 20  # an oversized body is read (and dropped) up to this, so the client sees the 413
 
 
@@ -47,8 +55,8 @@ def error_json(error: ErrorResponse) -> JSONResponse:
 # ----------------------------------------------------------------------------------------- plumbing
 
 class HTTPMetricsMiddleware:
-    """Counts every response by status, and turns an exception that escaped a route into a 500 envelope
-    (pure ASGI, so streaming and disconnect detection pass through untouched)."""
+    """Counts every response but the probes' by status, and turns an exception that escaped a route into a 500
+    envelope (pure ASGI, so streaming and disconnect detection pass through untouched)."""
 
     def __init__(self, app: ASGIApp, state: ServerState):
         self.app, self.state = app, state
@@ -73,7 +81,7 @@ class HTTPMetricsMiddleware:
                 raise  # the response has started: nothing to do but drop the connection
             await error_json(ErrorResponse.make("Internal server error.", 500))(scope, receive, send_and_note)
         finally:
-            if status is not None:
+            if status is not None and scope.get("path") not in PROBES:
                 self.state.metrics.record_http_response(status)
 
 
@@ -206,12 +214,12 @@ async def _generate(request: Request, handler: Handler) -> Response:
     return await unless_disconnected(request, handler(state, body, arrival))
 
 
-@router.post("/v1/chat/completions")
+@router.post("/v1/chat/completions", openapi_extra=body(ChatCompletionRequest), responses=replies(ChatCompletion, True))
 async def chat_completions(request: Request) -> Response:
     return await _generate(request, create_chat_completion)
 
 
-@router.post("/v1/completions")
+@router.post("/v1/completions", openapi_extra=body(CompletionRequest), responses=replies(Completion, True))
 async def completions(request: Request) -> Response:
     return await _generate(request, create_completion)
 
@@ -224,22 +232,22 @@ def _model_card(state: ServerState) -> ModelCard:
                                          "draft_model": spec.draft_model} if spec.enabled else None)
 
 
-@router.get("/v1/models")
+@router.get("/v1/models", responses=replies(ModelList))
 async def list_models(request: Request) -> Response:
     state = server_state(request)
     authorize(state, request)
     return json_response(ModelList(data=[_model_card(state)]))
 
 
-@router.get("/v1/models/{model:path}")
-async def retrieve_model(model: str, request: Request) -> Response:
+@router.get("/v1/models/{model:path}", openapi_extra=path_param("model"), responses=replies(ModelCard))
+async def retrieve_model(request: Request) -> Response:
     state = server_state(request)
     authorize(state, request)
-    state.check_model(model)
+    state.check_model(request.path_params["model"])
     return json_response(_model_card(state))
 
 
-@router.get("/health")
+@router.get("/health", responses=replies(None))
 async def health(request: Request) -> Response:
     reason = server_state(request).unavailable_reason()
     if reason is not None:
@@ -247,7 +255,8 @@ async def health(request: Request) -> Response:
     return JSONResponse({"status": "ok"})
 
 
-@router.get("/metrics")
+@router.get("/metrics", responses={200: {"description": "Prometheus text exposition",
+                                         "content": {"text/plain": {"schema": {"type": "string"}}}}})
 async def metrics(request: Request) -> Response:
     m = server_state(request).metrics
     return Response(m.render(), headers={"Content-Type": m.content_type})
@@ -262,7 +271,7 @@ async def _parse_tool_request(request: Request, model: type):
     return state, req
 
 
-@router.post("/tokenize")
+@router.post("/tokenize", openapi_extra=body(TokenizeRequest), responses=replies(TokenizeResponse))
 async def tokenize(request: Request) -> Response:
     state, req = await _parse_tool_request(request, TokenizeRequest)
     text = req.prompt
@@ -274,7 +283,7 @@ async def tokenize(request: Request) -> Response:
     return json_response(TokenizeResponse(tokens=ids, count=len(ids), max_model_len=state.info.max_model_len))
 
 
-@router.post("/detokenize")
+@router.post("/detokenize", openapi_extra=body(DetokenizeRequest), responses=replies(DetokenizeResponse))
 async def detokenize(request: Request) -> Response:
     state, req = await _parse_tool_request(request, DetokenizeRequest)
     req.check_token_ids(state.info.vocab_size)
@@ -305,9 +314,10 @@ def create_app(server_config: ServerConfig, engine_config: EngineConfig) -> Fast
         finally:
             await state.stop()
 
-    app = FastAPI(title="ddtree", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app = FastAPI(title="ddtree", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.server = state
     app.add_middleware(HTTPMetricsMiddleware, state=state)
     install_error_handlers(app)
     app.include_router(router)
+    install_openapi(app)
     return app

@@ -93,6 +93,10 @@ def serve_configs(args):
     server = build(ServerConfig, args)
     if server.api_key is None and api_key_from_env() is not None:
         server = build(ServerConfig, args, api_key=api_key_from_env())
+    if server.chat_template is not None:  # an unreadable path or a Jinja syntax error: fail before loading
+        from server.tokenizer import load_chat_template
+
+        load_chat_template(server.chat_template)
     return server, engine
 
 

@@ -28,6 +28,8 @@ class ServerConfig:
     api_key: Optional[str] = opt(None, "require 'Authorization: Bearer KEY' on /v1/*, /tokenize and /detokenize "
                                        "(default: $DDTREE_API_KEY, which keeps the key out of `ps`)")
     served_model_name: Optional[str] = opt(None, "the model id clients send (default: from MODEL)")
+    chat_template: Optional[str] = opt(None, "chat template to use instead of the model's: a file path, or the "
+                                             "Jinja template itself (as vLLM's flag)")
     max_queue_len: int = opt(1024, "engine requests in flight (running + waiting) beyond which requests get a 429")
     max_body_bytes: int = opt(4 << 20, "request bodies above this size get a 413", kind="bytes")
     drain_timeout_s: float = opt(30.0, "on SIGTERM: seconds open requests get in total before they are cut",
@@ -48,6 +50,8 @@ class ServerConfig:
             raise ValueError("api_key must not be empty")
         if self.served_model_name is not None and not self.served_model_name.strip():
             raise ValueError("served_model_name must not be empty")
+        if self.chat_template is not None and not self.chat_template.strip():
+            raise ValueError("chat_template must not be empty")
 
     def model_name(self, model_path: Optional[str]) -> str:
         """The id clients send as `model`: the flag, else the checkpoint's folder or file name."""

@@ -4,9 +4,8 @@ One `Metrics` object owns its own CollectorRegistry (no process-global state, so
 one process do not collide). Names follow vLLM's (prefix `ddtree:` instead of `vllm:`) so existing
 dashboards and PromQL recipes carry over; every series has a `model_name` label.
 
-Inputs are plain numbers. The engine reports a step as a `StepStats`-shaped object (this module's
-dataclass, engine.messages.StepStats, or a dict with the same keys); the front end reports a finished request
-as a `RequestStats`. PromQL recipes (tree speculation):
+Inputs are plain numbers. The engine reports a step as an engine.messages.StepStats (or a dict with the same
+keys); the front end reports each request's tokens as they arrive and a finished request as a `RequestStats`. PromQL recipes (tree speculation):
   mean accepted tokens per step = rate(spec_decode_num_accepted_tokens_total) / rate(spec_decode_num_drafts_total) + 1
   acceptance at depth d          = rate(..._per_pos_total{position="d-1"}) / rate(spec_decode_num_drafts_total)
 With a tree, draft tokens are tree nodes, so accepted / draft_tokens is far below a chain's acceptance rate
@@ -15,10 +14,12 @@ for the same quality of drafter and must not be compared across methods.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Mapping, Optional, Sequence, Union
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from engine.messages import StepStats
 
 PREFIX = "ddtree:"
 PHASES = ("schedule", "draft", "tree_build", "verify", "accept")  # pre-created; other phase names also record
@@ -33,27 +34,6 @@ STEP_TIME_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.003, 0.005, 0.0075
 ACCEPT_LENGTH_BUCKETS = tuple(float(i) for i in range(1, 17)) + (20.0, 24.0, 32.0)
 TREE_NODES_BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 1024)
 BATCH_SIZE_BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 1024)
-
-
-@dataclass
-class StepStats:
-    """One engine step. Field names match engine.messages.StepStats, which record_step also accepts."""
-    num_running: int = 0  # requests holding KV after the step
-    num_waiting: int = 0  # requests queued for admission (preempted ones included)
-    kv_cache_usage: float = 0.0  # fraction of KV blocks in use, 0..1
-    batch_size: int = 0  # requests that ran in the step (prefill chunks + decodes)
-    num_preemptions: int = 0  # preemptions during the step
-    timings: dict[str, float] = field(default_factory=dict)  # phase -> seconds (PHASES, plus any others)
-    # speculation: one entry per request of the step that verified a tree, in the same order
-    accept_lengths: list[int] = field(default_factory=list)  # tokens committed (accepted drafts + 1 bonus), >= 1
-    tree_nodes: list[int] = field(default_factory=list)  # draft nodes verified (the root is not a draft)
-    accepted_per_position: list[int] = field(default_factory=list)  # [d]: drafts accepted at depth d+1;
-    # derived from accept_lengths when empty
-    num_prompt_tokens: int = 0  # prompt tokens of requests whose prefill completed (prefix-cache hits included)
-    num_generation_tokens: int = 0  # output tokens committed in the step
-    prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache (requests admitted this step)
-    prefix_cache_hits: int = 0  # of those, tokens found cached
-    kernel_fallbacks: dict[str, int] = field(default_factory=dict)  # ext op -> reference calls on CUDA tensors
 
 
 @dataclass
@@ -165,11 +145,11 @@ class Metrics:
         if generation_tokens:
             self.generation_tokens.inc(generation_tokens)
 
-    def record_step(self, stats: Union[StepStats, Mapping[str, Any], Any]) -> None:
-        """Record one engine step (a StepStats, engine.messages.StepStats, or a dict of the same fields)."""
+    def record_step(self, stats: Union[StepStats, Mapping[str, Any]]) -> None:
+        """Record one engine step (an engine.messages.StepStats, or a dict of its fields). Prompt and output
+        tokens are not a step's: the front end counts them per request (record_tokens)."""
         self.set_scheduler_state(_get(stats, "num_running", 0), _get(stats, "num_waiting", 0),
                                  _get(stats, "kv_cache_usage", 0.0))
-        self.record_tokens(_get(stats, "num_prompt_tokens", 0), _get(stats, "num_generation_tokens", 0))
         batch = _get(stats, "batch_size", 0)
         if batch:
             self.batch_size.observe(batch)

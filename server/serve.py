@@ -159,9 +159,8 @@ def serve(server_config: ServerConfig, engine_config: EngineConfig) -> int:
 
 def exit_now(status: int) -> None:
     """Ends the server process once serve() returned: flushes the logs, runs multiprocessing's exit handlers
-    (the engine process is gone already), and skips the interpreter's teardown, which with torch and
-    transformers loaded takes seconds on a busy machine, seconds that an orchestrator's grace period and the
-    drain timeout would otherwise have to cover."""
+    (the engine process is gone already), and skips the interpreter's teardown, which nothing here needs and
+    which an orchestrator's grace period and the drain timeout would otherwise have to cover."""
     try:
         from multiprocessing import util
 

@@ -2,7 +2,9 @@
 
 Offline tokenizers, trained in a second on Python stdlib sources:
 `tokenizer`: byte-level BPE with a ChatML template (GPT-2/Qwen/SmolLM2 style);
-`sp_tokenizer`: Metaspace BPE with byte fallback (Llama-2/Mistral style), for leading-space and <0xNN> cases.
+`sp_tokenizer`: Metaspace BPE with byte fallback (Llama-2/Mistral style), for leading-space and <0xNN> cases;
+`server_tokenizer` / `server_sp_tokenizer`: the same as the HTTP process loads them (server/tokenizer.py);
+`smollm2_tokenizers`: the embedded model's, both ways.
 
 Live servers (real `python -m server serve` subprocesses on the embedded SmolLM2, CPU, free ports):
 `server` (n-gram speculation) and `plain_server` (no speculation, API key, admission limit), with
@@ -84,6 +86,38 @@ def tokenizer(tmp_path_factory):
 @pytest.fixture(scope="session")
 def sp_tokenizer():
     return build_sentencepiece_style_tokenizer()
+
+
+def server_tokenizer_of(hf_tokenizer, folder: str):
+    """The HTTP process's tokenizer (server/tokenizer.py) of a transformers tokenizer, through the engine's
+    export (engine/tokenizer_export.py), as a served model gets it."""
+    from engine.tokenizer_export import export_tokenizer
+    from server.tokenizer import Tokenizer
+
+    return Tokenizer(export_tokenizer(hf_tokenizer, folder, cache_root=folder))
+
+
+@pytest.fixture(scope="session")
+def server_tokenizer(tokenizer, tmp_path_factory):
+    """`tokenizer` as the server loads it."""
+    return server_tokenizer_of(tokenizer, str(tmp_path_factory.mktemp("bpe-export")))
+
+
+@pytest.fixture(scope="session")
+def server_sp_tokenizer(sp_tokenizer, tmp_path_factory):
+    """`sp_tokenizer` as the server loads it."""
+    return server_tokenizer_of(sp_tokenizer, str(tmp_path_factory.mktemp("sp-export")))
+
+
+@pytest.fixture(scope="session")
+def smollm2_tokenizers(tmp_path_factory):
+    """(transformers tokenizer, server tokenizer) of the embedded SmolLM2-135M-Instruct, loaded as the engine
+    loads it."""
+    from engine.model.embedded import embedded_model_dir
+    from engine.model.loader import load_tokenizer
+
+    hf = load_tokenizer(embedded_model_dir())
+    return hf, server_tokenizer_of(hf, str(tmp_path_factory.mktemp("smollm2-export")))
 
 
 # ------------------------------------------------------------------------------- live server fixtures

@@ -6,7 +6,8 @@ import prometheus_client
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from server.metrics import PHASES, Metrics, RequestStats, StepStats
+from engine.messages import StepStats
+from server.metrics import PHASES, Metrics, RequestStats
 
 COUNTERS = ["prompt_tokens_total", "generation_tokens_total", "request_success_total", "num_preemptions_total",
             "spec_decode_num_drafts_total", "spec_decode_num_draft_tokens_total",
@@ -36,8 +37,9 @@ def busy_metrics() -> Metrics:
     m.record_step(StepStats(num_running=3, num_waiting=2, kv_cache_usage=0.25, batch_size=3, num_preemptions=1,
                             timings={"schedule": 0.0002, "draft": 0.003, "tree_build": 0.0004, "verify": 0.008,
                                      "accept": 0.0003},
-                            accept_lengths=[3, 1, 5], tree_nodes=[16, 16, 32], num_prompt_tokens=40,
-                            num_generation_tokens=9, prefix_cache_queries=48, prefix_cache_hits=32))
+                            accept_lengths=[3, 1, 5], tree_nodes=[16, 16, 32], prefix_cache_queries=48,
+                            prefix_cache_hits=32))
+    m.record_tokens(prompt_tokens=40, generation_tokens=9)  # counted per request by the front end
     m.record_request(RequestStats("stop", queue_time=0.01, time_to_first_token=0.05, e2e_latency=1.5,
                                   token_intervals=[(0.02, 1), (0.03, 3)]))
     m.record_http_response(200)
@@ -93,7 +95,7 @@ def test_step_record_values():
     assert value(m, "step_time_seconds_count", phase="sample") == 1
     assert value(m, "spec_decode_num_accepted_tokens_per_pos_total", position=0) == 3
     with pytest.raises(ValueError):
-        m.record_step(StepStats(accept_lengths=[1, 2], tree_nodes=[4]))
+        m.record_step(StepStats(0, 0, 0.0, 0, 0, {}, accept_lengths=[1, 2], tree_nodes=[4]))
 
 
 def test_request_record_values_and_itl_spreading():
@@ -115,15 +117,16 @@ def test_request_record_values_and_itl_spreading():
 
 
 def test_accepts_the_engines_step_stats():
-    messages = pytest.importorskip("engine.messages")
+    import server.metrics
+
+    assert server.metrics.StepStats is StepStats  # one StepStats: the engine's message
     m = Metrics("m")
-    m.record_step(messages.StepStats(num_running=1, num_waiting=0, kv_cache_usage=0.5, batch_size=1,
-                                     num_preemptions=0, timings={"verify": 0.01}, accept_lengths=[4],
-                                     tree_nodes=[8]))
+    m.record_step(StepStats(num_running=1, num_waiting=0, kv_cache_usage=0.5, batch_size=1, num_preemptions=0,
+                            timings={"verify": 0.01}, accept_lengths=[4], tree_nodes=[8]))
     assert value(m, "spec_decode_num_accepted_tokens_total") == 3 and value(m, "kv_cache_usage_perc") == 0.5
-    m.record_step(messages.StepStats(num_running=1, num_waiting=0, kv_cache_usage=0.5, batch_size=1,
-                                     num_preemptions=0, timings={}, prefix_cache_queries=20, prefix_cache_hits=16,
-                                     kernel_fallbacks={"paged_attention": 30}))
+    m.record_step(StepStats(num_running=1, num_waiting=0, kv_cache_usage=0.5, batch_size=1, num_preemptions=0,
+                            timings={}, prefix_cache_queries=20, prefix_cache_hits=16,
+                            kernel_fallbacks={"paged_attention": 30}))
     assert value(m, "prefix_cache_hits_total") == 16 and value(m, "prefix_cache_queries_total") == 20
     assert value(m, "kernel_reference_fallbacks_total", op="paged_attention") == 30
 

@@ -1,5 +1,5 @@
-"""server/protocol.py: request validation (OpenAI/vLLM behaviour), the error envelope, sampling kwargs, and
-response shapes checked against the official openai SDK's own models."""
+"""server/requests.py, responses.py and errors.py: request validation (OpenAI/vLLM behaviour), the error
+envelope, sampling kwargs, and response shapes checked against the official openai SDK's own models."""
 from __future__ import annotations
 
 import json
@@ -7,26 +7,32 @@ import json
 import pytest
 from pydantic import ValidationError
 
-from server import protocol as P
+from server.errors import ErrorResponse, ProtocolError, error_response, model_not_found
+from server.requests import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, MAX_N, MAX_STOP_STRINGS,
+                             TokenizeRequest)
+from server.responses import (ChatCompletion, ChatCompletionChoice, ChatCompletionChunk, ChatCompletionDelta,
+                              ChatCompletionMessage, ChatCompletionStreamChoice, ChatCompletionTokenLogprob,
+                              ChoiceLogprobs, Completion, CompletionChoice, CompletionLogprobs, LOGPROB_FLOOR,
+                              ModelCard, ModelList, SSE_DONE, TopLogprob, Usage, finite_logprob, sse_event)
 
 MSGS = [{"role": "user", "content": "hi"}]
 
 
 def chat(**fields):
-    return P.ChatCompletionRequest.model_validate({"messages": MSGS, **fields})
+    return ChatCompletionRequest.model_validate({"messages": MSGS, **fields})
 
 
 def envelope(cls, body) -> dict:
     """Validate `body`, expect failure, return the serialised OpenAI envelope."""
     with pytest.raises(ValidationError) as info:
         cls.model_validate(body) if not isinstance(body, str) else cls.model_validate_json(body)
-    resp = P.error_response(info.value)
+    resp = error_response(info.value)
     assert resp.status_code == 400
     return json.loads(resp.model_dump_json())["error"]
 
 
 def chat_error(**fields) -> dict:
-    return envelope(P.ChatCompletionRequest, {"messages": MSGS, **fields})
+    return envelope(ChatCompletionRequest, {"messages": MSGS, **fields})
 
 
 # ------------------------------------------------------------------------------------- chat requests
@@ -82,10 +88,10 @@ def test_logprob_rules():
 
 
 RANGE_CASES = [  # (field, bad value) -> error names the field
-    ("n", 0), ("n", P.MAX_N + 1), ("temperature", -0.1), ("temperature", 2.5), ("top_p", 0), ("top_p", 1.5),
+    ("n", 0), ("n", MAX_N + 1), ("temperature", -0.1), ("temperature", 2.5), ("top_p", 0), ("top_p", 1.5),
     ("max_tokens", 0), ("max_completion_tokens", 0), ("min_p", 2), ("presence_penalty", 3),
     ("frequency_penalty", -3), ("repetition_penalty", 0), ("top_k", -2), ("seed", 2 ** 64),
-    ("stop_token_ids", [-1]), ("stop", [""]), ("stop", ["s"] * (P.MAX_STOP_STRINGS + 1)), ("min_tokens", -1),
+    ("stop_token_ids", [-1]), ("stop", [""]), ("stop", ["s"] * (MAX_STOP_STRINGS + 1)), ("min_tokens", -1),
 ]
 TYPE_CASES = [("n", "2"), ("n", 1.5), ("stream", "true"), ("stream", 1), ("temperature", "0.5"),
               ("temperature", True), ("max_tokens", "10"), ("stop", 5), ("seed", 1.0), ("user", 3),
@@ -117,7 +123,7 @@ def test_logit_bias_keys_must_be_token_ids():
         err = chat_error(logit_bias={key: 1})
         assert err["param"] == "logit_bias" and repr(key) in err["message"], err
     assert chat_error(logit_bias={"3": 101})["param"] == "logit_bias.3"
-    assert P.ChatCompletionRequest.model_validate({"messages": MSGS, "logit_bias": {5: 1}}).logit_bias == {"5": 1}
+    assert ChatCompletionRequest.model_validate({"messages": MSGS, "logit_bias": {5: 1}}).logit_bias == {"5": 1}
 
 
 def test_messages_validation():
@@ -173,21 +179,21 @@ def test_unknown_fields_are_accepted_and_listed():
 
 
 def test_error_envelope_shapes():
-    err = envelope(P.ChatCompletionRequest, "{not json")
+    err = envelope(ChatCompletionRequest, "{not json")
     assert set(err) == {"message", "type", "param", "code"} and err["code"] == "invalid_json"
-    assert envelope(P.ChatCompletionRequest, [1, 2])["message"] == "Request body must be a JSON object."
-    err = envelope(P.ChatCompletionRequest, {})
+    assert envelope(ChatCompletionRequest, [1, 2])["message"] == "Request body must be a JSON object."
+    err = envelope(ChatCompletionRequest, {})
     assert err == {"message": "Missing required parameter: 'messages'.", "type": "invalid_request_error",
                    "param": "messages", "code": "missing_required_parameter"}
     err = chat_error(n=0, temperature=9)  # several errors: first one's param, all in the message
     assert err["param"] == "temperature" and "'n'" in err["message"]
-    plain = P.error_response(ValueError("bad thing"))
+    plain = error_response(ValueError("bad thing"))
     assert plain.status_code == 400 and plain.error.message == "bad thing"
-    nf = P.model_not_found("gpt-9")
+    nf = model_not_found("gpt-9")
     assert nf.status_code == 404 and nf.error.param == "model" and "`gpt-9`" in nf.error.message
     assert "status_code" not in nf.model_dump()
-    assert P.ErrorResponse.make("busy", 429).error.type == "rate_limit_error"
-    assert P.error_response(P.ProtocolError("x", loc=("prompt", 2), status_code=413)).error.param == "prompt[2]"
+    assert ErrorResponse.make("busy", 429).error.type == "rate_limit_error"
+    assert error_response(ProtocolError("x", loc=("prompt", 2), status_code=413)).error.param == "prompt[2]"
 
 
 def test_fastapi_request_validation_error_becomes_400_envelope():
@@ -200,11 +206,11 @@ def test_fastapi_request_validation_error_becomes_400_envelope():
 
     @app.exception_handler(RequestValidationError)
     async def _bad_request(request, exc):
-        resp = P.error_response(exc)
+        resp = error_response(exc)
         return JSONResponse(resp.model_dump(), status_code=resp.status_code)
 
     @app.post("/v1/chat/completions")
-    async def _chat(req: P.ChatCompletionRequest):
+    async def _chat(req: ChatCompletionRequest):
         return {"n": req.n}
 
     client = TestClient(app)
@@ -220,11 +226,11 @@ def test_fastapi_request_validation_error_becomes_400_envelope():
 # -------------------------------------------------------------------------------- completion requests
 
 def completion(**fields):
-    return P.CompletionRequest.model_validate({"prompt": "x", **fields})
+    return CompletionRequest.model_validate({"prompt": "x", **fields})
 
 
 def completion_error(**fields) -> dict:
-    return envelope(P.CompletionRequest, {"prompt": "x", **fields})
+    return envelope(CompletionRequest, {"prompt": "x", **fields})
 
 
 def test_prompt_forms():
@@ -259,20 +265,20 @@ def test_check_token_ids_against_vocabulary():
     cases = [(dict(prompt=[1, 100]), "prompt[1]"), (dict(prompt=[[1], [100]]), "prompt[1]"),
              (dict(stop_token_ids=[1, 100]), "stop_token_ids[1]"), (dict(logit_bias={"100": 1}), "logit_bias")]
     for fields, param in cases:
-        with pytest.raises(P.ProtocolError) as info:
+        with pytest.raises(ProtocolError) as info:
             completion(**fields).check_token_ids(100)
-        assert P.error_response(info.value).error.param == param
-    with pytest.raises(P.ProtocolError):
-        P.DetokenizeRequest(tokens=[1, 100]).check_token_ids(100)
+        assert error_response(info.value).error.param == param
+    with pytest.raises(ProtocolError):
+        DetokenizeRequest(tokens=[1, 100]).check_token_ids(100)
 
 
 def test_tokenize_requests():
-    assert P.TokenizeRequest.model_validate({"prompt": "hi"}).use_special_tokens
-    assert not P.TokenizeRequest.model_validate({"messages": MSGS}).use_special_tokens
-    assert envelope(P.TokenizeRequest, {"prompt": "a", "messages": MSGS})["param"] == "prompt"
-    assert envelope(P.TokenizeRequest, {})["param"] == "prompt"
-    assert envelope(P.DetokenizeRequest, {"tokens": [1, -1]})["param"] == "tokens[1]"
-    assert P.DetokenizeRequest.model_validate({"tokens": [3, 4]}).tokens == [3, 4]
+    assert TokenizeRequest.model_validate({"prompt": "hi"}).use_special_tokens
+    assert not TokenizeRequest.model_validate({"messages": MSGS}).use_special_tokens
+    assert envelope(TokenizeRequest, {"prompt": "a", "messages": MSGS})["param"] == "prompt"
+    assert envelope(TokenizeRequest, {})["param"] == "prompt"
+    assert envelope(DetokenizeRequest, {"tokens": [1, -1]})["param"] == "tokens[1]"
+    assert DetokenizeRequest.model_validate({"tokens": [3, 4]}).tokens == [3, 4]
 
 
 # -------------------------------------------------------------------------------------------- responses
@@ -281,13 +287,13 @@ def test_stream_chunks_follow_openai_framing():
     from openai.types.chat import ChatCompletionChunk as SdkChunk
 
     base = dict(id="chatcmpl-1", created=1, model="m")
-    role = P.ChatCompletionChunk(**base, choices=[P.ChatCompletionStreamChoice(
-        index=0, delta=P.ChatCompletionDelta(role="assistant", content=""))])
-    content = P.ChatCompletionChunk(**base, choices=[P.ChatCompletionStreamChoice(
-        index=0, delta=P.ChatCompletionDelta(content="Hel"))])
-    finish = P.ChatCompletionChunk(**base, choices=[P.ChatCompletionStreamChoice(index=0, finish_reason="stop",
+    role = ChatCompletionChunk(**base, choices=[ChatCompletionStreamChoice(
+        index=0, delta=ChatCompletionDelta(role="assistant", content=""))])
+    content = ChatCompletionChunk(**base, choices=[ChatCompletionStreamChoice(
+        index=0, delta=ChatCompletionDelta(content="Hel"))])
+    finish = ChatCompletionChunk(**base, choices=[ChatCompletionStreamChoice(index=0, finish_reason="stop",
                                                                                  stop_reason="END")])
-    usage = P.ChatCompletionChunk(**base, usage=P.Usage.of(3, 4))
+    usage = ChatCompletionChunk(**base, usage=Usage.of(3, 4))
     dumped = [json.loads(c.model_dump_json()) for c in (role, content, finish, usage)]
     assert dumped[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
     assert dumped[1]["choices"][0]["delta"] == {"content": "Hel"}
@@ -296,9 +302,9 @@ def test_stream_chunks_follow_openai_framing():
     assert dumped[1]["choices"][0]["finish_reason"] is None and "logprobs" in dumped[1]["choices"][0]
     for d in dumped:
         SdkChunk.model_validate(d)
-    event = P.sse_event(content)
+    event = sse_event(content)
     assert event.startswith("data: {") and event.endswith("}\n\n") and "\n" not in event[:-2]
-    assert P.SSE_DONE == "data: [DONE]\n\n"
+    assert SSE_DONE == "data: [DONE]\n\n"
 
 
 def test_full_responses_parse_with_the_openai_sdk():
@@ -306,20 +312,20 @@ def test_full_responses_parse_with_the_openai_sdk():
     from openai.types import Model as SdkModel
     from openai.types.chat import ChatCompletion as SdkChat
 
-    lp = P.ChatCompletionTokenLogprob(token="Hi", logprob=-0.5, bytes=[72, 105],
-                                      top_logprobs=[P.TopLogprob(token="Hi", logprob=-0.5, bytes=[72, 105])])
-    chat_resp = P.ChatCompletion(model="m", usage=P.Usage.of(5, 1, cached_tokens=2), choices=[
-        P.ChatCompletionChoice(index=0, message=P.ChatCompletionMessage(content="Hi"), finish_reason="length",
-                               logprobs=P.ChoiceLogprobs(content=[lp]))])
+    lp = ChatCompletionTokenLogprob(token="Hi", logprob=-0.5, bytes=[72, 105],
+                                      top_logprobs=[TopLogprob(token="Hi", logprob=-0.5, bytes=[72, 105])])
+    chat_resp = ChatCompletion(model="m", usage=Usage.of(5, 1, cached_tokens=2), choices=[
+        ChatCompletionChoice(index=0, message=ChatCompletionMessage(content="Hi"), finish_reason="length",
+                               logprobs=ChoiceLogprobs(content=[lp]))])
     sdk = SdkChat.model_validate(json.loads(chat_resp.model_dump_json()))
     assert sdk.id.startswith("chatcmpl-") and sdk.choices[0].logprobs.content[0].bytes == [72, 105]
     assert sdk.usage.prompt_tokens_details.cached_tokens == 2
-    comp = P.Completion(model="m", usage=P.Usage.of(1, 2), choices=[P.CompletionChoice(
-        index=0, text="ab", finish_reason="stop", logprobs=P.CompletionLogprobs(
+    comp = Completion(model="m", usage=Usage.of(1, 2), choices=[CompletionChoice(
+        index=0, text="ab", finish_reason="stop", logprobs=CompletionLogprobs(
             tokens=["a", "b"], token_logprobs=[-1.0, -2.0], top_logprobs=[{"a": -1.0}, {"b": -2.0}],
             text_offset=[0, 1]))])
     sdk_comp = SdkCompletion.model_validate(json.loads(comp.model_dump_json()))
     assert sdk_comp.object == "text_completion" and sdk_comp.choices[0].logprobs.text_offset == [0, 1]
-    card = P.ModelCard(id="m", max_model_len=4096, speculative_config={"method": "ddtree", "budget": 32})
-    assert SdkModel.model_validate(P.ModelList(data=[card]).model_dump()["data"][0]).id == "m"
-    assert P.finite_logprob(float("-inf")) == P.LOGPROB_FLOOR
+    card = ModelCard(id="m", max_model_len=4096, speculative_config={"method": "ddtree", "budget": 32})
+    assert SdkModel.model_validate(ModelList(data=[card]).model_dump()["data"][0]).id == "m"
+    assert finite_logprob(float("-inf")) == LOGPROB_FLOOR

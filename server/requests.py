@@ -1,137 +1,34 @@
-"""OpenAI-compatible wire schema of the HTTP server.
+"""The OpenAI-compatible request models of /v1/chat/completions, /v1/completions, /tokenize and /detokenize.
 
-Owns the pydantic models of /v1/chat/completions, /v1/completions, /v1/models, /tokenize and /detokenize
-(requests, responses, stream chunks, usage, logprobs), the error envelope, and `error_response()`, which turns
-any validation failure into that envelope with the offending `param`. Requests also hand the engine plain
-sampling values through `to_sampling_kwargs()`, so the engine never imports server code.
-
-Validation policy: wrong types are errors (no "5" -> 5 coercion); a JSON null means "not given"; fields we
-know but do not implement (tools, response_format, beam search, ...) are rejected by name unless they carry
-their neutral value; truly unknown fields are accepted and listed by `ignored_fields()` for the app to log.
+Requests hand the engine plain sampling values through `to_sampling_kwargs()`, so the engine never imports server
+code. Validation policy: wrong types are errors (no "5" -> 5 coercion); a JSON null means "not given"; fields we
+know but do not implement (tools, response_format, beam search, ...) are rejected by name unless they carry their
+neutral value; truly unknown fields are accepted and listed by `ignored_fields()` for the app to log. Failures
+are ProtocolErrors (server/errors.py), which `parse_request` turns into a 400 envelope.
 """
 from __future__ import annotations
 
-import math
-import time
-import uuid
 from typing import Annotated, Any, ClassVar, Literal, Mapping, Optional, Union
 
-from pydantic import (BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, field_validator,
-                      model_serializer, model_validator)
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, field_validator, model_validator
+
+from server.errors import ApiError, ProtocolError, error_response, type_name
 
 MAX_N = 16
 MAX_TOP_LOGPROBS = 20
 MAX_STOP_STRINGS = 16
-LOGPROB_FLOOR = -9999.0  # JSON has no -inf; what a fully masked token reports instead
 
 Float = Annotated[float, Field(strict=True)]  # strict float still accepts JSON integers
 TokenId = Annotated[int, Field(strict=True, ge=0)]
 
-# --------------------------------------------------------------------------------------------- errors
 
+def parse_request(model: type, body: Any):
+    """JSON value -> request model; every failure becomes a 400 envelope (never FastAPI's 422)."""
+    try:
+        return model.model_validate(body)
+    except ValueError as e:  # pydantic's ValidationError and our ProtocolError are ValueErrors
+        raise ApiError(error_response(e)) from None
 
-class ProtocolError(ValueError):
-    """A request the server refuses. `loc` is the path of the offending field, relative to where it is
-    raised (pydantic prepends the field path when raised inside a field validator)."""
-
-    def __init__(self, message: str, *, loc: tuple = (), code: Optional[str] = "invalid_value",
-                 status_code: int = 400, type: Optional[str] = None):
-        super().__init__(message)
-        self.message, self.loc, self.code, self.status_code = message, tuple(loc), code, status_code
-        self.type = type or _type_for_status(status_code)
-
-    @property
-    def param(self) -> Optional[str]:
-        return param_path(self.loc)
-
-
-class ErrorInfo(BaseModel):
-    message: str
-    type: str
-    param: Optional[str] = None
-    code: Optional[Union[str, int]] = None
-
-
-class ErrorResponse(BaseModel):
-    error: ErrorInfo
-    status_code: int = Field(400, exclude=True)  # for the app's HTTP status; never serialised
-
-    @classmethod
-    def make(cls, message: str, status_code: int = 400, *, param: Optional[str] = None,
-             code: Optional[Union[str, int]] = None, type: Optional[str] = None) -> "ErrorResponse":
-        info = ErrorInfo(message=message, type=type or _type_for_status(status_code), param=param, code=code)
-        return cls(error=info, status_code=status_code)
-
-
-_STATUS_TYPES = {401: "authentication_error", 429: "rate_limit_error", 503: "service_unavailable_error"}
-
-
-def _type_for_status(status: int) -> str:
-    return _STATUS_TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
-
-
-def model_not_found(model: str) -> ErrorResponse:
-    return ErrorResponse.make(f"The model `{model}` does not exist.", 404, param="model", code="model_not_found")
-
-
-def param_path(loc: tuple) -> Optional[str]:
-    """('messages', 0, 'content') -> 'messages[0].content'."""
-    out = ""
-    for part in loc:
-        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
-    return out or None
-
-
-def _type_name(value: Any) -> str:
-    names = {str: "a string", bool: "a boolean", int: "an integer", float: "a number", list: "an array",
-             dict: "an object", type(None): "null"}
-    return names.get(type(value), type(value).__name__)
-
-
-def _describe(err: Mapping[str, Any]) -> tuple[str, Optional[str], Optional[str]]:
-    """One pydantic error dict -> (message, param, code)."""
-    kind, loc, msg = err.get("type", ""), tuple(err.get("loc", ())), err.get("msg", "")
-    if loc and loc[0] == "body":  # FastAPI's RequestValidationError prefixes the body location
-        loc = loc[1:]
-    cause = (err.get("ctx") or {}).get("error")
-    if isinstance(cause, ProtocolError):
-        return cause.message, param_path(loc + cause.loc), cause.code
-    if kind == "json_invalid":
-        return f"Request body is not valid JSON: {(err.get('ctx') or {}).get('error', msg)}", None, "invalid_json"
-    param = param_path(loc)
-    if not loc and kind in ("model_type", "model_attributes_type", "dict_type"):
-        return "Request body must be a JSON object.", None, "invalid_type"
-    if kind == "missing":
-        return f"Missing required parameter: '{param}'.", param, "missing_required_parameter"
-    if kind == "extra_forbidden":
-        return f"Unrecognized request argument supplied: '{param}'.", param, "unknown_parameter"
-    if kind == "literal_error":
-        return f"Invalid value for '{param}': {msg} (got {err.get('input')!r}).", param, "invalid_value"
-    if kind.endswith("_type") or kind == "is_instance_of":
-        return f"Invalid type for '{param}': {msg} (got {_type_name(err.get('input'))}).", param, "invalid_type"
-    if msg.startswith("Value error, "):
-        msg = msg[len("Value error, "):]
-    return f"Invalid value for '{param}': {msg}.", param, "invalid_value"
-
-
-def error_response(exc: BaseException) -> ErrorResponse:
-    """Any request-validation failure -> OpenAI envelope. Accepts pydantic's ValidationError, FastAPI's
-    RequestValidationError (anything with `.errors()`), a ProtocolError, or a plain ValueError (400)."""
-    if isinstance(exc, ProtocolError):
-        return ErrorResponse.make(exc.message, exc.status_code, param=exc.param, code=exc.code, type=exc.type)
-    errors = exc.errors() if callable(getattr(exc, "errors", None)) else None
-    if not errors:
-        return ErrorResponse.make(str(exc) or type(exc).__name__, 400)
-    described = [_describe(e) for e in errors]
-    message, param, code = described[0]
-    if len(described) > 1:
-        message += " Also: " + " ".join(m for m, _, _ in described[1:4])
-        if len(described) > 4:
-            message += f" (and {len(described) - 4} more)"
-    return ErrorResponse.make(message, 400, param=param, code=code)
-
-
-# ------------------------------------------------------------------------------------------- requests
 
 # Known fields we do not implement -> the value that means "feature not used" (accepted silently).
 _NO_NEUTRAL = object()
@@ -315,10 +212,10 @@ class ChatMessage(BaseModel):
             return v
         if not isinstance(v, list):
             raise ProtocolError(f"Invalid type for content: expected a string or an array of text parts (got "
-                                f"{_type_name(v)}).", code="invalid_type")
+                                f"{type_name(v)}).", code="invalid_type")
         for i, part in enumerate(v):
             if not isinstance(part, dict):
-                raise ProtocolError(f"Invalid content part: expected an object (got {_type_name(part)}).",
+                raise ProtocolError(f"Invalid content part: expected an object (got {type_name(part)}).",
                                     loc=(i,), code="invalid_type")
             if part.get("type") != "text":
                 raise ProtocolError(f"Unsupported content part type {part.get('type')!r}; only 'text' parts are "
@@ -461,162 +358,3 @@ class DetokenizeRequest(_Request):
 
     def check_token_ids(self, vocab_size: int) -> None:
         _check_ids(self.tokens, vocab_size, ("tokens",))
-
-
-# ------------------------------------------------------------------------------------------ responses
-
-FinishReason = Literal["stop", "length", "abort"]
-
-
-def random_id(prefix: str) -> str:
-    return f"{prefix}-{uuid.uuid4().hex}"
-
-
-def finite_logprob(x: float) -> float:
-    return float(x) if math.isfinite(x) else LOGPROB_FLOOR
-
-
-class PromptTokensDetails(BaseModel):
-    cached_tokens: int = 0
-
-
-class Usage(BaseModel):
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    total_tokens: int = 0
-    prompt_tokens_details: Optional[PromptTokensDetails] = None
-
-    @classmethod
-    def of(cls, prompt_tokens: int, completion_tokens: int, cached_tokens: Optional[int] = None) -> "Usage":
-        details = PromptTokensDetails(cached_tokens=cached_tokens) if cached_tokens is not None else None
-        return cls(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
-                   total_tokens=prompt_tokens + completion_tokens, prompt_tokens_details=details)
-
-
-class TopLogprob(BaseModel):
-    token: str
-    logprob: float
-    bytes: Optional[list[int]] = None
-
-
-class ChatCompletionTokenLogprob(TopLogprob):
-    top_logprobs: list[TopLogprob] = Field(default_factory=list)
-
-
-class ChoiceLogprobs(BaseModel):
-    content: Optional[list[ChatCompletionTokenLogprob]] = None
-
-
-class CompletionLogprobs(BaseModel):
-    tokens: list[str] = Field(default_factory=list)
-    token_logprobs: list[Optional[float]] = Field(default_factory=list)
-    top_logprobs: list[Optional[dict[str, float]]] = Field(default_factory=list)
-    text_offset: list[int] = Field(default_factory=list)
-
-
-class ChatCompletionMessage(BaseModel):
-    role: Literal["assistant"] = "assistant"
-    content: Optional[str] = None
-
-
-class ChatCompletionChoice(BaseModel):
-    index: int
-    message: ChatCompletionMessage
-    logprobs: Optional[ChoiceLogprobs] = None
-    finish_reason: Optional[FinishReason] = None
-    stop_reason: Optional[Union[int, str]] = None  # vLLM extension: the matched stop string or token id
-
-
-class ChatCompletion(BaseModel):
-    id: str = Field(default_factory=lambda: random_id("chatcmpl"))
-    object: Literal["chat.completion"] = "chat.completion"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    model: str
-    choices: list[ChatCompletionChoice]
-    usage: Usage
-
-
-class ChatCompletionDelta(BaseModel):
-    role: Optional[Literal["assistant"]] = None
-    content: Optional[str] = None
-
-    @model_serializer(mode="wrap")
-    def _omit_unset(self, handler: Any) -> dict[str, Any]:
-        # A delta names only what changed: {"role":"assistant","content":""}, {"content":"x"}, or {}.
-        return {k: v for k, v in handler(self).items() if v is not None}
-
-
-class ChatCompletionStreamChoice(BaseModel):
-    index: int
-    delta: ChatCompletionDelta = Field(default_factory=ChatCompletionDelta)
-    logprobs: Optional[ChoiceLogprobs] = None
-    finish_reason: Optional[FinishReason] = None
-    stop_reason: Optional[Union[int, str]] = None
-
-
-class ChatCompletionChunk(BaseModel):
-    id: str
-    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
-    created: int
-    model: str
-    choices: list[ChatCompletionStreamChoice] = Field(default_factory=list)
-    usage: Optional[Usage] = None
-
-
-class CompletionChoice(BaseModel):
-    index: int
-    text: str
-    logprobs: Optional[CompletionLogprobs] = None
-    finish_reason: Optional[FinishReason] = None
-    stop_reason: Optional[Union[int, str]] = None
-
-
-class Completion(BaseModel):
-    id: str = Field(default_factory=lambda: random_id("cmpl"))
-    object: Literal["text_completion"] = "text_completion"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    model: str
-    choices: list[CompletionChoice]
-    usage: Usage
-
-
-class CompletionChunk(BaseModel):
-    id: str
-    object: Literal["text_completion"] = "text_completion"  # OpenAI streams legacy completions under this name
-    created: int
-    model: str
-    choices: list[CompletionChoice] = Field(default_factory=list)
-    usage: Optional[Usage] = None
-
-
-class ModelCard(BaseModel):
-    id: str
-    object: Literal["model"] = "model"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    owned_by: str = "ddtree"
-    root: Optional[str] = None
-    max_model_len: Optional[int] = None
-    speculative_config: Optional[dict[str, Any]] = None
-
-
-class ModelList(BaseModel):
-    object: Literal["list"] = "list"
-    data: list[ModelCard] = Field(default_factory=list)
-
-
-class TokenizeResponse(BaseModel):
-    tokens: list[int]
-    count: int
-    max_model_len: Optional[int] = None
-
-
-class DetokenizeResponse(BaseModel):
-    prompt: str
-
-
-SSE_DONE = "data: [DONE]\n\n"
-
-
-def sse_event(payload: BaseModel) -> str:
-    """One server-sent event; a mid-stream error is sse_event(ErrorResponse) followed by SSE_DONE."""
-    return f"data: {payload.model_dump_json()}\n\n"

@@ -1,23 +1,20 @@
-"""The serving machinery under the OpenAI routes: the server state (`ServerState`, on app.state.server:
-engine client, tokenizer, metrics, readiness), `ChoiceStream` (one engine request turned into text with
-incremental UTF-8-safe detokenization and stop strings, kept token ids and logprobs, and its Prometheus
-measurements), and the request-path steps every generation route shares: parse, check the context
-(vLLM's messages), admit (429), open one ChoiceStream per choice, prime them (SGLang style: the first
-engine event is awaited before answering, so an engine refusal is still an HTTP 400), merge their outputs.
+"""The generation path that /v1/chat/completions (server/chat.py) and /v1/completions (server/completions.py)
+share, from token ids to the HTTP response: check each prompt against the context (vLLM's messages) and the
+admission limit (429), open one `ChoiceStream` per choice (one engine request each), prime them (SGLang style:
+the first engine event is awaited before answering, so an engine refusal is still an HTTP 400), then answer
+with one JSON body or an SSE stream of their merged outputs (a failure after the stream started is an error
+event followed by [DONE]).
 
-Invariants: every ChoiceStream is closed exactly once (stream end, client disconnect, error), and closing
-an unfinished one aborts it in the engine, which frees its KV within one step; `num_in_flight` counts the
+Invariants: every ChoiceStream is closed exactly once (stream end, client disconnect, error), and closing an
+unfinished one aborts it in the engine, which frees its KV within one step; `state.num_in_flight` counts the
 open ones and is what the 429 admission limit reads.
 """
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import logging
-import os
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, Awaitable, Callable, Optional, Sequence
 
@@ -25,139 +22,20 @@ from pydantic import BaseModel
 from starlette.responses import Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from engine.config import EngineConfig
-from engine.messages import Delta, Ready, StepStats
+from engine.messages import Delta
 from engine.request import SamplingParams
-from server.config import ServerConfig
-from server.engine_client import EngineClient, EngineDeadError, EngineRequestError
-from server.metrics import Metrics, RequestStats
-from server.protocol import ErrorResponse, ProtocolError, error_response, model_not_found
-from server.tokenization import LogprobFormatter, TextOffset
+from server.engine_client import EngineDeadError, EngineInternalError, EngineRequestError, ServiceUnavailableError
+from server.errors import ApiError, ErrorResponse
+from server.metrics import RequestStats
+from server.responses import SSE_DONE, Usage, sse_event
+from server.state import ServerState
+from server.tokenizer import TextOffset
 
 logger = logging.getLogger("ddtree.server")
 
 
-class ApiError(Exception):
-    """Raised anywhere in a request; the app answers with its envelope and status."""
-
-    def __init__(self, error: ErrorResponse):
-        super().__init__(error.error.message)
-        self.error = error
-
-    @classmethod
-    def make(cls, message: str, status_code: int = 400, **kwargs: Any) -> "ApiError":
-        return cls(ErrorResponse.make(message, status_code, **kwargs))
-
-
 def json_response(payload: BaseModel, status_code: int = 200) -> Response:
     return Response(payload.model_dump_json(), status_code=status_code, media_type="application/json")
-
-
-def load_server_tokenizer(model: Optional[str]):
-    """The tokenizer of the model the engine serves (the engine process loads its own copy)."""
-    from engine.model.loader import load_tokenizer
-
-    if model is None:
-        from engine.model.embedded import embedded_model_dir
-
-        return load_tokenizer(embedded_model_dir())  # converted by the engine already: a cache hit
-    path = os.path.expanduser(model)
-    if os.path.isfile(path):
-        from engine.model.gguf import load_gguf_tokenizer
-
-        return load_gguf_tokenizer(path)
-    return load_tokenizer(path)
-
-
-# ------------------------------------------------------------------------------------------- state
-
-class ServerState:
-    """Everything a request needs: configs, the engine client, the tokenizer, the metrics registry."""
-
-    def __init__(self, config: ServerConfig, engine_config: EngineConfig):
-        self.config, self.engine_config = config, engine_config
-        self.model_name = config.model_name(engine_config.model)
-        self.metrics = Metrics(self.model_name)
-        self.client: Optional[EngineClient] = None
-        self.info: Optional[Ready] = None
-        self.tokenizer: Any = None
-        self.formatter: Optional[LogprobFormatter] = None
-        self.startup_error: Optional[str] = None
-        self.draining = False
-        self.num_in_flight = 0  # open ChoiceStreams (engine requests)
-        self.on_fatal: Optional[Callable[[str], None]] = None  # the runner exits when startup fails
-        # One thread: HF fast tokenizers are not safe to call from several threads at once.
-        self.tokenizer_pool = ThreadPoolExecutor(1, thread_name_prefix="ddtree-tokenize")
-        self._startup: Optional[asyncio.Task] = None
-
-    # lifecycle -----------------------------------------------------------------------------------
-    async def start(self) -> None:
-        """Starts the engine process and returns at once: /health answers 503 until loading is done."""
-        self.client = EngineClient(self.engine_config, on_step=self._on_step)
-        await self.client.start()
-        self._startup = asyncio.create_task(self._finish_startup())
-
-    async def _finish_startup(self) -> None:
-        try:
-            info = await self.client.wait_ready()
-            tokenizer = await asyncio.get_running_loop().run_in_executor(
-                self.tokenizer_pool, load_server_tokenizer, self.engine_config.model)
-            if tokenizer is None:
-                raise ValueError("the model has no tokenizer (tokenizer.json); the server needs one")
-            self.formatter = LogprobFormatter(tokenizer)
-            self.tokenizer, self.info = tokenizer, info
-            logger.info("ready: model %s, max_model_len %d, %d KV blocks of %d tokens", self.model_name,
-                        info.max_model_len, info.num_kv_blocks, info.block_size)
-        except Exception as e:
-            self.startup_error = f"{type(e).__name__}: {e}".splitlines()[0]
-            logger.error("startup failed: %s", self.startup_error)
-            if self.on_fatal is not None:
-                self.on_fatal(self.startup_error)
-
-    async def stop(self) -> None:
-        self.draining = True
-        if self._startup is not None:
-            self._startup.cancel()
-        if self.client is not None:
-            await asyncio.to_thread(self.client.shutdown)
-        self.tokenizer_pool.shutdown(wait=False, cancel_futures=True)
-
-    def _on_step(self, stats: StepStats) -> None:
-        try:
-            self.metrics.record_step(stats)
-        except Exception:  # metrics must never cost a step's deltas (they are dispatched after this call)
-            logger.exception("recording step metrics failed")
-
-    # readiness -----------------------------------------------------------------------------------
-    def unavailable_reason(self) -> Optional[str]:
-        if self.client is not None and self.client.failure is not None:
-            return f"The engine is not running: {self.startup_error or self.client.failure}"
-        if self.startup_error is not None:
-            return f"The server failed to start: {self.startup_error}"
-        if self.draining:
-            return "The server is shutting down."
-        if self.tokenizer is None:
-            return "Loading model."
-        return None
-
-    def check_ready(self) -> None:
-        reason = self.unavailable_reason()
-        if reason is not None:
-            raise ApiError.make(reason, 503, code="service_unavailable")
-
-    def check_model(self, model: Optional[str]) -> None:
-        if model is not None and model != self.model_name:
-            raise ApiError(model_not_found(model))
-
-    async def tokenize(self, fn: Callable[..., list[int]], *args: Any, param: str, **kwargs: Any) -> list[int]:
-        try:
-            return await asyncio.get_running_loop().run_in_executor(
-                self.tokenizer_pool, functools.partial(fn, self.tokenizer, *args, **kwargs))
-        except ProtocolError:
-            raise
-        except Exception as e:  # e.g. lone surrogates in the text: the client's input, not a server fault
-            raise ApiError.make(f"The input could not be tokenized: {e}", 400, param=param,
-                                code="invalid_value") from e
 
 
 # ---------------------------------------------------------------------------------------- choices
@@ -259,12 +137,9 @@ class ChoiceStream:
         finally:
             self.state.num_in_flight -= 1
             if not self._refused:
-                self._record()
-
-    def _record(self) -> None:
-        self.state.metrics.record_request(RequestStats(
-            finished_reason=self.finish_reason or "abort", queue_time=self._queue_time,
-            e2e_latency=time.monotonic() - self.arrival))
+                self.state.metrics.record_request(RequestStats(
+                    finished_reason=self.finish_reason or "abort", queue_time=self._queue_time,
+                    e2e_latency=time.monotonic() - self.arrival))
 
 
 async def all_or_cancel(aws: Sequence[Awaitable[Any]]) -> list[Any]:
@@ -347,12 +222,14 @@ class SSEResponse(StreamingResponse):
 
 # ------------------------------------------------------------------------------------ request path
 
-def parse_request(model: type, body: Any):
-    """JSON value -> request model; every failure becomes a 400 envelope (never FastAPI's 422)."""
-    try:
-        return model.model_validate(body)
-    except ValueError as e:  # pydantic's ValidationError and our ProtocolError are ValueErrors
-        raise ApiError(error_response(e)) from None
+def log_ignored(req: Any) -> None:
+    ignored = req.ignored_fields()
+    if ignored:
+        logger.info("ignoring unknown request fields: %s", ", ".join(ignored))
+
+
+def usage_of(prompts: list[list[int]], choices: Sequence[ChoiceStream]) -> Usage:
+    return Usage.of(sum(len(p) for p in prompts), sum(len(c.token_ids) for c in choices))
 
 
 def _context_checks(state: ServerState, prompt_len: int, max_tokens: Optional[int], input_param: str) -> int:
@@ -404,10 +281,37 @@ def open_choices(state: ServerState, req: Any, prompts: list[list[int]], arrival
     return choices
 
 
-async def start_choices(choices: list[ChoiceStream]) -> None:
-    """Submit and await each choice's first delta; on any failure close them all (a 400 for a refusal)."""
+async def _stream_errors(body: AsyncIterator[str]) -> AsyncIterator[str]:
+    """A failure after the 200 went out is an error event followed by [DONE]."""
+    try:
+        async with contextlib.aclosing(body) as events:
+            async for event in events:
+                yield event
+    except ServiceUnavailableError as e:  # the engine died, or the server cut the stream (drain deadline)
+        yield sse_event(ErrorResponse.make(e.client_message(), 503, code="service_unavailable"))
+        yield SSE_DONE
+    except EngineInternalError as e:  # this request failed in the engine; the others go on
+        yield sse_event(ErrorResponse.make(e.client_message(), 500, code="internal_error"))
+        yield SSE_DONE
+    except Exception:
+        logger.exception("stream failed")
+        yield sse_event(ErrorResponse.make("Internal server error while streaming.", 500))
+        yield SSE_DONE
+
+
+async def respond(choices: list[ChoiceStream], build: Callable[[], Response],
+                  stream: Callable[[], AsyncIterator[str]], streaming: bool) -> Response:
+    """Submits every choice and awaits its first delta (on any failure all are closed: a 400 for a refusal),
+    then answers: the SSE stream of `stream()`, or, once every choice finished, the JSON body of `build()`."""
     try:
         await all_or_cancel([c.prime() for c in choices])
     except BaseException:
         await close_all(choices)
         raise
+    if streaming:
+        return SSEResponse(_stream_errors(stream()), choices)
+    try:
+        await all_or_cancel([drain(c) for c in choices])
+    finally:
+        await close_all(choices)
+    return build()

@@ -1,0 +1,168 @@
+"""The OpenAI-compatible response models: chat completions and their stream chunks, legacy completions, usage,
+logprobs, /v1/models, /tokenize and /detokenize; and the server-sent-event framing of a stream."""
+from __future__ import annotations
+
+import math
+import time
+import uuid
+from typing import Any, Literal, Optional, Union
+
+from pydantic import BaseModel, Field, model_serializer
+
+LOGPROB_FLOOR = -9999.0  # JSON has no -inf; what a fully masked token reports instead
+
+FinishReason = Literal["stop", "length", "abort"]
+
+
+def random_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def finite_logprob(x: float) -> float:
+    return float(x) if math.isfinite(x) else LOGPROB_FLOOR
+
+
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = 0
+
+
+class Usage(BaseModel):
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    total_tokens: int = 0
+    prompt_tokens_details: Optional[PromptTokensDetails] = None
+
+    @classmethod
+    def of(cls, prompt_tokens: int, completion_tokens: int, cached_tokens: Optional[int] = None) -> "Usage":
+        details = PromptTokensDetails(cached_tokens=cached_tokens) if cached_tokens is not None else None
+        return cls(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                   total_tokens=prompt_tokens + completion_tokens, prompt_tokens_details=details)
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: Optional[list[int]] = None
+
+
+class ChatCompletionTokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob] = Field(default_factory=list)
+
+
+class ChoiceLogprobs(BaseModel):
+    content: Optional[list[ChatCompletionTokenLogprob]] = None
+
+
+class CompletionLogprobs(BaseModel):
+    tokens: list[str] = Field(default_factory=list)
+    token_logprobs: list[Optional[float]] = Field(default_factory=list)
+    top_logprobs: list[Optional[dict[str, float]]] = Field(default_factory=list)
+    text_offset: list[int] = Field(default_factory=list)
+
+
+class ChatCompletionMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: Optional[str] = None
+
+
+class ChatCompletionChoice(BaseModel):
+    index: int
+    message: ChatCompletionMessage
+    logprobs: Optional[ChoiceLogprobs] = None
+    finish_reason: Optional[FinishReason] = None
+    stop_reason: Optional[Union[int, str]] = None  # vLLM extension: the matched stop string or token id
+
+
+class ChatCompletion(BaseModel):
+    id: str = Field(default_factory=lambda: random_id("chatcmpl"))
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[ChatCompletionChoice]
+    usage: Usage
+
+
+class ChatCompletionDelta(BaseModel):
+    role: Optional[Literal["assistant"]] = None
+    content: Optional[str] = None
+
+    @model_serializer(mode="wrap")
+    def _omit_unset(self, handler: Any) -> dict[str, Any]:
+        # A delta names only what changed: {"role":"assistant","content":""}, {"content":"x"}, or {}.
+        return {k: v for k, v in handler(self).items() if v is not None}
+
+
+class ChatCompletionStreamChoice(BaseModel):
+    index: int
+    delta: ChatCompletionDelta = Field(default_factory=ChatCompletionDelta)
+    logprobs: Optional[ChoiceLogprobs] = None
+    finish_reason: Optional[FinishReason] = None
+    stop_reason: Optional[Union[int, str]] = None
+
+
+class ChatCompletionChunk(BaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatCompletionStreamChoice] = Field(default_factory=list)
+    usage: Optional[Usage] = None
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: Optional[CompletionLogprobs] = None
+    finish_reason: Optional[FinishReason] = None
+    stop_reason: Optional[Union[int, str]] = None
+
+
+class Completion(BaseModel):
+    id: str = Field(default_factory=lambda: random_id("cmpl"))
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage
+
+
+class CompletionChunk(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"  # OpenAI streams legacy completions under this name
+    created: int
+    model: str
+    choices: list[CompletionChoice] = Field(default_factory=list)
+    usage: Optional[Usage] = None
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    owned_by: str = "ddtree"
+    root: Optional[str] = None
+    max_model_len: Optional[int] = None
+    speculative_config: Optional[dict[str, Any]] = None
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard] = Field(default_factory=list)
+
+
+class TokenizeResponse(BaseModel):
+    tokens: list[int]
+    count: int
+    max_model_len: Optional[int] = None
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
+
+
+SSE_DONE = "data: [DONE]\n\n"
+
+
+def sse_event(payload: BaseModel) -> str:
+    """One server-sent event; a mid-stream error is sse_event(ErrorResponse) followed by SSE_DONE."""
+    return f"data: {payload.model_dump_json()}\n\n"

@@ -147,8 +147,6 @@ class ModelRunner:
             tau = host.accept_len[i]
             acc, emitted = host.accepted[i][:tau], host.emitted[i][:tau]  # accepted rows; drafts then the bonus
             result.new_token_ids[req.request_id] = emitted
-            result.num_accepted[req.request_id] = tau - 1
-            result.num_draft_tokens[req.request_id] = batch.budgets[i]
             if host.curves:
                 result.curves[req.request_id] = host.curves[i]
             if req.sampling.logprobs is not None:  # token j was chosen at accepted row acc[j]
@@ -157,6 +155,10 @@ class ModelRunner:
             if features is not None:
                 base = inputs.tree_row0 + i * width
                 self.speculator.record_hidden(req.request_id, features[[base + a for a in acc]])
+            if batch.budgets[i] == 0:
+                continue  # a root-only tree (CUDA-graph layout): a plain decoding step, not speculation
+            result.num_accepted[req.request_id] = tau - 1
+            result.num_draft_tokens[req.request_id] = batch.budgets[i]
             result.accept_lengths.append(tau)
             result.tree_nodes.append(batch.budgets[i])
             for d in range(tau - 1):

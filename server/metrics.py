@@ -33,6 +33,7 @@ STEP_TIME_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.003, 0.005, 0.0075
                      0.075, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 ACCEPT_LENGTH_BUCKETS = tuple(float(i) for i in range(1, 17)) + (20.0, 24.0, 32.0)
 TREE_NODES_BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 1024)
+BUDGET_BUCKETS = (0, 1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 1024)
 BATCH_SIZE_BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 1024)
 
 
@@ -125,6 +126,10 @@ class Metrics:
         self.step_time = histogram("step_time_seconds", "Engine step time by phase.", STEP_TIME_BUCKETS,
                                    ["phase"])
         self.batch_size = histogram("batch_size", "Requests per engine step.", BATCH_SIZE_BUCKETS).labels(model_name)
+        self.spec_budget = histogram("spec_decode_budget", "Tree budget the adaptive speculation chose per decoding "
+                                     "request per step (0 = plain decoding).", BUDGET_BUCKETS).labels(model_name)
+        self.engine_steps = counter("engine_steps", "Engine steps on a device with CUDA graphs: replayed, or eager "
+                                    "with the reason.", ["mode", "reason"])
 
         # Create the fixed label values now so dashboards see zero-valued series before the first event.
         for reason in FINISHED_REASONS:
@@ -165,6 +170,12 @@ class Metrics:
             self.kernel_fallbacks.labels(self.model_name, op).inc(count)
         for phase, seconds in (_get(stats, "timings", None) or {}).items():
             self.step_time.labels(self.model_name, phase).observe(seconds)
+        for budget in _get(stats, "spec_budgets", None) or ():
+            self.spec_budget.observe(budget)
+        graph = _get(stats, "cuda_graph", "")
+        if graph:
+            mode, _, reason = graph.partition(": ")
+            self.engine_steps.labels(self.model_name, mode, reason).inc()
 
         accept = list(_get(stats, "accept_lengths", None) or ())
         nodes = list(_get(stats, "tree_nodes", None) or ())

@@ -1,6 +1,6 @@
-"""Builds, finds and loads the CUDA extension (ext/csrc: ops.cpp, the torch-facing schemas and launches, plus
-every torch-free *.cu kernel file). No silent fallback: `load_ops()` returns the op namespace `torch.ops.ddtree`
-or None, and then `load_error()` says why in one line.
+"""Builds, finds and loads the CUDA extension (ext/csrc: ops.cpp and ops_layers.cpp, the torch-facing schemas and
+launches, plus every torch-free *.cu kernel file). No silent fallback: `load_ops()` returns the op namespace
+`torch.ops.ddtree` or None, and then `load_error()` says why in one line.
 
 Ahead of time: `ddtree build-ext` (`build()`) compiles without a visible GPU for an explicit architecture list
 (default `8.0;9.0+PTX`: sm_80 and sm_90 machine code plus compute_90 PTX, which newer GPUs JIT-compile;
@@ -47,7 +47,12 @@ class BuildError(RuntimeError):
 # ---- sources and toolchain -------------------------------------------------------------------------------------
 
 def sources() -> list[Path]:
-    return [CSRC / "ops.cpp", *sorted(CSRC.glob("*.cu"))]
+    return [*torch_sources(), *sorted(CSRC.glob("*.cu"))]
+
+
+def torch_sources() -> list[Path]:
+    """The torch-facing .cpp files (ops.cpp defines the `ddtree` library; the others add fragments to it)."""
+    return sorted(CSRC.glob("*.cpp"))
 
 
 def kernel_sources() -> list[Path]:

@@ -63,3 +63,23 @@ def register() -> None:
     @fake("ddtree::pack_tree_mask")
     def _(tree_mask):
         return tree_mask.new_empty((tree_mask.shape[0], (tree_mask.shape[1] + 63) // 64), dtype=torch.int64)
+
+    @fake("ddtree::rms_norm")
+    def _(x, weight, eps):
+        return x.new_empty(x.shape, dtype=torch.promote_types(x.dtype, weight.dtype))
+
+    @fake("ddtree::fused_add_rmsnorm")
+    def _(x, residual, weight, eps):
+        return x.new_empty(x.shape, dtype=torch.promote_types(x.dtype, weight.dtype)), x.new_empty(x.shape)
+
+    @fake("ddtree::rope_inplace")
+    def _(q, k, cos, sin):
+        return None
+
+    @fake("ddtree::silu_and_mul")
+    def _(x):
+        return x.new_empty((x.shape[0], x.shape[1] // 2))
+
+    @fake("ddtree::write_kv_pair")
+    def _(k_cache, v_cache, k, v, slot_mapping):
+        return None

@@ -119,6 +119,77 @@ def write_kv(cache: torch.Tensor, rows: torch.Tensor, slot_mapping: torch.Tensor
     reference.write_kv(cache, rows, slot_mapping)
 
 
+def write_kv_pair(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                  slot_mapping: torch.Tensor) -> None:
+    """write_kv of k into k_cache and of v into v_cache at the same slots, in one launch."""
+    ops = _cuda_ops(k_cache)
+    if (ops is not None and k_cache.is_contiguous() and v_cache.is_contiguous() and k_cache.dtype in _FLOATS
+            and v_cache.dtype == k_cache.dtype and k.dtype in _FLOATS and v.dtype == k.dtype and k.is_cuda
+            and v.is_cuda and slot_mapping.is_cuda and slot_mapping.dtype == torch.int64):
+        _served("write_kv_pair", ops)
+        ops.write_kv_pair(k_cache, v_cache, k, v, slot_mapping)
+        return
+    _fallback("write_kv_pair", k_cache, ops)
+    reference.write_kv_pair(k_cache, v_cache, k, v, slot_mapping)
+
+
+# ---- decoder-layer ops (the eager math they reproduce: ext/reference/layers.py) ----------------------------------
+
+def _norm_rows(t: torch.Tensor) -> torch.Tensor:
+    """Any [..., H] as the kernel's [rows, H] or [tokens, heads, H] with a unit last stride."""
+    if t.dim() == 1:
+        t = t.unsqueeze(0)
+    elif t.dim() > 3:
+        t = t.flatten(0, -3)
+    return t if t.stride(-1) == 1 or t.shape[-1] == 1 else t.contiguous()
+
+
+def fused_add_rmsnorm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
+                      eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out, new_residual): new_residual = x + residual in x's dtype (x itself when residual is None), out =
+    weight * RMSNorm(new_residual) normalised in fp32 and cast back before the weight multiply. x [..., H]
+    (Qwen3's per-head q/k norm passes [T, heads, head_dim] views)."""
+    ops = _cuda_ops(x)
+    if (ops is not None and x.dim() >= 1 and x.dtype in _FLOATS and weight.dtype in _FLOATS and weight.dim() == 1
+            and weight.shape[0] == x.shape[-1] and weight.device == x.device and x.shape[-1] < 2**31
+            and (residual is None or (residual.shape == x.shape and residual.dtype == x.dtype
+                                      and residual.device == x.device))):
+        _served("fused_add_rmsnorm", ops)
+        rows = _norm_rows(x)
+        if residual is None:
+            return ops.rms_norm(rows, weight, float(eps)).view(x.shape), x
+        out, new_residual = ops.fused_add_rmsnorm(rows, _norm_rows(residual), weight, float(eps))
+        return out.view(x.shape), new_residual.view(x.shape)
+    _fallback("fused_add_rmsnorm", x, ops)
+    return reference.fused_add_rmsnorm(x, residual, weight, eps)
+
+
+def rope_inplace(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+    """Neox (rotate-half) rope of q [T, Hq, D] and k [T, Hk, D] in place, one launch; cos/sin [T, D]. q and k may
+    be views of the fused qkv projection (any token and head strides, unit last stride)."""
+    ops = _cuda_ops(q)
+    if (ops is not None and q.dim() == 3 and k.dim() == 3 and cos.dim() == 2 and sin.dim() == 2
+            and q.dtype in _FLOATS and k.dtype == q.dtype and cos.dtype == q.dtype and sin.dtype == q.dtype
+            and q.stride(-1) == 1 and k.stride(-1) == 1 and q.shape[-1] % 2 == 0
+            and k.device == q.device and cos.device == q.device and sin.device == q.device):
+        _served("rope_inplace", ops)
+        ops.rope_inplace(q, k, _rows(cos), _rows(sin))
+        return
+    _fallback("rope_inplace", q, ops)
+    reference.rope_inplace(q, k, cos, sin)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """x [..., 2I] (the fused gate_up projection) -> silu(x[..., :I]) * x[..., I:] [..., I]."""
+    ops = _cuda_ops(x)
+    if ops is not None and x.dim() >= 1 and x.dtype in _FLOATS and x.shape[-1] % 2 == 0 and x.shape[-1] < 2**31:
+        _served("silu_and_mul", ops)
+        rows = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
+        return ops.silu_and_mul(rows).view(*x.shape[:-1], x.shape[-1] // 2)
+    _fallback("silu_and_mul", x, ops)
+    return reference.silu_and_mul(x)
+
+
 def paged_attention(q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
     """GQA attention of q [num_tokens, num_heads, head_dim] over the paged cache -> [num_tokens, num_heads, head_dim]."""
     ops = _cuda_ops(q)

@@ -1,11 +1,12 @@
 """GQA self-attention over the paged KV cache (Llama, Qwen3): projections, optional per-head q/k RMSNorm
-(Qwen3), rope at explicit positions, cache write, then `ext.ops.paged_attention`."""
+(Qwen3), rope at explicit positions (q and k rotated in place, one op), the K and V cache write (one op), then
+`ext.ops.paged_attention`."""
 from __future__ import annotations
 
 import torch
 from torch import nn
 
-from engine.model.layers import RMSNorm, apply_rope
+from engine.model.layers import RMSNorm
 from ext import ops
 from ext.metadata import AttentionMetadata
 
@@ -68,8 +69,7 @@ class GQAttention(nn.Module):
         v = v.reshape(num_tokens, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        ops.write_kv(kv_cache[0], k, meta.slot_mapping)
-        ops.write_kv(kv_cache[1], v, meta.slot_mapping)
+        ops.rope_inplace(q, k, cos, sin)  # q/k are views of the projection's output (or the norms' fresh outputs)
+        ops.write_kv_pair(kv_cache[0], kv_cache[1], k, v, meta.slot_mapping)
         out = ops.paged_attention(q, kv_cache[0], kv_cache[1], meta, self.scale)
         return self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_dim))

@@ -1,9 +1,10 @@
 """What every model family shares: embedding -> decoder layers -> final norm -> lm_head, run over the step's
 flattened tokens with one `AttentionMetadata`, and the interface the runner relies on.
 
-A family subclass builds `self.layers` (each `layer(h, cos, sin, meta, kv_cache) -> h`) and `self.rotary`, and
-says the per-layer KV cache shape. `forward` can also return the outputs of chosen decoder layers (the residual
-stream after layer i, HF's hidden_states[i + 1]), which the DFlash drafter consumes.
+A family subclass builds `self.layers` (each `layer(x, residual, cos, sin, meta, kv_cache) -> (x, residual)`, the
+residual stream being x + residual, formed by the next norm's fused add; residual None = x is the stream) and
+`self.rotary`, and says the per-layer KV cache shape. `forward` can also return the outputs of chosen decoder
+layers (the residual stream after layer i, HF's hidden_states[i + 1]), which the DFlash drafter consumes.
 """
 from __future__ import annotations
 
@@ -54,12 +55,12 @@ class CausalLM(nn.Module):
     ) -> tuple[torch.Tensor, list[torch.Tensor]]:  # final-normed hidden [num_tokens, hidden], captured layers
         h = self.embed(input_ids) if inputs_embeds is None else inputs_embeds
         cos, sin = self.rotary.cos_sin(meta.positions, h.dtype)
-        captured = {}
+        captured, residual = {}, None
         for i, layer in enumerate(self.layers):
-            h = layer(h, cos, sin, meta, kv_caches[i])
+            h, residual = layer(h, residual, cos, sin, meta, kv_caches[i])
             if i in capture_layer_ids:
-                captured[i] = h
-        out = self.norm(h)
+                captured[i] = h + residual  # the residual stream after layer i
+        out = self.norm(h) if residual is None else self.norm(h, residual)[0]
         if self.num_layers - 1 in captured:  # HF's hidden_states[-1] is taken after the final norm
             captured[self.num_layers - 1] = out
         return out, [captured[i] for i in capture_layer_ids]  # in the order asked for

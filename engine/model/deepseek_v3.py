@@ -284,9 +284,11 @@ class DeepseekDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
 
-    def forward(self, h, cos, sin, meta, kv_cache) -> torch.Tensor:
-        h = h + self.self_attn(self.input_layernorm(h), cos, sin, meta, kv_cache)
-        return h + self.mlp(self.post_attention_layernorm(h))
+    def forward(self, x, residual, cos, sin, meta, kv_cache) -> tuple[torch.Tensor, torch.Tensor]:
+        """As llama.DecoderLayer: (x, residual) in and out, the stream being their sum (fused residual adds)."""
+        x, residual = (self.input_layernorm(x), x) if residual is None else self.input_layernorm(x, residual)
+        x, residual = self.post_attention_layernorm(self.self_attn(x, cos, sin, meta, kv_cache), residual)
+        return self.mlp(x), residual
 
 
 class DeepseekV3ForCausalLM(CausalLM):

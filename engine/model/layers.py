@@ -1,4 +1,6 @@
-"""Layers shared by the model families: RMSNorm, SwiGLU MLP, rotary embeddings (default, linear, llama3, yarn)."""
+"""Layers shared by the model families: RMSNorm (with a fused residual add), SwiGLU MLP, rotary embeddings
+(default, linear, llama3, yarn). The elementwise math runs through ext.ops (one CUDA kernel each on the GPU, the
+eager PyTorch twin in ext/reference/layers.py elsewhere)."""
 from __future__ import annotations
 
 import math
@@ -8,6 +10,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.model.errors import ConfigError
+from ext import ops
+from ext.reference import layers as reference_layers
+
+apply_rope = reference_layers.apply_rope  # neox rotate-half rope, one definition: rope_inplace's twin
 
 
 class RMSNorm(nn.Module):
@@ -16,12 +22,11 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # normalise in fp32, cast back before the weight multiply (as the HF reference does)
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        """norm(x); with a residual, (norm(x + residual), x + residual) from one fused kernel (vLLM-style
+        residual stream). Normalises in fp32 and casts back before the weight multiply (as the HF reference)."""
+        out, new_residual = ops.fused_add_rmsnorm(x, residual, self.weight, self.eps)
+        return out if residual is None else (out, new_residual)
 
 
 class GatedMLP(nn.Module):
@@ -48,8 +53,7 @@ class GatedMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up_proj is not None:
-            gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-            return self.down_proj(F.silu(gate) * up)
+            return self.down_proj(ops.silu_and_mul(self.gate_up_proj(x)))
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
@@ -133,10 +137,3 @@ class RotaryEmbedding(nn.Module):
         freqs = positions.float()[:, None] * self.inv_freq[None, :]  # [num_tokens, dim // 2]
         emb = torch.cat([freqs, freqs], dim=-1)
         return (emb.cos() * self.attention_scaling).to(dtype), (emb.sin() * self.attention_scaling).to(dtype)
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [num_tokens, num_heads, dim]; cos/sin [num_tokens, dim]."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-    return x * cos[:, None, :] + rotated * sin[:, None, :]

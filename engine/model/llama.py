@@ -71,7 +71,8 @@ class DenseArgs:
 
 
 class DecoderLayer(nn.Module):
-    """Pre-norm block: h + attn(norm(h)), then h + mlp(norm(h))."""
+    """Pre-norm block h + attn(norm(h)), then h + mlp(norm(h)), with the residual stream carried vLLM-style: the
+    layer takes and returns (x, residual) whose sum is the stream, and each norm forms that sum in its fused add."""
 
     def __init__(self, args: DenseArgs, qk_norm: bool = False, mlp: nn.Module | None = None):
         super().__init__()
@@ -83,9 +84,12 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
 
-    def forward(self, h, cos, sin, meta, kv_cache) -> torch.Tensor:
-        h = h + self.self_attn(self.input_layernorm(h), cos, sin, meta, kv_cache)
-        return h + self.mlp(self.post_attention_layernorm(h))
+    def forward(self, x, residual, cos, sin, meta, kv_cache) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x, residual) -> (mlp output, residual): the stream after this layer is their sum. residual None: x is
+        the stream itself (the first layer)."""
+        x, residual = (self.input_layernorm(x), x) if residual is None else self.input_layernorm(x, residual)
+        x, residual = self.post_attention_layernorm(self.self_attn(x, cos, sin, meta, kv_cache), residual)
+        return self.mlp(x), residual
 
 
 class LlamaForCausalLM(CausalLM):

@@ -1,37 +1,42 @@
-// KV-cache kernels: write_kv (slot_mapping scatter, -1 skipped), generic KV compaction (gather to a workspace,
-// then scatter), DDTree compaction (one in-place pass per request), and the tree-mask bit packing.
+// KV-cache kernels: write_kv and write_kv_pair (slot_mapping scatter, -1 skipped; K and V in one launch), generic
+// KV compaction (gather to a workspace, then scatter), DDTree compaction (one in-place pass per request), and the
+// tree-mask bit packing.
 #include "common.cuh"
 
 namespace ddtree {
 
 namespace {
 
+// blockIdx.x = token, blockIdx.y = which row set (K, V) of the launch.
 template <typename V>
-__global__ void __launch_bounds__(128) write_kv_copy_kernel(char* cache, const char* rows, int64_t rows_stride_bytes,
-                                                            const int64_t* slots, int64_t row_bytes) {
+__global__ void __launch_bounds__(128) write_kv_copy_kernel(KvRows a, KvRows b, const int64_t* slots, int64_t esize) {
   const int64_t slot = slots[blockIdx.x];
   if (slot < 0) return;
-  const V* src = reinterpret_cast<const V*>(rows + blockIdx.x * rows_stride_bytes);
-  V* dst = reinterpret_cast<V*>(cache + slot * row_bytes);
+  const bool second = blockIdx.y != 0;
+  const int64_t row_bytes = (second ? b.row_elems : a.row_elems) * esize;
+  const V* src = reinterpret_cast<const V*>(static_cast<const char*>(second ? b.rows : a.rows) +
+                                            blockIdx.x * (second ? b.rows_stride : a.rows_stride) * esize);
+  V* dst = reinterpret_cast<V*>(static_cast<char*>(second ? b.cache : a.cache) + slot * row_bytes);
   for (int64_t i = threadIdx.x; i < row_bytes / static_cast<int64_t>(sizeof(V)); i += blockDim.x) dst[i] = src[i];
 }
 
 template <typename TC, typename TR>
-__global__ void __launch_bounds__(128) write_kv_convert_kernel(TC* cache, const TR* rows, int64_t rows_stride,
-                                                               const int64_t* slots, int64_t elems) {
+__global__ void __launch_bounds__(128) write_kv_convert_kernel(KvRows a, KvRows b, const int64_t* slots) {
   const int64_t slot = slots[blockIdx.x];
   if (slot < 0) return;
-  const TR* src = rows + blockIdx.x * rows_stride;
-  TC* dst = cache + slot * elems;
+  const bool second = blockIdx.y != 0;  // field by field: no local copy of a parameter struct
+  const int64_t elems = second ? b.row_elems : a.row_elems;
+  const TR* src = static_cast<const TR*>(second ? b.rows : a.rows) + blockIdx.x * (second ? b.rows_stride : a.rows_stride);
+  TC* dst = static_cast<TC*>(second ? b.cache : a.cache) + slot * elems;
   for (int64_t i = threadIdx.x; i < elems; i += blockDim.x) dst[i] = Num<TC>::from_f(Num<TR>::to_f(src[i]));
 }
 
 template <typename TC>
-cudaError_t convert_from(TC* cache, const void* rows, DType rd, int64_t stride, const int64_t* slots, int T,
-                         int64_t elems, cudaStream_t stream) {
-  if (rd == kFloat32) write_kv_convert_kernel<TC, float><<<T, 128, 0, stream>>>(cache, static_cast<const float*>(rows), stride, slots, elems);
-  else if (rd == kFloat16) write_kv_convert_kernel<TC, __half><<<T, 128, 0, stream>>>(cache, static_cast<const __half*>(rows), stride, slots, elems);
-  else write_kv_convert_kernel<TC, __nv_bfloat16><<<T, 128, 0, stream>>>(cache, static_cast<const __nv_bfloat16*>(rows), stride, slots, elems);
+cudaError_t convert_from(const KvRows& a, const KvRows& b, DType rd, const int64_t* slots, dim3 grid,
+                         cudaStream_t stream) {
+  if (rd == kFloat32) write_kv_convert_kernel<TC, float><<<grid, 128, 0, stream>>>(a, b, slots);
+  else if (rd == kFloat16) write_kv_convert_kernel<TC, __half><<<grid, 128, 0, stream>>>(a, b, slots);
+  else write_kv_convert_kernel<TC, __nv_bfloat16><<<grid, 128, 0, stream>>>(a, b, slots);
   return cudaGetLastError();
 }
 
@@ -151,26 +156,52 @@ __global__ void pack_tree_mask_kernel(const bool* mask, int T, int Q, uint64_t* 
 
 }  // namespace
 
-cudaError_t write_kv(void* cache, DType cd, const void* rows, DType rd, int64_t rows_stride, const int64_t* slots,
-                     int T, int64_t elems, cudaStream_t stream) {
-  if (T == 0 || elems == 0) return cudaSuccess;
+namespace {
+
+int min_granule(int g, int64_t value) {
+  const int h = granule_of(value);
+  return g < h ? g : h;
+}
+
+// `count` row sets (1 or 2) of one launch: grid (tokens, count).
+cudaError_t write_rows(const KvRows& a, const KvRows& b, int count, DType cd, DType rd, const int64_t* slots, int T,
+                       cudaStream_t stream) {
+  if (T == 0) return cudaSuccess;
+  const dim3 grid(T, count);
   if (cd == rd) {
-    const int64_t row_bytes = elems * elem_size(cd), stride_bytes = rows_stride * elem_size(rd);
-    int g = granule_of(row_bytes);
-    g = g < granule_of(stride_bytes) ? g : granule_of(stride_bytes);
-    g = g < granule_of(reinterpret_cast<uintptr_t>(cache)) ? g : granule_of(reinterpret_cast<uintptr_t>(cache));
-    g = g < granule_of(reinterpret_cast<uintptr_t>(rows)) ? g : granule_of(reinterpret_cast<uintptr_t>(rows));
-    char* c = static_cast<char*>(cache);
-    const char* r = static_cast<const char*>(rows);
-    if (g == 16) write_kv_copy_kernel<uint4><<<T, 128, 0, stream>>>(c, r, stride_bytes, slots, row_bytes);
-    else if (g == 8) write_kv_copy_kernel<uint2><<<T, 128, 0, stream>>>(c, r, stride_bytes, slots, row_bytes);
-    else if (g == 4) write_kv_copy_kernel<unsigned><<<T, 128, 0, stream>>>(c, r, stride_bytes, slots, row_bytes);
-    else write_kv_copy_kernel<unsigned short><<<T, 128, 0, stream>>>(c, r, stride_bytes, slots, row_bytes);
+    const int64_t es = elem_size(cd);
+    int g = 16;
+    for (int i = 0; i < count; ++i) {
+      const KvRows& w = i == 0 ? a : b;
+      g = min_granule(g, w.row_elems * es);
+      g = min_granule(g, w.rows_stride * es);
+      g = min_granule(g, static_cast<int64_t>(reinterpret_cast<uintptr_t>(w.cache)));
+      g = min_granule(g, static_cast<int64_t>(reinterpret_cast<uintptr_t>(w.rows)));
+    }
+    if (g == 16) write_kv_copy_kernel<uint4><<<grid, 128, 0, stream>>>(a, b, slots, es);
+    else if (g == 8) write_kv_copy_kernel<uint2><<<grid, 128, 0, stream>>>(a, b, slots, es);
+    else if (g == 4) write_kv_copy_kernel<unsigned><<<grid, 128, 0, stream>>>(a, b, slots, es);
+    else write_kv_copy_kernel<unsigned short><<<grid, 128, 0, stream>>>(a, b, slots, es);
     return cudaGetLastError();
   }
-  if (cd == kFloat32) return convert_from(static_cast<float*>(cache), rows, rd, rows_stride, slots, T, elems, stream);
-  if (cd == kFloat16) return convert_from(static_cast<__half*>(cache), rows, rd, rows_stride, slots, T, elems, stream);
-  return convert_from(static_cast<__nv_bfloat16*>(cache), rows, rd, rows_stride, slots, T, elems, stream);
+  if (cd == kFloat32) return convert_from<float>(a, b, rd, slots, grid, stream);
+  if (cd == kFloat16) return convert_from<__half>(a, b, rd, slots, grid, stream);
+  return convert_from<__nv_bfloat16>(a, b, rd, slots, grid, stream);
+}
+
+}  // namespace
+
+cudaError_t write_kv(void* cache, DType cd, const void* rows, DType rd, int64_t rows_stride, const int64_t* slots,
+                     int T, int64_t elems, cudaStream_t stream) {
+  if (elems == 0) return cudaSuccess;
+  const KvRows a{cache, rows, rows_stride, elems};
+  return write_rows(a, a, 1, cd, rd, slots, T, stream);
+}
+
+cudaError_t write_kv_pair(const KvRows& k, const KvRows& v, DType cd, DType rd, const int64_t* slots, int T,
+                          cudaStream_t stream) {
+  if (k.row_elems == 0 && v.row_elems == 0) return cudaSuccess;
+  return write_rows(k, v, 2, cd, rd, slots, T, stream);
 }
 
 cudaError_t kv_compact(const CacheList& caches, const int64_t* src, const int64_t* dst, int num_pairs, void* workspace,

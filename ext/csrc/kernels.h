@@ -89,9 +89,57 @@ constexpr int kSampleMaxChunks = 4096;  // per-chunk masses kept in shared memor
 cudaError_t sample_tokens(const void* logits, DType dtype, int rows, int vocab, const float* temperature,
                           const float* min_p, const double* uniform, int64_t* out, cudaStream_t stream);
 
+// ---- decoder-layer ops (layers.cu; the eager math they reproduce: ext/reference/layers.py) -----------------
+// RMSNorm of rows of `hidden` elements, row (t, r) at x + t*x_stride0 + r*x_stride1 (element strides, unit last
+// dim), t < rows / inner, r < inner. With a residual (same row layout): new_residual = round(x + residual) is
+// written contiguous [rows, hidden] and normalised; without one, x is. out [rows, hidden] contiguous in the
+// weight-promoted dtype (x's dtype when the weight shares it, else fp32): weight * round(r * rsqrt(mean(r^2) + eps)).
+struct RmsNormParams {
+  const void* x;
+  int64_t x_stride0, x_stride1;
+  const void* residual;       // nullptr: none (new_residual unused)
+  int64_t r_stride0, r_stride1;
+  const void* weight;         // [hidden] contiguous
+  void* out;
+  void* new_residual;
+  int64_t rows;
+  int64_t inner;
+  int hidden;
+  float eps;
+};
+cudaError_t rms_norm(const RmsNormParams& p, DType x_dtype, DType weight_dtype, cudaStream_t stream);
+
+// Neox (rotate-half) rope in place on q [T, Hq, D] and k [T, Hk, D] (element strides, unit last dim) with
+// cos/sin [T, D]; q, k, cos and sin share `dtype`.
+struct RopeParams {
+  void* q;
+  int64_t q_stride_t, q_stride_h;
+  void* k;
+  int64_t k_stride_t, k_stride_h;
+  const void* cos;
+  const void* sin;
+  int64_t cos_stride_t, sin_stride_t;
+  int num_tokens, num_q_heads, num_k_heads, head_dim;
+};
+cudaError_t rope_inplace(const RopeParams& p, DType dtype, cudaStream_t stream);
+
+// out [rows, inter] contiguous = silu(x[:, :inter]) * x[:, inter:], x rows `x_stride` elements apart.
+cudaError_t silu_and_mul(const void* x, DType dtype, int64_t x_stride, void* out, int64_t rows, int inter,
+                         cudaStream_t stream);
+
 // ---- cache ops --------------------------------------------------------------------------------------------
 cudaError_t write_kv(void* cache, DType cache_dtype, const void* rows, DType rows_dtype, int64_t rows_stride,
                      const int64_t* slot_mapping, int num_tokens, int64_t row_elems, cudaStream_t stream);
+// K and V in one launch: rows of `k` go to k_cache and rows of `v` to v_cache at the same slots (-1 skipped).
+// Both caches share cache_dtype, both row sets rows_dtype.
+struct KvRows {
+  void* cache;                // contiguous [num_slots, row_elems]
+  const void* rows;           // [num_tokens, row_elems], rows `rows_stride` elements apart, unit last stride
+  int64_t rows_stride;
+  int64_t row_elems;
+};
+cudaError_t write_kv_pair(const KvRows& k, const KvRows& v, DType cache_dtype, DType rows_dtype,
+                          const int64_t* slot_mapping, int num_tokens, cudaStream_t stream);
 
 constexpr int kMaxCaches = 64;
 struct CacheList {

@@ -1,44 +1,18 @@
-// The torch side of the extension: every op's schema (one TORCH_LIBRARY block), its input checks, output and
-// workspace allocation, and the launch on the current CUDA stream. No op synchronizes with the host, so all of
-// them can be captured in CUDA graphs; shapes depend only on arguments (fake kernels: ext/fake.py).
-#include <ATen/ATen.h>
-#include <c10/cuda/CUDAGuard.h>
-#include <c10/cuda/CUDAStream.h>
+// The torch side of the extension: the attention, tree, sampling and cache ops' schemas (the TORCH_LIBRARY block;
+// the decoder-layer ops add theirs in ops_layers.cpp), input checks, output and workspace allocation, and the
+// launch on the current CUDA stream. No op synchronizes with the host, so all of them can be captured in CUDA
+// graphs; shapes depend only on arguments (fake kernels: ext/fake.py).
 #include <torch/library.h>
 
 #include <optional>
 #include <vector>
 
-#include "kernels.h"
+#include "ops_common.h"
 
 namespace {
 
 using at::Tensor;
-
-#define CHECK_CUDA(x) TORCH_CHECK((x).is_cuda(), "ddtree: " #x " must be a CUDA tensor")
-#define CHECK_TYPE(x, t) TORCH_CHECK((x).scalar_type() == (t), "ddtree: " #x " must be " #t ", got ", (x).scalar_type())
-
-ddtree::DType dtype_of(const Tensor& t) {
-  switch (t.scalar_type()) {
-    case at::kFloat: return ddtree::kFloat32;
-    case at::kHalf: return ddtree::kFloat16;
-    case at::kBFloat16: return ddtree::kBFloat16;
-    default: TORCH_CHECK(false, "ddtree: unsupported dtype ", t.scalar_type());
-  }
-}
-
-void check(cudaError_t err, const char* op) {
-  TORCH_CHECK(err == cudaSuccess, "ddtree::", op, " launch failed: ", cudaGetErrorString(err));
-}
-
-cudaStream_t stream() { return c10::cuda::getCurrentCUDAStream().stream(); }
-int num_sms() {
-  int device = 0, sms = 0;
-  cudaGetDevice(&device);
-  cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
-  return sms > 0 ? sms : 1;
-}
-bool aligned16(const Tensor& t) { return reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0; }
+using namespace ddtree_ops;
 
 void write_kv(Tensor cache, Tensor rows, Tensor slot_mapping) {
   CHECK_CUDA(cache); CHECK_CUDA(rows); CHECK_CUDA(slot_mapping);

@@ -26,7 +26,7 @@ from ext.metadata import build_metadata, pack_bits
 def test_every_kernel_source_compiles_with_nvcc(tmp_path):
     sources = build.kernel_sources()
     assert {s.name for s in sources} >= {"attention.cu", "attention_gqa.cu", "attention_mla.cu", "cache.cu",
-                                         "topk.cu", "tree_build.cu", "tree_accept.cu", "sampling.cu"}
+                                         "topk.cu", "tree_build.cu", "tree_accept.cu", "sampling.cu", "layers.cu"}
     arch_flags = prebuilt.gencode_flags(prebuilt.parse_arch_list(prebuilt.DEFAULT_ARCH_LIST))  # what build-ext ships
 
     def compile_one(src):
@@ -40,9 +40,10 @@ def test_every_kernel_source_compiles_with_nvcc(tmp_path):
 
 
 @pytest.mark.skipif(build.nvcc() is None or shutil.which("g++") is None, reason="needs nvcc (CUDA headers) and g++")
-def test_ops_cpp_compiles_against_torch_headers(tmp_path):
-    """ops.cpp, the only torch-facing file, against this torch's headers (a syntax and type check: CPU wheels lack
-    one generated CUDA header, stubbed here)."""
+@pytest.mark.parametrize("name", [p.name for p in build.torch_sources()])
+def test_ops_cpp_compiles_against_torch_headers(tmp_path, name):
+    """ops.cpp and ops_layers.cpp, the torch-facing files, against this torch's headers (a syntax and type check:
+    CPU wheels lack one generated CUDA header, stubbed here)."""
     from torch.utils import cpp_extension
 
     stub = tmp_path / "c10" / "cuda" / "impl"
@@ -52,7 +53,7 @@ def test_ops_cpp_compiles_against_torch_headers(tmp_path):
                 str(Path(build._cuda_home(build.nvcc())) / "include"),
                 sysconfig.get_paths()["include"]]
     std = "-std=c++20" if tuple(int(x) for x in torch.__version__.split(".")[:2]) >= (2, 12) else "-std=c++17"
-    cmd = ["g++", std, "-fsyntax-only", *[f"-I{i}" for i in includes], str(build.CSRC / "ops.cpp")]
+    cmd = ["g++", std, "-fsyntax-only", *[f"-I{i}" for i in includes], str(build.CSRC / name)]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr[-4000:]
 
@@ -141,7 +142,8 @@ def test_manifest_records_this_build():
 
 def test_source_hash_covers_every_source():
     names = {p.name for p in build.CSRC.iterdir()}
-    assert {"ops.cpp", "kernels.h", "common.cuh", "sampling.cu"} <= names
+    assert {"ops.cpp", "ops_layers.cpp", "ops_common.h", "kernels.h", "common.cuh", "sampling.cu"} <= names
+    assert {p.name for p in build.sources()} >= {"ops.cpp", "ops_layers.cpp", "layers.cu"}
     assert len(build.source_hash()) == 64
 
 

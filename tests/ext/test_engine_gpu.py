@@ -1,6 +1,6 @@
 """End to end on the GPU through the CUDA ops: greedy DDTree output equals plain greedy decoding token for token
-on tiny fp32 models of every family (GQA and MLA attention, write_kv and KV compaction all served by the
-extension), and CUDA plain decoding equals the CPU reference engine."""
+on tiny fp32 models of every family (GQA and MLA attention, the KV writes, the decoder-layer ops and KV
+compaction all served by the extension), and CUDA plain decoding equals the CPU reference engine."""
 from __future__ import annotations
 
 import pytest
@@ -47,8 +47,12 @@ def test_ddtree_equals_plain_with_cuda_ops(tiny_checkpoints, plain_cuda, family,
     assert greedy(LLM(folder, dtype="fp32", device="cuda", drafter="ngram", spec_budget=8,
                       block_size=block_size)) == ref
     used = {k: v - before.get(k, 0) for k, v in ops.cuda_calls().items()}
-    attention = "mla_paged_attention" if family == "deepseek_v3" else "paged_attention"
-    assert used.get(attention, 0) > 0 and used.get("write_kv", 0) > 0, used
+    mla = family == "deepseek_v3"
+    attention, kv_write = ("mla_paged_attention", "write_kv") if mla else ("paged_attention", "write_kv_pair")
+    assert used.get(attention, 0) > 0 and used.get(kv_write, 0) > 0, used
+    # the decoder-layer ops (DeepSeek-V3 keeps its own interleaved-capable rope)
+    layer_ops = ("fused_add_rmsnorm", "silu_and_mul") if mla else ("fused_add_rmsnorm", "silu_and_mul", "rope_inplace")
+    assert all(used.get(op, 0) > 0 for op in layer_ops), used
     # demoted golden tokens: accepted paths leave the spine; the whole round ran through the extension
     assert used.get("kv_compact_tree", 0) > 0 and used.get("tree_accept", 0) > 0, used
     assert ops.reference_fallbacks() == {}, ops.reference_fallbacks()

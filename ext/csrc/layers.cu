@@ -1,0 +1,262 @@
+// Decoder-layer kernels: RMSNorm with a fused residual add, neox rotary embedding of q and k in place, and
+// SiLU-and-mul. Each reproduces the rounding steps of the eager PyTorch math (ext/reference/layers.py): every
+// intermediate the eager code materialises in the model dtype is rounded to it here too, products and sums are
+// IEEE-rounded (no FMA contraction), so rope and SiLU-and-mul match the eager CUDA math bit for bit and RMSNorm
+// differs only by the order of its sum of squares.
+#include "common.cuh"
+
+namespace ddtree {
+
+namespace {
+
+template <typename T, int N> struct alignas(sizeof(T) * N) Pack { T v[N]; };
+
+// The output dtype of `weight * normalised`: the dtype itself when they agree, else fp32 (type promotion of
+// {fp16, bf16} with fp32, or of fp16 with bf16).
+template <typename T, typename W> struct Promote { using type = float; };
+template <typename T> struct Promote<T, T> { using type = T; };
+
+template <typename T> __device__ __forceinline__ float round_to(float x) { return Num<T>::to_f(Num<T>::from_f(x)); }
+
+template <typename T, int N> __device__ __forceinline__ void load_f(const T* p, float (&out)[N]) {
+  const Pack<T, N> v = *reinterpret_cast<const Pack<T, N>*>(p);
+#pragma unroll
+  for (int j = 0; j < N; ++j) out[j] = Num<T>::to_f(v.v[j]);
+}
+template <typename T, int N> __device__ __forceinline__ void store_f(T* p, const float (&in)[N]) {
+  Pack<T, N> v;
+#pragma unroll
+  for (int j = 0; j < N; ++j) v.v[j] = Num<T>::from_f(in[j]);
+  *reinterpret_cast<Pack<T, N>*>(p) = v;
+}
+
+// ---- RMSNorm -------------------------------------------------------------------------------------------------
+constexpr int kNormCached = 4;       // vectors per thread kept in registers between the two passes
+constexpr int kNormWarpRows = 4;     // rows per 128-thread block in the warp-per-row variant
+
+// Row `row` = (outer t, inner r): x at x + t*x_stride0 + r*x_stride1. Pass 1 forms the new residual (rounded to
+// T), writes it and sums its squares in fp32; pass 2 scales by rsqrt(mean + eps), rounds to T, multiplies by the
+// weight and rounds to the output dtype. WARP_ROW: one warp per row (short rows); else one block per row.
+constexpr int kNormMaxThreads = 512;  // block-per-row variant (128 registers a thread: no spills)
+
+template <typename T, typename W, int VEC, bool WARP_ROW>
+__global__ void __launch_bounds__(WARP_ROW ? 32 * kNormWarpRows : kNormMaxThreads) rms_norm_kernel(RmsNormParams p) {
+  using O = typename Promote<T, W>::type;
+  __shared__ float partial[32];
+  int64_t row;
+  int tid, nthreads;
+  if (WARP_ROW) {
+    row = static_cast<int64_t>(blockIdx.x) * kNormWarpRows + threadIdx.x / 32;
+    tid = threadIdx.x % 32;
+    nthreads = 32;
+    if (row >= p.rows) return;  // the whole warp leaves together
+  } else {
+    row = blockIdx.x;
+    tid = threadIdx.x;
+    nthreads = blockDim.x;
+  }
+  const int64_t t = row / p.inner, r = row % p.inner;
+  const T* x = static_cast<const T*>(p.x) + t * p.x_stride0 + r * p.x_stride1;
+  const T* res = p.residual ? static_cast<const T*>(p.residual) + t * p.r_stride0 + r * p.r_stride1 : nullptr;
+  T* nres = p.new_residual ? static_cast<T*>(p.new_residual) + row * p.hidden : nullptr;
+  const W* weight = static_cast<const W*>(p.weight);
+  O* out = static_cast<O*>(p.out) + row * p.hidden;
+  const int nvec = p.hidden / VEC;
+
+  float cached[kNormCached][VEC];
+  float ss = 0.f;
+  auto first = [&](int i, float (&v)[VEC]) {
+    load_f<T, VEC>(x + i * VEC, v);
+    if (res != nullptr) {
+      float b[VEC];
+      load_f<T, VEC>(res + i * VEC, b);
+#pragma unroll
+      for (int j = 0; j < VEC; ++j) v[j] = round_to<T>(__fadd_rn(v[j], b[j]));
+      store_f<T, VEC>(nres + i * VEC, v);
+    }
+#pragma unroll
+    for (int j = 0; j < VEC; ++j) ss = __fadd_rn(ss, __fmul_rn(v[j], v[j]));
+  };
+#pragma unroll
+  for (int k = 0; k < kNormCached; ++k) {
+    const int i = tid + k * nthreads;
+    if (i < nvec) first(i, cached[k]);
+  }
+  for (int i = tid + kNormCached * nthreads; i < nvec; i += nthreads) {
+    float v[VEC];
+    first(i, v);
+  }
+
+  ss = warp_sum(ss);
+  if (!WARP_ROW) {
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, nwarps = (blockDim.x + 31) / 32;
+    if (lane == 0) partial[warp] = ss;
+    __syncthreads();
+    if (warp == 0) {
+      float s = lane < nwarps ? partial[lane] : 0.f;
+      s = warp_sum(s);
+      if (lane == 0) partial[0] = s;
+    }
+    __syncthreads();
+    ss = partial[0];
+  }
+  const float inv = rsqrtf(__fadd_rn(__fdiv_rn(ss, static_cast<float>(p.hidden)), p.eps));
+
+  auto second = [&](int i, const float (&v)[VEC]) {
+    float w[VEC], o[VEC];
+    load_f<W, VEC>(weight + i * VEC, w);
+#pragma unroll
+    for (int j = 0; j < VEC; ++j) o[j] = __fmul_rn(w[j], round_to<T>(__fmul_rn(v[j], inv)));
+    store_f<O, VEC>(out + i * VEC, o);
+  };
+#pragma unroll
+  for (int k = 0; k < kNormCached; ++k) {
+    const int i = tid + k * nthreads;
+    if (i < nvec) second(i, cached[k]);
+  }
+  for (int i = tid + kNormCached * nthreads; i < nvec; i += nthreads) {
+    float v[VEC];
+    load_f<T, VEC>((res != nullptr ? nres : x) + i * VEC, v);  // this thread's own writes of pass 1
+    second(i, v);
+  }
+}
+
+template <typename T, typename W, int VEC>
+cudaError_t rms_norm_launch(const RmsNormParams& p, cudaStream_t stream) {
+  const int nvec = p.hidden / VEC;
+  if (nvec <= 32 * kNormCached) {
+    const int64_t blocks = (p.rows + kNormWarpRows - 1) / kNormWarpRows;
+    rms_norm_kernel<T, W, VEC, true><<<static_cast<unsigned>(blocks), 32 * kNormWarpRows, 0, stream>>>(p);
+  } else {
+    const int threads = nvec >= kNormMaxThreads ? kNormMaxThreads : (nvec + 31) / 32 * 32;
+    rms_norm_kernel<T, W, VEC, false><<<static_cast<unsigned>(p.rows), threads, 0, stream>>>(p);
+  }
+  return cudaGetLastError();
+}
+
+bool aligned(const void* ptr, int bytes) { return reinterpret_cast<uintptr_t>(ptr) % bytes == 0; }
+
+template <typename T, typename W>
+cudaError_t rms_norm_typed(const RmsNormParams& p, cudaStream_t stream) {
+  constexpr int V = 16 / sizeof(T);
+  using O = typename Promote<T, W>::type;
+  bool vec = p.hidden % V == 0 && p.x_stride0 % V == 0 && p.x_stride1 % V == 0 && aligned(p.x, 16) &&
+             aligned(p.weight, V * sizeof(W)) && aligned(p.out, V * sizeof(O));
+  if (p.residual != nullptr)
+    vec = vec && p.r_stride0 % V == 0 && p.r_stride1 % V == 0 && aligned(p.residual, 16) && aligned(p.new_residual, 16);
+  return vec ? rms_norm_launch<T, W, V>(p, stream) : rms_norm_launch<T, W, 1>(p, stream);
+}
+
+template <typename T>
+cudaError_t rms_norm_weight(const RmsNormParams& p, DType wd, cudaStream_t stream) {
+  if (wd == kFloat32) return rms_norm_typed<T, float>(p, stream);
+  if (wd == kFloat16) return rms_norm_typed<T, __half>(p, stream);
+  return rms_norm_typed<T, __nv_bfloat16>(p, stream);
+}
+
+// ---- rotary embedding ------------------------------------------------------------------------------------------
+// One block per token; items are (head of q or k, VEC pairs (i, i + half)). out_i = x_i*cos_i - x_{i+h}*sin_i,
+// out_{i+h} = x_{i+h}*cos_{i+h} + x_i*sin_{i+h}, each product and the sum rounded to T as the eager code does.
+template <typename T, int VEC>
+__global__ void __launch_bounds__(256) rope_kernel(RopeParams p) {
+  const int64_t t = blockIdx.x;
+  const int half = p.head_dim / 2, chunks = half / VEC, items = (p.num_q_heads + p.num_k_heads) * chunks;
+  const T* cos = static_cast<const T*>(p.cos) + t * p.cos_stride_t;
+  const T* sin = static_cast<const T*>(p.sin) + t * p.sin_stride_t;
+  for (int it = threadIdx.x; it < items; it += blockDim.x) {
+    const int h = it / chunks, c = (it % chunks) * VEC;
+    T* x = h < p.num_q_heads ? static_cast<T*>(p.q) + t * p.q_stride_t + h * p.q_stride_h
+                             : static_cast<T*>(p.k) + t * p.k_stride_t + (h - p.num_q_heads) * p.k_stride_h;
+    float x1[VEC], x2[VEC], c1[VEC], c2[VEC], s1[VEC], s2[VEC], o1[VEC], o2[VEC];
+    load_f<T, VEC>(x + c, x1);
+    load_f<T, VEC>(x + half + c, x2);
+    load_f<T, VEC>(cos + c, c1);
+    load_f<T, VEC>(cos + half + c, c2);
+    load_f<T, VEC>(sin + c, s1);
+    load_f<T, VEC>(sin + half + c, s2);
+#pragma unroll
+    for (int j = 0; j < VEC; ++j) {
+      o1[j] = __fsub_rn(round_to<T>(__fmul_rn(x1[j], c1[j])), round_to<T>(__fmul_rn(x2[j], s1[j])));
+      o2[j] = __fadd_rn(round_to<T>(__fmul_rn(x2[j], c2[j])), round_to<T>(__fmul_rn(x1[j], s2[j])));
+    }
+    store_f<T, VEC>(x + c, o1);
+    store_f<T, VEC>(x + half + c, o2);
+  }
+}
+
+template <typename T>
+cudaError_t rope_typed(const RopeParams& p, cudaStream_t stream) {
+  constexpr int V = 16 / sizeof(T);
+  const int half = p.head_dim / 2;
+  const bool vec = half % V == 0 && p.q_stride_t % V == 0 && p.q_stride_h % V == 0 && p.k_stride_t % V == 0 &&
+                   p.k_stride_h % V == 0 && p.cos_stride_t % V == 0 && p.sin_stride_t % V == 0 && aligned(p.q, 16) &&
+                   aligned(p.k, 16) && aligned(p.cos, 16) && aligned(p.sin, 16);
+  const int items = (p.num_q_heads + p.num_k_heads) * (vec ? half / V : half);
+  const int threads = items >= 256 ? 256 : (items + 31) / 32 * 32;
+  if (vec) rope_kernel<T, V><<<p.num_tokens, threads, 0, stream>>>(p);
+  else rope_kernel<T, 1><<<p.num_tokens, threads, 0, stream>>>(p);
+  return cudaGetLastError();
+}
+
+// ---- SiLU and mul ----------------------------------------------------------------------------------------------
+// out[t, i] = round(round(g / (1 + exp(-g))) * u) with g = x[t, i], u = x[t, inter + i] (torch's silu formula).
+template <typename T, int VEC>
+__global__ void __launch_bounds__(256) silu_and_mul_kernel(const T* __restrict__ x, int64_t x_stride,
+                                                           T* __restrict__ out, int64_t rows, int inter) {
+  const int chunks = inter / VEC;
+  const int64_t total = rows * chunks;
+  for (int64_t idx = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; idx < total;
+       idx += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t t = idx / chunks;
+    const int c = static_cast<int>(idx % chunks) * VEC;
+    float g[VEC], u[VEC], o[VEC];
+    load_f<T, VEC>(x + t * x_stride + c, g);
+    load_f<T, VEC>(x + t * x_stride + inter + c, u);
+#pragma unroll
+    for (int j = 0; j < VEC; ++j) {
+      const float s = round_to<T>(__fdiv_rn(g[j], __fadd_rn(1.0f, expf(-g[j]))));
+      o[j] = __fmul_rn(s, u[j]);
+    }
+    store_f<T, VEC>(out + t * inter + c, o);
+  }
+}
+
+template <typename T>
+cudaError_t silu_typed(const void* x, int64_t x_stride, void* out, int64_t rows, int inter, cudaStream_t stream) {
+  constexpr int V = 16 / sizeof(T);
+  const bool vec = inter % V == 0 && x_stride % V == 0 && aligned(x, 16) && aligned(out, 16);
+  const int64_t total = rows * (vec ? inter / V : inter);
+  const int64_t blocks = (total + 255) / 256;
+  const unsigned grid = static_cast<unsigned>(blocks < 65536 ? blocks : 65536);
+  const T* xi = static_cast<const T*>(x);
+  T* o = static_cast<T*>(out);
+  if (vec) silu_and_mul_kernel<T, V><<<grid, 256, 0, stream>>>(xi, x_stride, o, rows, inter);
+  else silu_and_mul_kernel<T, 1><<<grid, 256, 0, stream>>>(xi, x_stride, o, rows, inter);
+  return cudaGetLastError();
+}
+
+}  // namespace
+
+cudaError_t rms_norm(const RmsNormParams& p, DType x_dtype, DType weight_dtype, cudaStream_t stream) {
+  if (p.rows == 0 || p.hidden == 0) return cudaSuccess;
+  if (x_dtype == kFloat32) return rms_norm_weight<float>(p, weight_dtype, stream);
+  if (x_dtype == kFloat16) return rms_norm_weight<__half>(p, weight_dtype, stream);
+  return rms_norm_weight<__nv_bfloat16>(p, weight_dtype, stream);
+}
+
+cudaError_t rope_inplace(const RopeParams& p, DType dtype, cudaStream_t stream) {
+  if (p.num_tokens == 0 || p.head_dim < 2 || p.num_q_heads + p.num_k_heads == 0) return cudaSuccess;
+  if (dtype == kFloat32) return rope_typed<float>(p, stream);
+  if (dtype == kFloat16) return rope_typed<__half>(p, stream);
+  return rope_typed<__nv_bfloat16>(p, stream);
+}
+
+cudaError_t silu_and_mul(const void* x, DType dtype, int64_t x_stride, void* out, int64_t rows, int inter,
+                         cudaStream_t stream) {
+  if (rows == 0 || inter == 0) return cudaSuccess;
+  if (dtype == kFloat32) return silu_typed<float>(x, x_stride, out, rows, inter, stream);
+  if (dtype == kFloat16) return silu_typed<__half>(x, x_stride, out, rows, inter, stream);
+  return silu_typed<__nv_bfloat16>(x, x_stride, out, rows, inter, stream);
+}
+
+}  // namespace ddtree

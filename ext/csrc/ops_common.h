@@ -1,0 +1,41 @@
+// Helpers shared by the torch-facing files (ops.cpp, ops_layers.cpp): input checks, dtype mapping, launch error
+// reporting, the current stream. Torch headers are fine here; the .cu kernel files never include this.
+#pragma once
+#include <ATen/ATen.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+
+#include <cstdint>
+
+#include "kernels.h"
+
+#define CHECK_CUDA(x) TORCH_CHECK((x).is_cuda(), "ddtree: " #x " must be a CUDA tensor")
+#define CHECK_TYPE(x, t) TORCH_CHECK((x).scalar_type() == (t), "ddtree: " #x " must be " #t ", got ", (x).scalar_type())
+
+namespace ddtree_ops {
+
+inline ddtree::DType dtype_of(const at::Tensor& t) {
+  switch (t.scalar_type()) {
+    case at::kFloat: return ddtree::kFloat32;
+    case at::kHalf: return ddtree::kFloat16;
+    case at::kBFloat16: return ddtree::kBFloat16;
+    default: TORCH_CHECK(false, "ddtree: unsupported dtype ", t.scalar_type());
+  }
+}
+
+inline void check(cudaError_t err, const char* op) {
+  TORCH_CHECK(err == cudaSuccess, "ddtree::", op, " launch failed: ", cudaGetErrorString(err));
+}
+
+inline cudaStream_t stream() { return c10::cuda::getCurrentCUDAStream().stream(); }
+
+inline int num_sms() {
+  int device = 0, sms = 0;
+  cudaGetDevice(&device);
+  cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
+  return sms > 0 ? sms : 1;
+}
+
+inline bool aligned16(const at::Tensor& t) { return reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0; }
+
+}  // namespace ddtree_ops

@@ -1,0 +1,168 @@
+// The torch side of the decoder-layer ops (kernels in layers.cu and cache.cu): RMSNorm with and without a fused
+// residual add, rope of q and k in place, SiLU-and-mul, and the K+V cache write in one launch. Their schemas are
+// a TORCH_LIBRARY_FRAGMENT of the `ddtree` namespace that ops.cpp defines; fakes in ext/fake.py. No op
+// synchronizes with the host (CUDA-graph safe); outputs are fresh contiguous tensors.
+#include <torch/library.h>
+
+#include <tuple>
+
+#include "ops_common.h"
+
+namespace {
+
+using at::Tensor;
+using namespace ddtree_ops;
+
+void check_float(const Tensor& t, const char* what) {
+  const auto s = t.scalar_type();
+  TORCH_CHECK(s == at::kFloat || s == at::kHalf || s == at::kBFloat16, "ddtree: ", what, " must be fp32, fp16 or bf16");
+}
+
+// x [rows, H] or [T, R, H] (unit last stride): rows, strides and weight checks shared by both norms.
+ddtree::RmsNormParams norm_params(const Tensor& x, const Tensor& weight, double eps) {
+  CHECK_CUDA(x); CHECK_CUDA(weight);
+  check_float(x, "x"); check_float(weight, "weight");
+  TORCH_CHECK((x.dim() == 2 || x.dim() == 3) && (x.stride(-1) == 1 || x.size(-1) == 1),
+              "ddtree::rms_norm: x must be [rows, hidden] or [tokens, heads, hidden] with a unit last stride");
+  TORCH_CHECK(weight.dim() == 1 && weight.size(0) == x.size(-1) && weight.device() == x.device(),
+              "ddtree::rms_norm: weight must be [hidden] on x's device");
+  TORCH_CHECK(x.size(-1) < (int64_t{1} << 31), "ddtree::rms_norm: rows too long");
+  ddtree::RmsNormParams p{};
+  p.x = x.data_ptr();
+  p.x_stride0 = x.stride(0);
+  p.x_stride1 = x.dim() == 3 ? x.stride(1) : 0;
+  p.inner = x.dim() == 3 ? x.size(1) : 1;
+  p.rows = x.size(0) * p.inner;
+  p.hidden = static_cast<int>(x.size(-1));
+  p.eps = static_cast<float>(eps);
+  return p;
+}
+
+Tensor rms_norm_out(const Tensor& x, const Tensor& weight) {
+  return at::empty(x.sizes(), x.options().dtype(at::promote_types(x.scalar_type(), weight.scalar_type())));
+}
+
+Tensor rms_norm(Tensor x, Tensor weight, double eps) {
+  ddtree::RmsNormParams p = norm_params(x, weight, eps);
+  c10::cuda::CUDAGuard guard(x.device());
+  Tensor w = weight.contiguous();
+  Tensor out = rms_norm_out(x, weight);
+  p.weight = w.data_ptr();
+  p.out = out.data_ptr();
+  check(ddtree::rms_norm(p, dtype_of(x), dtype_of(w), stream()), "rms_norm");
+  return out;
+}
+
+std::tuple<Tensor, Tensor> fused_add_rmsnorm(Tensor x, Tensor residual, Tensor weight, double eps) {
+  ddtree::RmsNormParams p = norm_params(x, weight, eps);
+  CHECK_CUDA(residual);
+  TORCH_CHECK(residual.sizes() == x.sizes() && residual.scalar_type() == x.scalar_type() &&
+              residual.device() == x.device() && (residual.stride(-1) == 1 || x.size(-1) == 1),
+              "ddtree::fused_add_rmsnorm: residual must match x (shape, dtype, device) with a unit last stride");
+  c10::cuda::CUDAGuard guard(x.device());
+  Tensor w = weight.contiguous();
+  Tensor out = rms_norm_out(x, weight);
+  Tensor new_residual = at::empty(x.sizes(), x.options());
+  p.residual = residual.data_ptr();
+  p.r_stride0 = residual.stride(0);
+  p.r_stride1 = x.dim() == 3 ? residual.stride(1) : 0;
+  p.weight = w.data_ptr();
+  p.out = out.data_ptr();
+  p.new_residual = new_residual.data_ptr();
+  check(ddtree::rms_norm(p, dtype_of(x), dtype_of(w), stream()), "fused_add_rmsnorm");
+  return {out, new_residual};
+}
+
+void rope_inplace(Tensor q, Tensor k, Tensor cos, Tensor sin) {
+  CHECK_CUDA(q); CHECK_CUDA(k); CHECK_CUDA(cos); CHECK_CUDA(sin);
+  check_float(q, "q");
+  TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && cos.dim() == 2 && sin.dim() == 2,
+              "ddtree::rope_inplace: q [T, Hq, D], k [T, Hk, D], cos and sin [T, D]");
+  const int64_t T = q.size(0), D = q.size(2);
+  TORCH_CHECK(k.size(0) == T && cos.size(0) == T && sin.size(0) == T && k.size(2) == D && cos.size(1) == D &&
+              sin.size(1) == D && D % 2 == 0, "ddtree::rope_inplace: shapes do not match (or an odd head_dim)");
+  TORCH_CHECK(k.scalar_type() == q.scalar_type() && cos.scalar_type() == q.scalar_type() &&
+              sin.scalar_type() == q.scalar_type(), "ddtree::rope_inplace: q, k, cos and sin must share a dtype");
+  TORCH_CHECK(k.device() == q.device() && cos.device() == q.device() && sin.device() == q.device(),
+              "ddtree::rope_inplace: all inputs must be on one device");
+  TORCH_CHECK(q.stride(2) == 1 && k.stride(2) == 1 && cos.stride(1) == 1 && sin.stride(1) == 1,
+              "ddtree::rope_inplace: last dims must be contiguous");
+  TORCH_CHECK(T < (int64_t{1} << 31) && q.size(1) + k.size(1) < (int64_t{1} << 20) && D < (int64_t{1} << 20),
+              "ddtree::rope_inplace: too many tokens or heads");
+  if (T == 0) return;
+  c10::cuda::CUDAGuard guard(q.device());
+  ddtree::RopeParams p{};
+  p.q = q.data_ptr(); p.q_stride_t = q.stride(0); p.q_stride_h = q.stride(1);
+  p.k = k.data_ptr(); p.k_stride_t = k.stride(0); p.k_stride_h = k.stride(1);
+  p.cos = cos.data_ptr(); p.sin = sin.data_ptr(); p.cos_stride_t = cos.stride(0); p.sin_stride_t = sin.stride(0);
+  p.num_tokens = static_cast<int>(T);
+  p.num_q_heads = static_cast<int>(q.size(1));
+  p.num_k_heads = static_cast<int>(k.size(1));
+  p.head_dim = static_cast<int>(D);
+  check(ddtree::rope_inplace(p, dtype_of(q), stream()), "rope_inplace");
+}
+
+Tensor silu_and_mul(Tensor x) {
+  CHECK_CUDA(x);
+  check_float(x, "x");
+  TORCH_CHECK(x.dim() == 2 && x.size(1) % 2 == 0, "ddtree::silu_and_mul: x must be [tokens, 2 * intermediate]");
+  TORCH_CHECK(x.size(1) < (int64_t{1} << 31), "ddtree::silu_and_mul: rows too long");
+  c10::cuda::CUDAGuard guard(x.device());
+  Tensor xr = x.size(1) > 1 && x.stride(1) != 1 ? x.contiguous() : x;
+  const int64_t T = x.size(0), I = x.size(1) / 2;
+  Tensor out = at::empty({T, I}, x.options());
+  check(ddtree::silu_and_mul(xr.data_ptr(), dtype_of(xr), xr.stride(0), out.data_ptr(), T, static_cast<int>(I), stream()),
+        "silu_and_mul");
+  return out;
+}
+
+// rows [T, ...] of one cache row each -> (cache view, rows [T, elems] with a unit last stride)
+ddtree::KvRows kv_rows(const Tensor& cache, const Tensor& rows, int64_t T, Tensor& keep) {
+  TORCH_CHECK(cache.dim() >= 2 && cache.is_contiguous(),
+              "ddtree::write_kv_pair: caches must be contiguous [blocks, block_size, ...]");
+  TORCH_CHECK(rows.dim() >= 1 && rows.size(0) == T, "ddtree::write_kv_pair: one row of k and of v per slot");
+  const int64_t slots = cache.size(0) * cache.size(1);
+  const int64_t elems = slots == 0 ? 0 : cache.numel() / slots;
+  TORCH_CHECK(rows.numel() == T * elems, "ddtree::write_kv_pair: row shape does not match the cache row");
+  keep = rows.reshape({T, elems});
+  if (elems > 0 && keep.stride(1) != 1) keep = keep.contiguous();
+  return ddtree::KvRows{cache.data_ptr(), keep.data_ptr(), keep.stride(0), elems};
+}
+
+void write_kv_pair(Tensor k_cache, Tensor v_cache, Tensor k, Tensor v, Tensor slot_mapping) {
+  CHECK_CUDA(k_cache); CHECK_CUDA(v_cache); CHECK_CUDA(k); CHECK_CUDA(v); CHECK_CUDA(slot_mapping);
+  CHECK_TYPE(slot_mapping, at::kLong);
+  check_float(k_cache, "k_cache"); check_float(k, "k");
+  TORCH_CHECK(v_cache.scalar_type() == k_cache.scalar_type() && v.scalar_type() == k.scalar_type(),
+              "ddtree::write_kv_pair: the caches must share a dtype, and so must k and v");
+  TORCH_CHECK(v_cache.device() == k_cache.device() && k.device() == k_cache.device() && v.device() == k_cache.device() &&
+              slot_mapping.device() == k_cache.device(), "ddtree::write_kv_pair: all inputs must be on one device");
+  const int64_t T = slot_mapping.numel();
+  TORCH_CHECK(T < (int64_t{1} << 31), "ddtree::write_kv_pair: too many tokens");
+  c10::cuda::CUDAGuard guard(k_cache.device());
+  Tensor kr, vr;
+  const ddtree::KvRows a = kv_rows(k_cache, k, T, kr), b = kv_rows(v_cache, v, T, vr);
+  if (T == 0) return;
+  Tensor sm = slot_mapping.contiguous();
+  check(ddtree::write_kv_pair(a, b, dtype_of(k_cache), dtype_of(k), sm.data_ptr<int64_t>(), static_cast<int>(T), stream()),
+        "write_kv_pair");
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(ddtree, m) {
+  m.set_python_module("ext.fake");
+  m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
+  m.def("fused_add_rmsnorm(Tensor x, Tensor residual, Tensor weight, float eps) -> (Tensor, Tensor)");
+  m.def("rope_inplace(Tensor(a!) q, Tensor(b!) k, Tensor cos, Tensor sin) -> ()");
+  m.def("silu_and_mul(Tensor x) -> Tensor");
+  m.def("write_kv_pair(Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor k, Tensor v, Tensor slot_mapping) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(ddtree, CUDA, m) {
+  m.impl("rms_norm", &rms_norm);
+  m.impl("fused_add_rmsnorm", &fused_add_rmsnorm);
+  m.impl("rope_inplace", &rope_inplace);
+  m.impl("silu_and_mul", &silu_and_mul);
+  m.impl("write_kv_pair", &write_kv_pair);
+}

@@ -1,0 +1,47 @@
+"""Pure-PyTorch twins of the decoder-layer ops: exactly the eager math of engine/model/layers.py and
+engine/model/attention.py as it stood before the ops existed (so CPU results are unchanged), also the CPU
+implementation. The CUDA kernels (ext/csrc/layers.cu) round every intermediate the same way."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ext.reference.attention import write_kv
+
+
+def fused_add_rmsnorm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
+                      eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out, new_residual): new_residual = x + residual (x itself when residual is None); out = weight * the
+    RMSNorm of new_residual, normalised in fp32 and cast back to its dtype before the weight multiply (as HF)."""
+    if residual is not None:
+        x = x + residual
+    dtype = x.dtype
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(dtype), x
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Neox rotate-half rope: x [num_tokens, num_heads, dim]; cos/sin [num_tokens, dim]."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos[:, None, :] + rotated * sin[:, None, :]
+
+
+def rope_inplace(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+    """q [T, Hq, D] and k [T, Hk, D] (views allowed) rotated in place."""
+    q.copy_(apply_rope(q, cos, sin))
+    k.copy_(apply_rope(k, cos, sin))
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """x [..., 2I] (gate; up) -> silu(gate) * up [..., I]."""
+    gate, up = x.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def write_kv_pair(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                  slot_mapping: torch.Tensor) -> None:
+    """write_kv of k into k_cache and of v into v_cache at the same slots (-1 skipped)."""
+    write_kv(k_cache, k, slot_mapping)
+    write_kv(v_cache, v, slot_mapping)

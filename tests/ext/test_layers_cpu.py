@@ -1,0 +1,120 @@
+"""The decoder-layer ops on CPU: their PyTorch twins are bit-for-bit the eager math they replaced, the ops serve
+them on CPU tensors, a reference call on CUDA tensors is counted as a fallback, and the Llama / Qwen3 forward with
+the fused residual stream is bit-identical to the old h + attn(norm(h)) structure, captured layers included."""
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from engine.model.layers import RMSNorm
+from ext import build, ops, reference
+from tests.ext.layer_cases import (SMOLLM2_135M, old_apply_rope, old_forward, old_rms_norm, old_silu_and_mul,
+                                   step_inputs, tiny_model)
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_twins_are_the_old_eager_math(dtype):
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(7, 3, 40, generator=gen).to(dtype)
+    res = torch.randn(7, 3, 40, generator=gen).to(dtype)
+    w = (1 + 0.1 * torch.randn(40, generator=gen)).to(dtype)
+    out, same = reference.fused_add_rmsnorm(x, None, w, 1e-6)
+    assert same is x and torch.equal(out, old_rms_norm(x, w, 1e-6))
+    out, new_res = reference.fused_add_rmsnorm(x, res, w, 1e-6)
+    assert torch.equal(new_res, res + x)  # the old stream: h + attn_out
+    assert torch.equal(out, old_rms_norm(res + x, w, 1e-6))
+    w32 = w.float()  # an fp32 weight promotes, as the eager multiply does
+    assert torch.equal(reference.fused_add_rmsnorm(x, None, w32, 1e-6)[0], old_rms_norm(x, w32, 1e-6))
+
+    qkv = torch.randn(5, (4 + 2 + 2) * 16, generator=gen).to(dtype)
+    q, k = qkv[:, :64].view(5, 4, 16), qkv[:, 64:96].view(5, 2, 16)
+    cos, sin = torch.randn(5, 16, generator=gen).to(dtype), torch.randn(5, 16, generator=gen).to(dtype)
+    want_q, want_k, v_before = old_apply_rope(q, cos, sin), old_apply_rope(k, cos, sin), qkv[:, 96:].clone()
+    reference.rope_inplace(q, k, cos, sin)
+    assert torch.equal(q, want_q) and torch.equal(k, want_k) and torch.equal(qkv[:, 96:], v_before)
+
+    gate_up = torch.randn(6, 2 * 24, generator=gen).to(dtype)
+    assert torch.equal(reference.silu_and_mul(gate_up), old_silu_and_mul(gate_up))
+
+    caches = torch.randn(2, 4, 8, 2, 16, generator=gen).to(dtype)
+    expect = caches.clone()
+    slots = torch.tensor([3, -1, 17, 30, 0])
+    reference.write_kv(expect[0], qkv[:, 64:96].view(5, 2, 16), slots)
+    reference.write_kv(expect[1], qkv[:, 96:].reshape(5, 2, 16), slots)
+    reference.write_kv_pair(caches[0], caches[1], qkv[:, 64:96].view(5, 2, 16), qkv[:, 96:].reshape(5, 2, 16), slots)
+    assert torch.equal(caches, expect)
+
+
+def test_cpu_ops_are_the_twins():
+    gen = torch.Generator().manual_seed(1)
+    before = ops.cuda_calls()
+    ops.take_reference_fallbacks()
+    x, res = torch.randn(9, 64, generator=gen), torch.randn(9, 64, generator=gen)
+    w = torch.randn(64, generator=gen)
+    for r in (None, res):
+        got, want = ops.fused_add_rmsnorm(x, r, w, 1e-5), reference.fused_add_rmsnorm(x, r, w, 1e-5)
+        assert all(torch.equal(a, b) for a, b in zip(got, want))
+    assert ops.fused_add_rmsnorm(x, None, w, 1e-5)[1] is x
+    q, k = torch.randn(9, 4, 16, generator=gen), torch.randn(9, 2, 16, generator=gen)
+    cos, sin = torch.randn(9, 16, generator=gen), torch.randn(9, 16, generator=gen)
+    q2, k2 = q.clone(), k.clone()
+    ops.rope_inplace(q, k, cos, sin)
+    reference.rope_inplace(q2, k2, cos, sin)
+    assert torch.equal(q, q2) and torch.equal(k, k2)
+    assert torch.equal(ops.silu_and_mul(x), reference.silu_and_mul(x))
+    kc, vc = torch.zeros(3, 4, 2, 16), torch.zeros(3, 4, 2, 16)
+    slots = torch.tensor([0, 5, -1, 11, 2, 3, 4, 6, 7])
+    ops.write_kv_pair(kc, vc, k, k * 2, slots)
+    assert torch.equal(kc.view(-1, 2, 16)[slots[slots >= 0]], k[slots >= 0])
+    assert torch.equal(vc.view(-1, 2, 16)[slots[slots >= 0]], 2 * k[slots >= 0])
+    assert ops.take_reference_fallbacks() == {} and ops.cuda_calls() == before
+
+
+def test_rmsnorm_module_keeps_its_one_argument_form():
+    norm = RMSNorm(32, 1e-6)
+    x, r = torch.randn(3, 32), torch.randn(3, 32)
+    assert torch.equal(norm(x), old_rms_norm(x, norm.weight, 1e-6))
+    out, stream = norm(x, r)
+    assert torch.equal(stream, r + x) and torch.equal(out, old_rms_norm(r + x, norm.weight, 1e-6))
+
+
+def test_layer_op_fallbacks_are_counted(monkeypatch, caplog):
+    """CUDA-looking tensors without the extension: every decoder-layer op runs its twin, counted and warned."""
+    monkeypatch.setattr(ops, "_on_cuda", lambda t: True)
+    monkeypatch.setattr(build, "load_ops", lambda verbose=False: None)
+    monkeypatch.setattr(build, "load_error", lambda: "no CUDA compiler (test)")
+    monkeypatch.setattr(ops, "_warned", set())
+    ops.take_reference_fallbacks()
+    x = torch.randn(4, 32)
+    with caplog.at_level(logging.WARNING, logger="ddtree.ext"):
+        ops.fused_add_rmsnorm(x, x, torch.ones(32), 1e-6)
+        ops.fused_add_rmsnorm(x, None, torch.ones(32), 1e-6)
+        ops.rope_inplace(x.view(4, 2, 16), x.clone().view(4, 2, 16), torch.ones(4, 16), torch.zeros(4, 16))
+        ops.silu_and_mul(x)
+        ops.write_kv_pair(torch.zeros(2, 4, 32), torch.zeros(2, 4, 32), x, x, torch.tensor([0, 1, -1, 7]))
+    assert ops.take_reference_fallbacks() == {"fused_add_rmsnorm": 2, "rope_inplace": 1, "silu_and_mul": 1,
+                                              "write_kv_pair": 1}
+    assert len([r for r in caplog.records if r.name == "ddtree.ext"]) == 4
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_residual_forward_is_bit_identical(family, dtype):
+    """The (x, residual) layers and the final fused norm give exactly the old forward: hidden states, the
+    captured layers (the residual stream after layer i; the last one after the final norm) and the KV caches."""
+    shape = dict(SMOLLM2_135M, layers=3) if family == "llama" else {}
+    model = tiny_model(family, dtype, **shape)
+    ids, meta, caches = step_inputs(model)
+    old_caches = [c.clone() for c in caches]
+    capture = (2, 0, 1)
+    with torch.inference_mode():
+        out, captured = model(ids, meta, caches, capture_layer_ids=capture)
+        want, want_captured = old_forward(model, ids, meta, old_caches, capture_layer_ids=capture)
+    assert out.dtype == dtype and torch.equal(out, want)
+    assert len(captured) == 3 and all(torch.equal(a, b) for a, b in zip(captured, want_captured))
+    assert torch.equal(captured[0], out)  # layer 2 is the last: taken after the final norm, as HF
+    assert all(torch.equal(a, b) for a, b in zip(caches, old_caches))

@@ -1,0 +1,331 @@
+"""The decoder-layer kernels (fused_add_rmsnorm, rope_inplace, silu_and_mul, write_kv_pair) against their PyTorch
+twins run on the same CUDA tensors (the eager CUDA math they replace): fp32 tight, bf16/fp16 within a few units
+in the last place of that dtype (rope bit-level: every rounding step is reproduced), cache writes and new
+residuals exact. Shapes cover the vectorized and scalar paths, strided views of the fused qkv projection, the
+warp-per-row and block-per-row norms. Plus opcheck, CUDA-graph replay, and a whole Llama / Qwen3 forward served
+by the kernels against the eager forward of before the ops."""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from ext import build, ops, reference
+from tests.ext.layer_cases import SMOLLM2_135M, old_forward, step_inputs, tiny_model
+
+pytestmark = pytest.mark.gpu
+DEV = "cuda"
+LAYER_OPS = ("fused_add_rmsnorm", "rope_inplace", "silu_and_mul", "write_kv_pair")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def cuda_ops():
+    lib = build.load_ops(verbose=True)
+    assert lib is not None, build.load_error()
+    return lib
+
+
+def rng():
+    seed = random.SystemRandom().randrange(2**31)
+    print("seed", seed)
+    return random.Random(seed), torch.Generator().manual_seed(seed)
+
+
+def randn(gen, *shape, dtype=torch.float32, scale=1.0):
+    return (scale * torch.randn(*shape, generator=gen)).to(DEV, dtype)
+
+
+def max_ulps(got: torch.Tensor, want: torch.Tensor, grain: torch.dtype) -> float:
+    """Largest |got - want| in units in the last place of want in dtype `grain`; NaNs must coincide."""
+    assert got.dtype == want.dtype and got.shape == want.shape
+    assert torch.equal(torch.isnan(got), torch.isnan(want))
+    fi = torch.finfo(grain)
+    g, w = got.double().nan_to_num(0.0), want.double().nan_to_num(0.0)
+    ulp = torch.exp2(torch.floor(torch.log2(w.abs().clamp(min=fi.tiny)))) * fi.eps
+    return float(((g - w).abs() / ulp).max()) if w.numel() else 0.0
+
+
+def assert_close_in_dtype(got, want, ulps: float, what: str, grain: torch.dtype | None = None):
+    """`grain`: the coarsest dtype the math rounds to (default want's). fp32: tight relative closeness;
+    bf16/fp16: at most `ulps` units in the last place of that dtype (an fp32 result of bf16-rounded
+    intermediates, e.g. an fp32 norm weight times a bf16 normalised row, is measured in bf16 units)."""
+    grain = grain or want.dtype
+    if grain == torch.float32:
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6, msg=what)
+        return
+    off = max_ulps(got, want, grain)
+    print(f"{what}: {off:.2f} ulp")
+    assert off <= ulps, (what, off)
+
+
+def served(name: str, fn):
+    before = ops.cuda_calls().get(name, 0)
+    out = fn()
+    assert ops.cuda_calls().get(name, 0) == before + 1, name
+    return out
+
+
+# ---- fused_add_rmsnorm ---------------------------------------------------------------------------------------
+
+NORM_CASES = [  # (x dtype, weight dtype, rows, hidden)
+    (torch.bfloat16, torch.bfloat16, 1, 576),     # SmolLM2 decode: warp per row, vectorized
+    (torch.bfloat16, torch.bfloat16, 300, 576),
+    (torch.bfloat16, torch.bfloat16, 3, 4096),    # block per row
+    (torch.bfloat16, torch.bfloat16, 2, 40000),   # more vectors than the registers keep: re-read path
+    (torch.float16, torch.float16, 17, 5120),
+    (torch.float32, torch.float32, 33, 576),
+    (torch.float32, torch.float32, 2, 20000),
+    (torch.bfloat16, torch.float32, 9, 1024),     # fp32 weight: fp32 output (type promotion)
+    (torch.float16, torch.bfloat16, 5, 64),       # mixed halves: fp32 output
+    (torch.bfloat16, torch.bfloat16, 7, 100),     # not a multiple of 8: scalar path
+    (torch.float32, torch.float32, 4, 3),
+    (torch.bfloat16, torch.bfloat16, 5, 3000),    # block of 384 threads (not a power of two)
+    (torch.float16, torch.float16, 6, 3001),      # scalar block path, re-reads past the cached vectors
+]
+
+
+@pytest.mark.parametrize("case", range(len(NORM_CASES)))
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_fused_add_rmsnorm(case, with_residual):
+    r, gen = rng()
+    dtype, wdtype, rows, hidden = NORM_CASES[case]
+    x = randn(gen, rows, hidden, dtype=dtype, scale=3.0)
+    residual = randn(gen, rows, hidden, dtype=dtype) if with_residual else None
+    weight = randn(gen, hidden, dtype=wdtype, scale=0.3) + 1
+    eps = r.choice([1e-5, 1e-6])
+    out, new_res = served("fused_add_rmsnorm", lambda: ops.fused_add_rmsnorm(x, residual, weight, eps))
+    want, want_res = reference.fused_add_rmsnorm(x, residual, weight, eps)
+    assert out.dtype == want.dtype == torch.promote_types(dtype, wdtype) and out.shape == want.shape
+    if residual is None:
+        assert new_res is x
+    else:
+        assert torch.equal(new_res, want_res) and new_res.is_contiguous()
+    assert_close_in_dtype(out, want, 3, f"rmsnorm {dtype} {wdtype} {rows}x{hidden}", grain=dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_rmsnorm_of_strided_views(dtype):
+    """Qwen3's per-head q/k norm on views of the fused qkv output [T, heads, head_dim] (token stride = the qkv
+    width), and a residual add on row-strided views."""
+    r, gen = rng()
+    t, hq, hk, d = 11, 8, 2, 128
+    qkv = randn(gen, t, (hq + 2 * hk) * d, dtype=dtype)
+    q, k = qkv[:, :hq * d].view(t, hq, d), qkv[:, hq * d:(hq + hk) * d].view(t, hk, d)
+    w = randn(gen, d, dtype=dtype, scale=0.3) + 1
+    for view in (q, k):
+        out, _ = ops.fused_add_rmsnorm(view, None, w, 1e-6)
+        assert out.shape == view.shape and out.is_contiguous()
+        assert_close_in_dtype(out, reference.fused_add_rmsnorm(view, None, w, 1e-6)[0], 3, "per-head norm")
+    wide = randn(gen, t, 3 * 576, dtype=dtype)
+    x, res = wide[:, :576], wide[:, 1001:1577]  # row stride 1728, a 16-byte-misaligned res: the scalar path
+    wn = randn(gen, 576, dtype=dtype) + 1
+    out, new_res = ops.fused_add_rmsnorm(x, res, wn, 1e-5)
+    want, want_res = reference.fused_add_rmsnorm(x, res, wn, 1e-5)
+    assert torch.equal(new_res, want_res)
+    assert_close_in_dtype(out, want, 3, "strided residual")
+
+
+# ---- rope_inplace ----------------------------------------------------------------------------------------------
+
+ROPE_CASES = [  # (dtype, tokens, q heads, kv heads, head_dim, qkv views)
+    (torch.bfloat16, 1, 9, 3, 64, True),          # SmolLM2 decode
+    (torch.bfloat16, 513, 9, 3, 64, True),
+    (torch.bfloat16, 7, 32, 8, 128, False),
+    (torch.float16, 19, 16, 16, 128, True),
+    (torch.float32, 40, 4, 2, 64, True),
+    (torch.bfloat16, 5, 4, 2, 18, True),          # half = 9: scalar path
+    (torch.float32, 3, 2, 1, 2, False),
+]
+
+
+@pytest.mark.parametrize("case", range(len(ROPE_CASES)))
+@pytest.mark.parametrize("table", ["rotary", "random"])
+def test_rope_inplace(case, table):
+    r, gen = rng()
+    dtype, t, hq, hk, d, views = ROPE_CASES[case]
+    if views:
+        qkv = randn(gen, t, (hq + 2 * hk) * d, dtype=dtype)
+        q, k = qkv[:, :hq * d].view(t, hq, d), qkv[:, hq * d:(hq + hk) * d].view(t, hk, d)
+        v_before = qkv[:, (hq + hk) * d:].clone()
+    else:
+        q, k = randn(gen, t, hq, d, dtype=dtype), randn(gen, t, hk, d, dtype=dtype)
+    if table == "rotary":  # cos/sin as RotaryEmbedding.cos_sin makes them, at random positions
+        positions = torch.randint(0, 40000, (t,), generator=gen).to(DEV)
+        inv_freq = 1.0 / (10000.0 ** (torch.arange(0, d, 2, device=DEV).float() / d))
+        freqs = positions.float()[:, None] * inv_freq[None, :]
+        emb = torch.cat([freqs, freqs], dim=-1)
+        cos, sin = emb.cos().to(dtype), emb.sin().to(dtype)
+    else:  # a general table (halves differ)
+        cos, sin = randn(gen, t, d, dtype=dtype), randn(gen, t, d, dtype=dtype)
+    want_q, want_k = q.clone(), k.clone()
+    reference.rope_inplace(want_q, want_k, cos, sin)
+    served("rope_inplace", lambda: ops.rope_inplace(q, k, cos, sin))
+    assert_close_in_dtype(q, want_q, 1, f"rope q {dtype} d{d}")
+    assert_close_in_dtype(k, want_k, 1, f"rope k {dtype} d{d}")
+    if views:
+        assert torch.equal(qkv[:, (hq + hk) * d:], v_before)  # V untouched
+
+
+# ---- silu_and_mul ----------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype,rows,inter,row_pad", [
+    (torch.bfloat16, 1, 1536, 0), (torch.bfloat16, 300, 1536, 0), (torch.bfloat16, 3, 12288, 0),
+    (torch.float16, 9, 768, 8), (torch.float32, 17, 96, 4), (torch.bfloat16, 5, 7, 0), (torch.float32, 2, 1, 3),
+])
+def test_silu_and_mul(dtype, rows, inter, row_pad):
+    r, gen = rng()
+    wide = randn(gen, rows, 2 * inter + row_pad, dtype=dtype, scale=4.0)
+    x = wide[:, :2 * inter]  # row_pad > 0: a row stride wider than the row
+    out = served("silu_and_mul", lambda: ops.silu_and_mul(x))
+    want = reference.silu_and_mul(x)
+    assert out.shape == want.shape == (rows, inter) and out.is_contiguous()
+    assert_close_in_dtype(out, want, 3, f"silu_and_mul {dtype} {rows}x{inter}")
+
+
+# ---- write_kv_pair ---------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("cache_dtype,rows_dtype,hk,d", [
+    (torch.bfloat16, torch.bfloat16, 3, 64), (torch.float32, torch.float32, 2, 16), (torch.float16, torch.float16, 1, 6),
+    (torch.bfloat16, torch.float32, 8, 128), (torch.float32, torch.bfloat16, 2, 64),
+])
+def test_write_kv_pair(cache_dtype, rows_dtype, hk, d):
+    r, gen = rng()
+    nb, bs, hq = r.randrange(3, 30), r.choice([1, 16]), 2 * hk
+    caches = torch.full((2, nb, bs, hk, d), float("nan")).to(DEV, cache_dtype)
+    t = r.randrange(1, nb * bs)
+    slots = torch.randperm(nb * bs, generator=gen)[:t]
+    slots[torch.rand(t, generator=gen) < 0.2] = -1
+    slots = slots.to(DEV)
+    qkv = randn(gen, t, (hq + 2 * hk) * d, dtype=rows_dtype)
+    k, v = qkv[:, hq * d:(hq + hk) * d].view(t, hk, d), qkv[:, (hq + hk) * d:].reshape(t, hk, d)
+    expect = caches.clone()
+    reference.write_kv_pair(expect[0], expect[1], k, v, slots)
+    served("write_kv_pair", lambda: ops.write_kv_pair(caches[0], caches[1], k, v, slots))
+    assert torch.equal(caches.nan_to_num(7.0), expect.nan_to_num(7.0))
+
+
+# ---- registration, capture, the model ----------------------------------------------------------------------------
+
+def test_opcheck_layer_ops(cuda_ops):
+    r, gen = rng()
+    utils = ("test_schema", "test_faketensor")
+    x, res = randn(gen, 5, 576, dtype=torch.bfloat16), randn(gen, 5, 576, dtype=torch.bfloat16)
+    w = randn(gen, 576, dtype=torch.bfloat16) + 1
+    torch.library.opcheck(cuda_ops.rms_norm.default, (x, w, 1e-5), test_utils=utils)
+    torch.library.opcheck(cuda_ops.rms_norm.default, (x.view(5, 9, 64), w[:64].float(), 1e-5), test_utils=utils)
+    torch.library.opcheck(cuda_ops.fused_add_rmsnorm.default, (x, res, w, 1e-5), test_utils=utils)
+    q, k = randn(gen, 5, 9, 64, dtype=torch.bfloat16), randn(gen, 5, 3, 64, dtype=torch.bfloat16)
+    cos, sin = randn(gen, 5, 64, dtype=torch.bfloat16), randn(gen, 5, 64, dtype=torch.bfloat16)
+    torch.library.opcheck(cuda_ops.rope_inplace.default, (q, k, cos, sin), test_utils=utils)
+    torch.library.opcheck(cuda_ops.silu_and_mul.default, (randn(gen, 5, 2 * 96),), test_utils=utils)
+    caches = torch.zeros(2, 4, 16, 3, 64, device=DEV)
+    torch.library.opcheck(cuda_ops.write_kv_pair.default,
+                          (caches[0], caches[1], randn(gen, 3, 3, 64), randn(gen, 3, 3, 64),
+                           torch.tensor([5, -1, 9], device=DEV)), test_utils=utils)
+
+
+def test_layer_ops_replay_in_a_cuda_graph():
+    """Norm, rope, cache write and SiLU-and-mul captured once, replayed over new inputs written in place (new
+    slots included): each replay equals the eager ops on the same inputs."""
+    r, gen = rng()
+    t, hq, hk, d, hidden, inter, nb, bs = 3, 9, 3, 64, 576, 1536, 8, 16
+    bf = dict(dtype=torch.bfloat16)
+    x, res = randn(gen, t, hidden, **bf), randn(gen, t, hidden, **bf)
+    w = randn(gen, hidden, **bf) + 1
+    qkv = randn(gen, t, (hq + 2 * hk) * d, **bf)
+    cos, sin = randn(gen, t, d, **bf), randn(gen, t, d, **bf)
+    gate_up = randn(gen, t, 2 * inter, **bf)
+    caches = torch.zeros(2, nb, bs, hk, d, device=DEV, **bf)
+    slots = torch.tensor([0, 17, -1], device=DEV)
+
+    def layer(qkv, caches):
+        out, new_res = ops.fused_add_rmsnorm(x, res, w, 1e-5)
+        q, k = qkv[:, :hq * d].view(t, hq, d), qkv[:, hq * d:(hq + hk) * d].view(t, hk, d)
+        ops.rope_inplace(q, k, cos, sin)
+        ops.write_kv_pair(caches[0], caches[1], k, qkv[:, (hq + hk) * d:].reshape(t, hk, d), slots)
+        return out, new_res, ops.silu_and_mul(gate_up)
+
+    layer(qkv.clone(), caches.clone())  # warm up outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = layer(qkv, caches)
+    for _ in range(3):
+        for buf in (x, res, cos, sin, gate_up):
+            buf.copy_(randn(gen, *buf.shape, **bf))
+        fresh = randn(gen, *qkv.shape, **bf)
+        qkv.copy_(fresh)
+        caches.zero_()
+        slots.copy_(torch.randperm(nb * bs, generator=gen)[:t].to(DEV))
+        graph.replay()
+        torch.cuda.synchronize()
+        want_caches = torch.zeros_like(caches)
+        want = layer(fresh.clone(), want_caches)
+        assert all(torch.equal(a, b) for a, b in zip(outs, want))
+        assert torch.equal(caches, want_caches) and int((caches != 0).sum()) > 0
+
+
+def rel_err(x: torch.Tensor, ref: torch.Tensor) -> float:
+    return float((x.double() - ref.double()).norm() / ref.double().norm().clamp(min=1e-30))
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_model_forward_through_the_kernels(family):
+    """A SmolLM2-shaped Llama (and a small Qwen3 with q/k norms) forward served by the kernels: fp32 equals the
+    eager forward of before the ops (references on CUDA, old residual structure) to fp32 accuracy; bf16 is as close
+    to that fp32 forward as the old eager bf16 forward is (captured layers too), and no layer op fell back."""
+    shape = SMOLLM2_135M if family == "llama" else dict(hidden=256, heads=8, kv_heads=2, head_dim=128, inter=512)
+    m32 = tiny_model(family, torch.float32, device=DEV, **shape)
+    m16 = tiny_model(family, torch.bfloat16, device=DEV, **shape)
+    with torch.no_grad():
+        for (name, p16), (_, p32) in zip(m16.named_parameters(), m32.named_parameters()):
+            p16.copy_(p32)
+    capture = (0, 1)
+    fallbacks = ops.reference_fallbacks()
+    with torch.inference_mode():
+        ids, meta, caches = step_inputs(m32, device=DEV)
+        ref32 = old_forward(m32, ids, meta, [c.clone() for c in caches], capture)
+        before = ops.cuda_calls()
+        got32 = m32(ids, meta, caches, capture_layer_ids=capture)
+        used = {k: v - before.get(k, 0) for k, v in ops.cuda_calls().items()}
+        ids, meta, caches16 = step_inputs(m16, device=DEV)
+        old16 = old_forward(m16, ids, meta, [c.clone() for c in caches16], capture)
+        got16 = m16(ids, meta, caches16, capture_layer_ids=capture)
+    assert all(used.get(name, 0) > 0 for name in LAYER_OPS), used
+    assert {k: v for k, v in ops.reference_fallbacks().items() if k in LAYER_OPS} == \
+        {k: v for k, v in fallbacks.items() if k in LAYER_OPS}
+    for got, ref in zip([got32[0], *got32[1]], [ref32[0], *ref32[1]]):
+        assert rel_err(got, ref) < 2e-5, rel_err(got, ref)
+    for got, old, ref in zip([got16[0], *got16[1]], [old16[0], *old16[1]], [ref32[0], *ref32[1]]):
+        err, base = rel_err(got, ref), rel_err(old, ref)
+        print(f"{family} bf16: kernels {err:.3e}, old eager {base:.3e}")
+        assert got.dtype == torch.bfloat16 and err <= 2 * base + 1e-3, (err, base)
+
+
+def decode_kernels(layers: int) -> list[str]:
+    """CUDA kernels of one batch-1 bf16 decode forward of a SmolLM2-shaped model with `layers` layers."""
+    from torch.profiler import ProfilerActivity, profile
+
+    model = tiny_model("llama", torch.bfloat16, device=DEV, **dict(SMOLLM2_135M, layers=layers))
+    ids, meta, caches = step_inputs(model, device=DEV, specs=((300, 1),))
+    with torch.inference_mode():
+        model(ids, meta, caches)  # warm-up (cuBLAS handles, first launches)
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            model(ids, meta, caches)
+            torch.cuda.synchronize()
+    return [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
+            and not e.name.startswith(("Memcpy", "Memset"))]
+
+
+def test_a_decode_layer_is_a_handful_of_kernels():
+    """Per decoder layer of a batch-1 decode step: 2 norms, 4 GEMMs, rope, the K+V write, attention and
+    SiLU-and-mul (today about 56 launches before the ops); printed for the record, bounded loosely because cuBLAS
+    may split a GEMM."""
+    two, four = decode_kernels(2), decode_kernels(4)
+    per_layer = (len(four) - len(two)) / 2
+    print(f"kernels per decode layer: {per_layer}; a 2-layer step: {len(two)}")
+    for name in two:
+        print("   ", name[:120])
+    assert per_layer <= 16, per_layer

@@ -22,6 +22,22 @@ Float = Annotated[float, Field(strict=True)]  # strict float still accepts JSON 
 TokenId = Annotated[int, Field(strict=True, ge=0)]
 
 
+def _schema(replacement: dict[str, Any]):
+    """json_schema_extra that documents what a field's validators accept beyond its type (in /openapi.json)."""
+    def apply(schema: dict[str, Any]) -> None:
+        title = schema.get("title")
+        schema.clear()
+        schema.update(replacement, **({"title": title} if title else {}))
+    return apply
+
+
+_TEXT = {"type": "string", "minLength": 1}
+_IDS = {"type": "array", "minItems": 1, "items": {"type": "integer", "minimum": 0}}
+_STOP_SCHEMA = {"anyOf": [_TEXT, {"type": "array", "items": _TEXT, "maxItems": MAX_STOP_STRINGS}]}
+_PROMPT_SCHEMA = {"anyOf": [_TEXT, {"type": "array", "minItems": 1, "items": _TEXT}, _IDS,
+                            {"type": "array", "minItems": 1, "items": _IDS}]}
+
+
 def parse_request(model: type, body: Any):
     """JSON value -> request model; every failure becomes a 400 envelope (never FastAPI's 422)."""
     try:
@@ -87,7 +103,8 @@ class _SamplingRequest(_Request):
     top_k: Optional[StrictInt] = Field(None, ge=-1)  # -1 and 0 both mean "disabled"
     min_p: Optional[Float] = Field(None, ge=0, le=1)
     seed: Optional[StrictInt] = Field(None, ge=-(2 ** 63), lt=2 ** 64)
-    stop: list[StrictStr] = Field(default_factory=list, max_length=MAX_STOP_STRINGS)
+    stop: list[StrictStr] = Field(default_factory=list, max_length=MAX_STOP_STRINGS,
+                                  json_schema_extra=_schema(_STOP_SCHEMA))
     stop_token_ids: list[TokenId] = Field(default_factory=list)
     n: StrictInt = Field(1, ge=1, le=MAX_N)
     stream: StrictBool = False
@@ -95,7 +112,8 @@ class _SamplingRequest(_Request):
     presence_penalty: Float = Field(0.0, ge=-2, le=2)
     frequency_penalty: Float = Field(0.0, ge=-2, le=2)
     repetition_penalty: Optional[Float] = Field(None, gt=0)
-    logit_bias: dict[StrictStr, Annotated[float, Field(strict=True, ge=-100, le=100)]] = Field(default_factory=dict)
+    logit_bias: dict[StrictStr, Annotated[float, Field(strict=True, ge=-100, le=100)]] = Field(
+        default_factory=dict, json_schema_extra={"propertyNames": {"pattern": "^[0-9]+$"}})  # token ids
     ignore_eos: StrictBool = False
     min_tokens: StrictInt = Field(0, ge=0)  # extension: EOS and stop tokens are masked until this many
     user: Optional[StrictStr] = None
@@ -241,7 +259,7 @@ class ChatMessage(BaseModel):
 
 class ChatCompletionRequest(_SamplingRequest):
     unsupported_fields = _UNSUPPORTED_CHAT
-    messages: list[ChatMessage]
+    messages: list[ChatMessage] = Field(json_schema_extra={"minItems": 1})
     max_completion_tokens: Optional[StrictInt] = Field(None, ge=1)
     logprobs: StrictBool = False
     top_logprobs: Optional[StrictInt] = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
@@ -275,7 +293,7 @@ PromptInput = Union[StrictStr, list[StrictStr], list[TokenId], list[list[TokenId
 
 class CompletionRequest(_SamplingRequest):
     unsupported_fields = _UNSUPPORTED_COMPLETION
-    prompt: PromptInput
+    prompt: PromptInput = Field(json_schema_extra=_schema(_PROMPT_SCHEMA))
     max_tokens: Optional[StrictInt] = Field(16, ge=1)  # the legacy endpoint's OpenAI default
     logprobs: Optional[StrictInt] = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     echo: StrictBool = False
@@ -332,9 +350,10 @@ class CompletionRequest(_SamplingRequest):
 
 class TokenizeRequest(_Request):
     """Either `prompt` (text) or `messages` (rendered with the chat template), as vLLM's /tokenize."""
+    model_config = ConfigDict(json_schema_extra={"oneOf": [{"required": ["prompt"]}, {"required": ["messages"]}]})
     model: Optional[StrictStr] = None
     prompt: Optional[StrictStr] = None
-    messages: Optional[list[ChatMessage]] = None
+    messages: Optional[list[ChatMessage]] = Field(None, json_schema_extra={"minItems": 1})
     add_special_tokens: Optional[StrictBool] = None  # default: True for prompt, False for messages
     add_generation_prompt: StrictBool = True
     chat_template_kwargs: dict[StrictStr, Any] = Field(default_factory=dict)

@@ -19,7 +19,6 @@ PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
 FIRST_PARTY = {"server", "engine", "ext", "tests", "bench"}
 # declared, never imported, and why
 NOT_IMPORTED = {
-    "jinja2": "transformers renders chat templates with it (its optional `chat-template` extra)",
     "accelerate": "transformers needs it to load a GGUF model (the reference in tests/model/test_gguf.py)",
     "pytest-timeout": "a pytest plugin, configured in [tool.pytest.ini_options]",
 }

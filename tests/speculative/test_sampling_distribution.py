@@ -126,7 +126,7 @@ def make_drafter(kind: str, folder: str, hf, device: str = "cpu"):
 
 
 def engine(folder, drafter=None, budget=0, device="cpu") -> LLM:
-    kwargs = {} if drafter is None else dict(drafter=drafter, spec_budget=budget)
+    kwargs = {} if drafter is None else dict(drafter=drafter, spec_budget=budget, adaptive=False)  # B as given
     return LLM(folder, dtype="fp32", device=device, max_num_seqs=4096,
                max_num_batched_tokens=4096 * 2 * (budget + 2), max_model_len=64, **kwargs)
 

@@ -44,8 +44,12 @@ def export_tokenizer(tokenizer, model_path: str | None, cache_root: str | None =
     final = os.path.join(root, _cache_key(model_path))
     if os.path.isfile(os.path.join(final, MARKER)):
         return final
-    os.makedirs(root, exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=".tmp-", dir=root)
+    try:
+        os.makedirs(root, exist_ok=True)
+        tmp = tempfile.mkdtemp(prefix=".tmp-", dir=root)
+    except OSError as e:
+        raise OSError(f"cannot write the tokenizer cache {root} ({e.strerror or e}); set DDTREE_CACHE to a "
+                      f"writable folder") from None
     try:
         tokenizer.save_pretrained(tmp)
         with open(os.path.join(tmp, MARKER), "w") as f:

@@ -117,6 +117,10 @@ class EngineCore:
             return "not a CUDA device"
         if self.config.enforce_eager:
             return "--enforce-eager"
+        from ext import build
+
+        if build.load_ops() is None:
+            return "the CUDA extension is not loaded (--reference-kernels: the references synchronize)"
         return supports_graphs(self.model)
 
     def enable_graphs(self, emulate: bool = False) -> None:

@@ -53,7 +53,8 @@ class CudaGraphs:
         self.scratch_blocks, self.max_model_len = scratch_blocks, max_model_len
         self.capture_layer_ids, self.device = capture_layer_ids, device
         self.batch_sizes = [n for n in BATCH_SIZES if n <= max_num_seqs]
-        self.widths = [w for w in WIDTHS if w <= max(1, max_width)]
+        # every width up to the first bucket that holds max_width (a chain of 7 drafts verifies 8 rows: bucket 9)
+        self.widths = [w for w in WIDTHS if w < max_width] + [bucket_of(WIDTHS, max(1, max_width)) or WIDTHS[-1]]
         self.buckets = [(n, w) for w in self.widths for n in self.batch_sizes if n * w <= max_tokens]
         rows = max((n * w for n, w in self.buckets), default=1)
         seqs = max(self.batch_sizes, default=1)

@@ -87,6 +87,7 @@ class EngineCore:
                                   self.sampler, self.speculator)
         adaptive = self.speculator is not None and config.spec.adaptive and not config.spec.chain
         self.budgets = BudgetController(max_budget, enabled=adaptive)
+        self.runner.watch_budget_zero = adaptive
         self.scheduler = Scheduler(config, self.blocks, self.max_model_len, max_budget,
                                    budget_of=lambda request: self.budgets.budget(request.request_id))
         graph_blocker = self._graph_blocker()

@@ -29,6 +29,7 @@ class ModelRunner:
         if speculator is not None:
             speculator.stage = self.staging
         self.uniform_trees = False  # with graphs: a tree step lays out every decoding request as a tree
+        self.watch_budget_zero = False  # adaptive budgets: draft requests at budget 0 too (curves only)
         self.kv_caches = [
             torch.zeros(model.kv_cache_shape(i, num_blocks, block_size), dtype=dtype, device=device)
             for i in range(model.num_layers)
@@ -67,9 +68,14 @@ class ModelRunner:
         # a step that fails after this leaves no trace the next step would see: the drafter's state covers
         # committed tokens only, features are recorded and tokens returned only at the end
         batch = spec.draft(tree_seqs) if tree_seqs else None
-        return self._run(plain, batch)
+        # decoding requests at budget 0 still draft (no verify rows): their curves tell the adaptive budget
+        # when a tree would pay again
+        watch = [s for s in plain if _decoding(s)] if spec is not None and self.watch_budget_zero else []
+        watched = (watch, spec.curves(watch)) if watch else None
+        return self._run(plain, batch, watched)
 
-    def _run(self, plain: list[ScheduledSeq], batch: TreeBatch | None) -> StepResult:
+    def _run(self, plain: list[ScheduledSeq], batch: TreeBatch | None,
+             watched: tuple[list[ScheduledSeq], torch.Tensor] | None = None) -> StepResult:
         t1 = time.perf_counter()
         inputs = prepare_inputs(plain, batch, self.block_size, self.device, self.staging)
         hidden, captured, graph_mode = self._forward(plain, batch, inputs)
@@ -77,7 +83,9 @@ class ModelRunner:
         t2 = time.perf_counter()
         sampling = [(s.request, r0 + n - 1) for s, (r0, n) in zip(plain, inputs.plain_rows) if s.sample]
         out, walk = self._sample(hidden, inputs, sampling, batch)
-        host = _fetch(out, walk, len(sampling), batch.curve if batch is not None else None)
+        curves = [c for c in (batch.curve if batch is not None else None, watched[1] if watched else None)
+                  if c is not None]
+        host = _fetch(out, walk, len(sampling), torch.cat(curves) if curves else None)
         t3 = time.perf_counter()
         result = StepResult()
         for i, (req, _) in enumerate(sampling):
@@ -89,6 +97,10 @@ class ModelRunner:
                 self.speculator.record_hidden(s.request.request_id,
                                               features[r0:r0 + n] if features is not None else None)
         result.cuda_graph = graph_mode
+        if watched:
+            first = batch.num_requests if batch is not None else 0
+            for j, s in enumerate(watched[0]):
+                result.curves[s.request.request_id] = host.curves[first + j]
         if batch is not None:
             self._tree_results(batch, inputs, host, len(sampling), features, result)
             result.timings.update(draft=batch.draft_s, tree_build=batch.tree_build_s, verify=t2 - t1,

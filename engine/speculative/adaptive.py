@@ -9,8 +9,11 @@ the gain of node j as c * q_j, from the request's latest tree (the runner builds
 returns its cumulative q curve). A verify row costs t_row seconds; the step's throughput is tokens / T; a row is
 worth adding when c * q_j >= t_row * tokens / T. t_row and T come from a decayed least-squares fit of the step
 time on the number of rows, started from a prior. The gains are decreasing, so the budget is the number of
-nodes above that threshold, capped by the configured budget. A request at 0 is probed with a small tree every
-PROBE_EVERY steps, so that it can come back when its text turns predictable.
+nodes above that threshold, capped by the configured budget. A request at 0 (a new one included) keeps drafting
+without verifying: the runner builds its tree for the curve only, so a request whose drafter finds nothing costs
+no verify rows at all, and one whose drafter turns confident verifies again the next step. When the drafter is
+confident but the request's record says it is wrong, a small tree is verified every PROBE_EVERY steps, so the
+record can recover.
 """
 from __future__ import annotations
 
@@ -99,19 +102,27 @@ class BudgetController:
             return self.max_budget
         stats = self.requests.get(request_id)
         if stats is None or not stats.curve:
-            return self.max_budget  # nothing measured yet: a full tree (measures acceptance and the curve)
+            return 0  # no draft seen yet: this step drafts without verifying (the runner watches budget 0)
         calibration = stats.accepted / stats.predicted if stats.predicted > 0 else 1.0
-        theta, previous = self.threshold(), 0.0
-        chosen = 0
-        for j, cumulative in enumerate(stats.curve[:self.max_budget]):
-            if calibration * (cumulative - previous) <= theta:
-                break
-            chosen, previous = j + 1, cumulative
-        if chosen == 0:
+        theta = self.threshold()
+        chosen = _nodes_above(stats.curve[:self.max_budget], calibration, theta)
+        if chosen == 0 and _nodes_above(stats.curve[:self.max_budget], 1.0, theta):
+            # the drafter is confident but this request's record says it is wrong: verify a small tree now
+            # and then, in case it has become right
             stats.steps_at_zero += 1
             if stats.steps_at_zero >= PROBE_EVERY:
                 stats.steps_at_zero = 0
                 return min(PROBE_BUDGET, self.max_budget)
-        else:
+        elif chosen:
             stats.steps_at_zero = 0
         return chosen
+
+
+def _nodes_above(curve: list[float], calibration: float, theta: float) -> int:
+    """How many leading nodes bring more than theta expected accepted tokens each (gains decrease)."""
+    chosen, previous = 0, 0.0
+    for j, cumulative in enumerate(curve):
+        if calibration * (cumulative - previous) <= theta:
+            break
+        chosen, previous = j + 1, cumulative
+    return chosen

@@ -82,6 +82,19 @@ class Speculator:
     def draft(self, seqs: list[ScheduledSeq]) -> TreeBatch:
         """Drafter proposal -> per-request best-first trees, W = max budget + 1 rows each. The drafter takes
         the pending features into its own state; if it fails they stay pending."""
+        tree, curve, draft_s, build_s = self._full_trees(seqs)
+        budgets = [s.spec_budget for s in seqs]
+        tree = tree.truncated(self.stage(budgets), max(budgets) + 1)
+        return TreeBatch(seqs, tree, budgets, curve, draft_s=draft_s, tree_build_s=build_s)
+
+    def curves(self, seqs: list[ScheduledSeq]) -> torch.Tensor:
+        """[M, B] acceptance curves of these requests' full-budget trees, verified by nobody this step: what the
+        adaptive budget reads to decide whether a request at budget 0 should verify a tree next step."""
+        return self._full_trees(seqs)[1]
+
+    def _full_trees(self, seqs: list[ScheduledSeq]) -> tuple[DraftTree, torch.Tensor, float, float]:
+        """The drafter's proposal built into full-budget trees (best-first trees nest, so a request's own budget
+        is a cut of it), their acceptance curves, and the seconds drafting and building took."""
         consumed, batch = {}, []
         for s in seqs:
             rows = self.pending_hidden.pop(s.request.request_id, None)
@@ -89,7 +102,6 @@ class Speculator:
                 consumed[s.request.request_id] = rows
             batch.append(DraftRequest(s.request.request_id, s.request.all_token_ids,
                                       torch.cat(rows) if rows else None))
-        budgets = [s.spec_budget for s in seqs]
         top_k = 1 if self.chain else self.max_budget
         t0 = time.perf_counter()
         try:
@@ -101,14 +113,10 @@ class Speculator:
         device = self.device
         logprobs, token_ids = logprobs.to(device, non_blocking=True), token_ids.to(device, non_blocking=True)
         roots = self.stage([s.request.all_token_ids[-1] for s in seqs])
-        # built at the full budget (its node probabilities tell the adaptive budget what a bigger tree would
-        # bring), then cut to each request's budget: best-first trees nest, so the cut is the smaller tree
+        # the full budget's node probabilities tell the adaptive budget what a bigger tree would bring
         full = torch.full((len(seqs),), self.max_budget, dtype=torch.int64, device=device)
         tree = DraftTree.from_topk(logprobs, token_ids, roots, full, self.max_budget)
-        budget_t = self.stage(budgets)
-        curve = tree.acceptance_curve()
-        tree = tree.truncated(budget_t, max(budgets) + 1)
-        return TreeBatch(seqs, tree, budgets, curve, draft_s=t1 - t0, tree_build_s=time.perf_counter() - t1)
+        return tree, tree.acceptance_curve(), t1 - t0, time.perf_counter() - t1
 
     def restore_hidden(self, consumed: dict[str, list[torch.Tensor]]) -> None:
         """Puts features a failed step consumed back in front of any recorded since."""

@@ -40,7 +40,7 @@ def test_budget_falls_to_zero_for_a_drafter_that_never_matches(tiny_checkpoints)
     llm = LLM(folder, dtype="fp32", drafter=oracle, spec_budget=16)
     steps = chosen_budgets(llm)
     late = [b for step in steps[len(steps) // 2:] for b in step]
-    assert steps[0] == [16] * 4  # nothing measured yet: a full tree
+    assert steps[0] == [0] * 4  # no draft seen yet: the first decode step drafts without verifying
     assert late.count(0) >= 0.8 * len(late) and max(late) <= PROBE_BUDGET, late  # plain decoding, with probes
     assert greedy(LLM(folder, dtype="fp32", drafter=oracle, spec_budget=16)) == ref
 
@@ -51,6 +51,7 @@ def test_budget_rises_for_a_drafter_that_always_matches(tiny_checkpoints):
     oracle = OracleDrafter(golden_lookup([(p + r, len(p)) for p, r in zip(prompts(), ref)]), 1000, horizon=7)
     llm = LLM(folder, dtype="fp32", drafter=oracle, spec_budget=16)
     steps = chosen_budgets(llm)
+    assert steps[0] == [0] * 4 and min(steps[1]) >= 7  # drafted once, then the whole chain
     middle = [b for step in steps[1:len(steps) // 2] for b in step]
     assert min(middle) >= 7, middle  # at least the whole 7-deep golden chain every step
     out = LLM(folder, dtype="fp32", drafter=oracle, spec_budget=16).generate(
@@ -102,3 +103,19 @@ def test_mixed_budgets_share_one_padded_width_and_padding_is_never_accepted(tiny
     for budgets, nodes in walks:
         assert bool((nodes <= budgets[:, None]).all()), (budgets, nodes)  # rows past b are padding
     assert any(bool((nodes[:, 1:] > 0).any()) for _, nodes in walks)  # drafts were accepted at all
+
+
+def test_a_drafter_with_nothing_to_propose_costs_no_verify_rows(tiny_checkpoints):
+    """The n-gram drafter on text without repeats proposes only padding (draft probability ~0): requests keep
+    drafting for the curve, and no tree is ever verified."""
+    folder, _ = tiny_checkpoints("llama")
+    llm = LLM(folder, dtype="fp32", drafter="ngram", spec_budget=16)
+    core = llm.engine
+    sp = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    for p in prompts():
+        core.add_request(list(dict.fromkeys(p)), sp)  # no token twice: nothing for an n-gram to match
+    budgets = []
+    while core.has_unfinished():
+        core.step()
+        budgets += core.last_stats.spec_budgets if core.last_stats else []
+    assert budgets and set(budgets) == {0}

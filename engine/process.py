@@ -154,19 +154,26 @@ def quick_exit(outbox, status: int) -> None:
         outbox.close()
         outbox.join_thread()  # the queue's feeder thread has written everything to the pipe
     finally:
-        try:  # what multiprocessing runs when a child returns: finalizers (tqdm's lock semaphore, say)
-            from multiprocessing import util
+        fast_exit(status)
 
-            util._exit_function()
+
+def fast_exit(status: int) -> None:
+    """Ends this process now: multiprocessing's exit handlers (finalizers, tqdm's lock semaphore, child
+    processes), the logs and the standard streams flushed, then os._exit, skipping the interpreter's teardown.
+    Both processes end this way (server/serve.py too)."""
+    try:
+        from multiprocessing import util
+
+        util._exit_function()
+    except Exception:
+        pass
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
         except Exception:
             pass
-        logging.shutdown()
-        for stream in (sys.stdout, sys.stderr):
-            try:
-                stream.flush()
-            except Exception:
-                pass
-        os._exit(status)
+    os._exit(status)
 
 
 def ready_extras(core) -> dict:

@@ -17,9 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import signal
-import sys
 import time
 from typing import Optional
 
@@ -158,19 +156,9 @@ def serve(server_config: ServerConfig, engine_config: EngineConfig) -> int:
 
 
 def exit_now(status: int) -> None:
-    """Ends the server process once serve() returned: flushes the logs, runs multiprocessing's exit handlers
-    (the engine process is gone already), and skips the interpreter's teardown, which nothing here needs and
-    which an orchestrator's grace period and the drain timeout would otherwise have to cover."""
-    try:
-        from multiprocessing import util
+    """Ends the server process once serve() returned (the engine process is gone already), skipping the
+    interpreter's teardown, which nothing here needs and which an orchestrator's grace period and the drain
+    timeout would otherwise have to cover."""
+    from engine.process import fast_exit
 
-        util._exit_function()
-    except Exception:
-        pass
-    logging.shutdown()
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except Exception:
-            pass
-    os._exit(status)
+    fast_exit(status)

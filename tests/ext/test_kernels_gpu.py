@@ -11,24 +11,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from ext import build, ops, reference
+from ext import ops, reference
 from ext.metadata import build_metadata
 
 pytestmark = pytest.mark.gpu
 DEV = "cuda"
 
 
-@pytest.fixture(scope="module", autouse=True)
-def cuda_ops():
-    lib = build.load_ops(verbose=True)
-    assert lib is not None, build.load_error()
-    return lib
-
-
-def rng():
-    seed = random.SystemRandom().randrange(2**31)
-    print("seed", seed)
-    return random.Random(seed), torch.Generator().manual_seed(seed)
+from tests.ext.gpu_util import cuda_ops, rng  # noqa: F401 (cuda_ops: an autouse fixture)
 
 
 def rel_err(x: torch.Tensor, ref: torch.Tensor) -> float:

@@ -6,12 +6,11 @@ warp-per-row and block-per-row norms. Plus opcheck, CUDA-graph replay, and a who
 by the kernels against the eager forward of before the ops."""
 from __future__ import annotations
 
-import random
 
 import pytest
 import torch
 
-from ext import build, ops, reference
+from ext import ops, reference
 from tests.ext.layer_cases import SMOLLM2_135M, old_forward, step_inputs, tiny_model
 
 pytestmark = pytest.mark.gpu
@@ -19,17 +18,7 @@ DEV = "cuda"
 LAYER_OPS = ("fused_add_rmsnorm", "rope_inplace", "silu_and_mul", "write_kv_pair")
 
 
-@pytest.fixture(scope="module", autouse=True)
-def cuda_ops():
-    lib = build.load_ops(verbose=True)
-    assert lib is not None, build.load_error()
-    return lib
-
-
-def rng():
-    seed = random.SystemRandom().randrange(2**31)
-    print("seed", seed)
-    return random.Random(seed), torch.Generator().manual_seed(seed)
+from tests.ext.gpu_util import cuda_ops, rng  # noqa: F401 (cuda_ops: an autouse fixture)
 
 
 def randn(gen, *shape, dtype=torch.float32, scale=1.0):

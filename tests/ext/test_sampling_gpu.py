@@ -4,12 +4,11 @@ follow softmax(logits / T) (chi-square on a small vocabulary); -inf and min-p ma
 the op passes opcheck and replays in a CUDA graph."""
 from __future__ import annotations
 
-import random
 
 import pytest
 import torch
 
-from ext import build, ops, reference
+from ext import ops, reference
 
 pytestmark = pytest.mark.gpu
 DEV = "cuda"
@@ -17,17 +16,7 @@ INF = float("inf")
 BELOW_ONE = 1.0 - 2.0**-53
 
 
-@pytest.fixture(scope="module", autouse=True)
-def cuda_ops():
-    lib = build.load_ops(verbose=True)
-    assert lib is not None, build.load_error()
-    return lib
-
-
-def rng():
-    seed = random.SystemRandom().randrange(2**31)
-    print("seed", seed)
-    return random.Random(seed), torch.Generator().manual_seed(seed)
+from tests.ext.gpu_util import cuda_ops, rng  # noqa: F401 (cuda_ops: an autouse fixture)
 
 
 def kernel(logits, temperature, min_p, uniform):

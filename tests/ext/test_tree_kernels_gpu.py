@@ -8,7 +8,9 @@ import torch
 
 from ext import ops, reference
 from ext.metadata import pack_bits
-from tests.ext.test_kernels_gpu import DEV, cuda_ops, rng  # noqa: F401 (cuda_ops: the autouse fixture)
+from tests.ext.gpu_util import cuda_ops, rng  # noqa: F401 (cuda_ops: an autouse fixture)
+
+DEV = "cuda"
 
 pytestmark = pytest.mark.gpu
 

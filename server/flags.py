@@ -62,6 +62,8 @@ def add_flags(parser: argparse.ArgumentParser, cls, *, skip: tuple[str, ...] = (
             continue
         if kind is bool:
             kwargs["action"] = argparse.BooleanOptionalAction
+        elif typing.get_origin(kind) in (list, tuple):  # tuple[int, ...]: --flag 1 2 3
+            kwargs.update(nargs="+", type=typing.get_args(kind)[0], metavar=f.name.upper())
         else:
             kwargs["type"] = parse_bytes if meta.get("kind") == "bytes" else kind
             if "choices" not in kwargs:

@@ -5,7 +5,7 @@ DDTREE_TEST_FAULT_SEED: the test-only fault hook)."""
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 
 def cache_dir() -> str:
@@ -30,7 +30,8 @@ CPU_KV_CACHE_MEMORY = 1 << 30  # bytes of KV cache on the CPU when --kv-cache-me
 
 @dataclass(frozen=True)
 class SpecConfig:
-    drafter: str = opt("none", "drafter: none, ngram, dflash (needs --draft-model) or oracle (tests)",
+    drafter: str = opt("none", "drafter: none, ngram, dflash (--draft-model; the embedded model has one built in) "
+                               "or oracle (tests)",
                        choices=DRAFTERS)
     budget: int = opt(16, "draft-tree nodes per request per step (B); 0 = plain decoding", flag="--spec-budget",
                       aliases=("--budget",))
@@ -45,8 +46,6 @@ class SpecConfig:
             raise ValueError(f"unknown drafter {self.drafter!r} (choose none, ngram, dflash or oracle)")
         if not isinstance(self.budget, int) or self.budget < 0:
             raise ValueError(f"spec budget must be an integer >= 0, got {self.budget!r}")
-        if self.drafter == "dflash" and not self.draft_model:
-            raise ValueError("the dflash drafter needs --draft-model PATH")
 
     @property
     def enabled(self) -> bool:
@@ -99,6 +98,13 @@ class EngineConfig:
             raise ValueError(f"load_format must be auto or dummy, got {self.load_format!r}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
+        if self.spec.drafter == "dflash" and not self.spec.draft_model:
+            if self.model is not None:
+                raise ValueError("the dflash drafter needs --draft-model PATH (a drafter ships only for the "
+                                 "embedded SmolLM2-135M-Instruct)")
+            from engine.drafters import shipped_drafter_dir
+
+            object.__setattr__(self, "spec", replace(self.spec, draft_model=shipped_drafter_dir()))
 
     @property
     def is_cuda(self) -> bool:

@@ -11,6 +11,17 @@ from engine.messages import Delta
 from engine.request import SamplingParams
 
 
+def encode_text(tokenizer, prompt: str, chat: bool = False) -> list[int]:
+    """Token ids of a text prompt: as one user turn of the chat template (chat=True), else the plain text."""
+    if tokenizer is None:
+        raise ValueError("this model has no tokenizer: pass token-id lists instead of text")
+    if chat:
+        text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
+                                             add_generation_prompt=True)
+        return tokenizer.encode(text, add_special_tokens=False)
+    return tokenizer.encode(prompt)
+
+
 @dataclass
 class GenerationOutput:
     prompt_token_ids: list[int]
@@ -39,13 +50,7 @@ class LLM:
         self.tokenizer = self.engine.tokenizer
 
     def encode(self, prompt: str, chat: bool = False) -> list[int]:
-        if self.tokenizer is None:
-            raise ValueError("this model has no tokenizer: pass token-id lists instead of text")
-        if chat:
-            text = self.tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
-                                                      add_generation_prompt=True)
-            return self.tokenizer.encode(text, add_special_tokens=False)
-        return self.tokenizer.encode(prompt)
+        return encode_text(self.tokenizer, prompt, chat)
 
     def default_sampling_params(self) -> SamplingParams:
         """SamplingParams with the checkpoint's generation_config.json defaults (temperature, top_p, ...)."""

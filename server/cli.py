@@ -115,6 +115,21 @@ def cmd_build_ext(args) -> int:
     return 0
 
 
+def cmd_train_drafter(args) -> int:
+    """Generate the target's responses, train a DFlash drafter on them, measure its tau (engine/train/run.py)."""
+    import logging
+
+    from engine.train.config import TrainConfig
+    from engine.train.run import train_drafter
+    from server.flags import build
+
+    config = build(TrainConfig, args)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    summary = train_drafter(config)
+    print(json.dumps({k: v for k, v in summary.items() if k != "eval"}))
+    return 0
+
+
 class OneLineParser(argparse.ArgumentParser):
     """Bad flags: one line on stderr and exit 2 (argparse would add a usage block)."""
 
@@ -145,6 +160,11 @@ def parser() -> argparse.ArgumentParser:
 
     add_flags(s, ServerConfig)
     s.set_defaults(func=cmd_serve)
+    t = sub.add_parser("train-drafter", help="train a DFlash drafter for a target (responses, training, tau)")
+    from engine.train.config import TrainConfig
+
+    add_flags(t, TrainConfig)
+    t.set_defaults(func=cmd_train_drafter)
     b = sub.add_parser("build-ext", help="build the CUDA extension now instead of on first use")
     b.set_defaults(func=cmd_build_ext)
     return p

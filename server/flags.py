@@ -54,7 +54,7 @@ def add_flags(parser: argparse.ArgumentParser, cls, *, skip: tuple[str, ...] = (
             continue
         meta, kind = f.metadata, _base_type(hints[f.name])
         helptext = meta["help"] + (f" (default: {defaults[f.name]})" if f.name in defaults else _default_text(f))
-        kwargs: dict[str, Any] = {"help": helptext, "default": argparse.SUPPRESS}
+        kwargs: dict[str, Any] = {"help": helptext.replace("%", "%%"), "default": argparse.SUPPRESS}
         if "choices" in meta:
             kwargs["choices"] = list(meta["choices"])
         if meta.get("positional"):

@@ -346,19 +346,17 @@ def load_dflash(folder: str, target_model, vocab_size: int, device: torch.device
     return DFlashDrafter(model.eval(), target_model, vocab_size)
 
 
-def save_random_dflash(folder: str, target_hf_config_dict, num_layers: int = 1, block_size: int = 8,
-                       mask_token_id: int | None = None, target_layer_ids=None, seed: int = 0,
-                       intermediate_size: int | None = None, prefix: str = "") -> dict:
-    """Writes a randomly initialised DFlash checkpoint (config.json + model.safetensors, z-lab layout) for a
-    target with HF config `target_hf_config_dict`; returns the config dict. mask_token_id defaults to the last
-    vocabulary id; target_layer_ids to the build_target_layer_ids rule."""
-    from safetensors.torch import save_file
-
+def dflash_config_dict(target_hf_config_dict, num_layers: int = 1, block_size: int = 8,
+                       mask_token_id: int | None = None, target_layer_ids=None,
+                       intermediate_size: int | None = None) -> dict:
+    """The published config.json of a DFlash drafter for a target with HF config `target_hf_config_dict`: the
+    target's hidden size, heads, head_dim, rope and vocabulary; mask_token_id defaults to the last vocabulary id,
+    target_layer_ids to the build_target_layer_ids rule."""
     t = target_hf_config_dict if isinstance(target_hf_config_dict, dict) else target_hf_config_dict.to_dict()
     hidden, heads = int(t["hidden_size"]), int(t["num_attention_heads"])
     n_target = int(t["num_hidden_layers"])
     ids = list(target_layer_ids) if target_layer_ids is not None else build_target_layer_ids(n_target, num_layers)
-    cfg = {
+    return {
         "architectures": ["DFlashDraftModel"], "model_type": "qwen3", "hidden_size": hidden,
         "num_hidden_layers": num_layers, "num_attention_heads": heads,
         "num_key_value_heads": int(t.get("num_key_value_heads") or heads),
@@ -371,6 +369,18 @@ def save_random_dflash(folder: str, target_hf_config_dict, num_layers: int = 1, 
         "dflash_config": {"mask_token_id": int(t["vocab_size"]) - 1 if mask_token_id is None else int(mask_token_id),
                           "target_layer_ids": ids},
     }
+
+
+def save_random_dflash(folder: str, target_hf_config_dict, num_layers: int = 1, block_size: int = 8,
+                       mask_token_id: int | None = None, target_layer_ids=None, seed: int = 0,
+                       intermediate_size: int | None = None, prefix: str = "") -> dict:
+    """Writes a randomly initialised DFlash checkpoint (config.json + model.safetensors, z-lab layout) for a
+    target with HF config `target_hf_config_dict`; returns the config dict. mask_token_id defaults to the last
+    vocabulary id; target_layer_ids to the build_target_layer_ids rule."""
+    from safetensors.torch import save_file
+
+    cfg = dflash_config_dict(target_hf_config_dict, num_layers, block_size, mask_token_id, target_layer_ids,
+                             intermediate_size)
     model = DFlashModel(DFlashConfig.from_hf(cfg))
     g = torch.Generator().manual_seed(seed)
     state = {}

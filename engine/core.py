@@ -11,7 +11,7 @@ import torch
 
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
-from engine.cuda_graphs import CudaGraphs, supports_graphs
+from engine.cuda_graphs import CudaGraphs, scratch_blocks_needed, supports_graphs
 from engine.detokenizer import OutputText
 from engine.memory import measure_cuda_peak, plan_kv_cache
 from engine.messages import Delta, RequestError, StepStats
@@ -130,7 +130,7 @@ class EngineCore:
         config = self.config
         max_budget = self.speculator.max_budget if self.speculator is not None else 0
         max_blocks = -(-(self.max_model_len + max_budget + 1) // config.block_size)
-        scratch = self.blocks.reserve(-(-(max_budget + 1) // config.block_size))  # padding rows write here
+        scratch = self.blocks.reserve(scratch_blocks_needed(max_budget + 1, config.block_size))  # padding rows
         capture = self.speculator.capture_layer_ids if self.speculator is not None else ()
         graphs = CudaGraphs(self.model, self.runner.kv_caches, config.block_size, scratch, config.max_num_seqs,
                             max_budget + 1, config.max_num_batched_tokens, self.max_model_len, max_blocks, capture,
@@ -138,7 +138,6 @@ class EngineCore:
         if not emulate:
             graphs.capture()
         self.runner.graphs = graphs
-        self.runner.uniform_trees = self.scheduler.uniform_trees = self.speculator is not None
         self.runner.uniform_trees = self.scheduler.uniform_trees = self.speculator is not None
 
     def _warmup(self) -> None:

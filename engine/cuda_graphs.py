@@ -36,6 +36,17 @@ def bucket_of(values: tuple[int, ...], n: int) -> int | None:
     return next((v for v in values if v >= n), None)
 
 
+def bucket_widths(max_width: int) -> list[int]:
+    """Verify widths captured for requests of at most max_width rows: every bucket below it and the one that
+    holds it (which can be wider than max_width)."""
+    return [w for w in WIDTHS if w < max_width] + [bucket_of(WIDTHS, max(1, max_width)) or WIDTHS[-1]]
+
+
+def scratch_blocks_needed(max_width: int, block_size: int) -> int:
+    """KV blocks the padding rows of the widest bucket write into (one slot per row position)."""
+    return -(-max(bucket_widths(max_width)) // block_size)
+
+
 @dataclass
 class _Captured:
     graph: torch.cuda.CUDAGraph
@@ -54,7 +65,10 @@ class CudaGraphs:
         self.capture_layer_ids, self.device = capture_layer_ids, device
         self.batch_sizes = [n for n in BATCH_SIZES if n <= max_num_seqs]
         # every width up to the first bucket that holds max_width (a chain of 7 drafts verifies 8 rows: bucket 9)
-        self.widths = [w for w in WIDTHS if w < max_width] + [bucket_of(WIDTHS, max(1, max_width)) or WIDTHS[-1]]
+        self.widths = bucket_widths(max_width)
+        if max(self.widths) > len(scratch_blocks) * block_size:
+            raise ValueError(f"{len(scratch_blocks)} scratch blocks of {block_size} slots cannot pad a "
+                             f"{max(self.widths)}-row bucket (reserve scratch_blocks_needed())")
         self.buckets = [(n, w) for w in self.widths for n in self.batch_sizes if n * w <= max_tokens]
         rows = max((n * w for n, w in self.buckets), default=1)
         seqs = max(self.batch_sizes, default=1)

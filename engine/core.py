@@ -87,7 +87,7 @@ class EngineCore:
                                   self.sampler, self.speculator)
         adaptive = self.speculator is not None and config.spec.adaptive and not config.spec.chain
         self.budgets = BudgetController(max_budget, enabled=adaptive)
-        self.runner.watch_budget_zero = adaptive
+        self.runner.watch = self.budgets.should_draft if adaptive else None
         self.scheduler = Scheduler(config, self.blocks, self.max_model_len, max_budget,
                                    budget_of=lambda request: self.budgets.budget(request.request_id))
         graph_blocker = self._graph_blocker()
@@ -284,6 +284,7 @@ class EngineCore:
         rows = sum(width if s.spec_budget else s.num_new_tokens for s in plan.seqs)
         tokens = sum(len(t) for t in result.new_token_ids.values())
         self.budgets.observe_step(rows, seconds, tokens)
+        self.budgets.observe_draft(result.num_drafted, result.draft_seconds)
         for s in plan.seqs:
             rid = s.request.request_id
             if rid in result.curves:

@@ -48,3 +48,5 @@ class StepResult:
     cuda_graph: str = ""
     # phase -> seconds spent this step (schedule, draft, tree_build, verify, accept, forward, sample)
     timings: dict[str, float] = field(default_factory=dict)
+    num_drafted: int = 0  # requests the drafter ran for this step (verified or curves only)
+    draft_seconds: float = 0.0  # the drafter's time this step (device time on CUDA)

@@ -6,6 +6,7 @@ the host in one device-to-host copy."""
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -29,7 +30,8 @@ class ModelRunner:
         if speculator is not None:
             speculator.stage = self.staging
         self.uniform_trees = False  # with graphs: a tree step lays out every decoding request as a tree
-        self.watch_budget_zero = False  # adaptive budgets: draft requests at budget 0 too (curves only)
+        # adaptive budgets: which decoding requests at budget 0 draft anyway (curves only), by request id
+        self.watch: Callable[[str], bool] | None = None
         self.kv_caches = [
             torch.zeros(model.kv_cache_shape(i, num_blocks, block_size), dtype=dtype, device=device)
             for i in range(model.num_layers)
@@ -70,12 +72,13 @@ class ModelRunner:
         batch = spec.draft(tree_seqs) if tree_seqs else None
         # decoding requests at budget 0 still draft (no verify rows): their curves tell the adaptive budget
         # when a tree would pay again
-        watch = [s for s in plain if _decoding(s)] if spec is not None and self.watch_budget_zero else []
-        watched = (watch, spec.curves(watch)) if watch else None
+        watch = [s for s in plain if _decoding(s) and self.watch(s.request.request_id)] \
+            if spec is not None and self.watch is not None else []
+        watched = (watch, *spec.curves(watch)) if watch else None
         return self._run(plain, batch, watched)
 
     def _run(self, plain: list[ScheduledSeq], batch: TreeBatch | None,
-             watched: tuple[list[ScheduledSeq], torch.Tensor] | None = None) -> StepResult:
+             watched: tuple | None = None) -> StepResult:
         t1 = time.perf_counter()
         inputs = prepare_inputs(plain, batch, self.block_size, self.device, self.staging)
         hidden, captured, graph_mode = self._forward(plain, batch, inputs)
@@ -101,6 +104,9 @@ class ModelRunner:
             first = batch.num_requests if batch is not None else 0
             for j, s in enumerate(watched[0]):
                 result.curves[s.request.request_id] = host.curves[first + j]
+        clocks = [c for c in (batch.clock if batch is not None else None, watched[2] if watched else None) if c]
+        result.num_drafted = (batch.num_requests if batch is not None else 0) + (len(watched[0]) if watched else 0)
+        result.draft_seconds = sum(c.seconds() for c in clocks)  # the fetch synchronized: events are complete
         if batch is not None:
             self._tree_results(batch, inputs, host, len(sampling), features, result)
             result.timings.update(draft=batch.draft_s, tree_build=batch.tree_build_s, verify=t2 - t1,

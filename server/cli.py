@@ -11,8 +11,12 @@ import time
 
 
 # `ddtree serve`'s own defaults where they differ from the library's (each default lives here or in the
-# config dataclasses, nowhere else): serve drafts with the n-gram drafter unless told otherwise.
-SERVE_SPEC_DEFAULTS = {"drafter": "ngram"}
+# config dataclasses, nowhere else): serve speculates unless told otherwise, with the shipped DFlash drafter on
+# the embedded model (engine/drafters) and the n-gram drafter on a model given without --draft-model.
+SERVE_SPEC_DEFAULTS = {"drafter": "dflash"}
+SERVE_SPEC_DEFAULTS_OTHER_MODELS = {"drafter": "ngram"}
+SERVE_DRAFTER_HELP = {"drafter": "dflash with the embedded model's shipped drafter; ngram for a model given "
+                                 "without --draft-model"}
 
 
 def add_engine_flags(p: argparse.ArgumentParser, spec_defaults: dict | None = None) -> None:
@@ -79,12 +83,18 @@ def cmd_serve(args) -> int:
     exit_now(serve(*serve_configs(args)))
 
 
+def serve_spec_defaults(args) -> dict:
+    if getattr(args, "model", None) is not None and not getattr(args, "draft_model", None):
+        return SERVE_SPEC_DEFAULTS_OTHER_MODELS
+    return SERVE_SPEC_DEFAULTS
+
+
 def serve_configs(args):
     """(ServerConfig, EngineConfig) for `ddtree serve` from its parsed flags; ValueError for a bad setup."""
     from server.config import ServerConfig, api_key_from_env
     from server.flags import build
 
-    engine = engine_config(args, SERVE_SPEC_DEFAULTS)
+    engine = engine_config(args, serve_spec_defaults(args))
     if engine.spec.drafter == "oracle":
         raise ValueError("--drafter oracle cannot serve: it replays golden continuations, which only "
                          "`ddtree generate` and the tests have; use ngram, dflash (--draft-model) or none")
@@ -154,7 +164,7 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--json", action="store_true", help="print one JSON object with text, token_ids and timing")
     g.set_defaults(func=cmd_generate)
     s = sub.add_parser("serve", help="run the OpenAI-compatible HTTP server")
-    add_engine_flags(s, SERVE_SPEC_DEFAULTS)
+    add_engine_flags(s, SERVE_DRAFTER_HELP)
     from server.config import ServerConfig
     from server.flags import add_flags
 

@@ -9,11 +9,16 @@ the gain of node j as c * q_j, from the request's latest tree (the runner builds
 returns its cumulative q curve). A verify row costs t_row seconds; the step's throughput is tokens / T; a row is
 worth adding when c * q_j >= t_row * tokens / T. t_row and T come from a decayed least-squares fit of the step
 time on the number of rows, started from a prior. The gains are decreasing, so the budget is the number of
-nodes above that threshold, capped by the configured budget. A request at 0 (a new one included) keeps drafting
-without verifying: the runner builds its tree for the curve only, so a request whose drafter finds nothing costs
-no verify rows at all, and one whose drafter turns confident verifies again the next step. When the drafter is
-confident but the request's record says it is wrong, a small tree is verified every PROBE_EVERY steps, so the
-record can recover.
+nodes above that threshold, capped by the configured budget.
+
+Drafting has a cost of its own (t_draft seconds per drafted request, measured: host time on CPU, CUDA events on
+the GPU): a tree is verified only when its expected accepted drafts beat its rows' cost by more than the
+drafting cost. A request at 0 (a new one included) drafts without verifying (the runner builds its tree for the
+curve only) every step while drafting is cheap (an n-gram lookup), so one whose drafter turns confident
+verifies again the next step; when drafting is not cheap (a DFlash forward), it drafts only every
+PROBE_EVERY steps, and the interval doubles (up to MAX_PROBE_INTERVAL) while those probes keep saying 0, so a
+drafter that does not pay costs a small fraction of a step. When the drafter is confident but the request's
+record says it is wrong, a small tree is verified every PROBE_EVERY steps, so the record can recover.
 """
 from __future__ import annotations
 
@@ -24,6 +29,9 @@ PROBE_EVERY = 16  # steps a request stays at budget 0 before a probe
 PROBE_BUDGET = 4
 PRIOR_WEIGHT = 4.0  # pseudo-observations behind the cost prior
 MIN_GAIN = 0.02  # a row is never free: below this many expected accepted tokens a node is not verified
+CHEAP_DRAFT = 0.02  # tokens of throughput a curve-only draft may cost to run every step at budget 0
+MAX_PROBE_INTERVAL = 256
+MIN_DRAFT_CALLS = 3  # drafter calls measured before their cost counts (the first is discarded)
 
 
 @dataclass
@@ -32,6 +40,8 @@ class _RequestStats:
     predicted: float = 0.0  # decayed sum of the q mass that was verified
     curve: list[float] = field(default_factory=list)  # latest tree: cumulative q of its first 1..B nodes
     steps_at_zero: int = 0
+    steps_undrafted: int = 0  # steps at budget 0 since the drafter last ran for this request
+    draft_interval: int = PROBE_EVERY  # when drafting is not cheap: steps between curve-only drafts
 
 
 class _CostFit:
@@ -59,6 +69,8 @@ class BudgetController:
         self.requests: dict[str, _RequestStats] = {}
         self.fit = _CostFit()
         self.last_rows, self.last_seconds, self.last_tokens = 0, 0.0, 0
+        self.draft_s = self.drafted = 0.0  # decayed sums: drafter seconds, requests drafted
+        self.draft_calls = 0
 
     def release(self, request_id: str) -> None:
         self.requests.pop(request_id, None)
@@ -75,6 +87,21 @@ class BudgetController:
                 self.fit.add(r, seconds + t_row * (r - rows), PRIOR_WEIGHT / 2)
         self.fit.add(rows, seconds)
         self.last_rows, self.last_seconds, self.last_tokens = rows, seconds, tokens
+
+    def observe_draft(self, num_requests: int, seconds: float) -> None:
+        """The drafter ran for num_requests requests this step and took `seconds`."""
+        if num_requests > 0:
+            self.draft_calls += 1
+            if self.draft_calls == 1:
+                return  # the first call pays one-time costs (allocations, lazy initialisation)
+            self.draft_s = DECAY * self.draft_s + seconds
+            self.drafted = DECAY * self.drafted + num_requests
+
+    def draft_tokens(self) -> float:
+        """Throughput one drafted request costs, in tokens: t_draft * tokens per second of the last step."""
+        if self.draft_calls <= MIN_DRAFT_CALLS or self.last_seconds <= 0:
+            return 0.0  # too few measurements: drafting counts as free until then
+        return self.draft_s / self.drafted * self.last_tokens / self.last_seconds
 
     def observe_request(self, request_id: str, budget: int, accepted: int, curve: list[float]) -> None:
         """A tree step of one request: the budget it verified, drafts it accepted, and its tree's cumulative q
@@ -106,6 +133,8 @@ class BudgetController:
         calibration = stats.accepted / stats.predicted if stats.predicted > 0 else 1.0
         theta = self.threshold()
         chosen = _nodes_above(stats.curve[:self.max_budget], calibration, theta)
+        if chosen and calibration * stats.curve[chosen - 1] - chosen * theta <= self.draft_tokens():
+            chosen = 0  # the best tree's net gain does not pay for drafting it
         if chosen == 0 and _nodes_above(stats.curve[:self.max_budget], 1.0, theta):
             # the drafter is confident but this request's record says it is wrong: verify a small tree now
             # and then, in case it has become right
@@ -115,7 +144,20 @@ class BudgetController:
                 return min(PROBE_BUDGET, self.max_budget)
         elif chosen:
             stats.steps_at_zero = 0
+            stats.draft_interval = PROBE_EVERY
         return chosen
+
+    def should_draft(self, request_id: str) -> bool:
+        """Whether a decoding request at budget 0 drafts this step (curve only, no verify rows)."""
+        stats = self.requests.get(request_id)
+        if stats is None or not stats.curve or self.draft_tokens() <= CHEAP_DRAFT:
+            return True
+        stats.steps_undrafted += 1
+        if stats.steps_undrafted < stats.draft_interval:
+            return False
+        stats.steps_undrafted = 0
+        stats.draft_interval = min(2 * stats.draft_interval, MAX_PROBE_INTERVAL)  # reset when a tree is chosen
+        return True
 
 
 def _nodes_above(curve: list[float], calibration: float, theta: float) -> int:

@@ -33,8 +33,9 @@ class TreeBatch:
     tree: DraftTree  # [N, W] rows, root first
     budgets: list[int]  # drafted nodes per request (host copy of what the scheduler granted)
     curve: torch.Tensor | None = None  # [N, B] the full-budget tree's cumulative draft probability (adaptive budgets)
-    draft_s: float = 0.0  # seconds in the drafter's propose()
+    draft_s: float = 0.0  # host seconds in the drafter's propose()
     tree_build_s: float = 0.0  # seconds building the trees from its proposal
+    clock: "DraftClock | None" = None  # the drafter's device time (read after the step's fetch)
 
     @property
     def width(self) -> int:
@@ -44,6 +45,29 @@ class TreeBatch:
     @property
     def num_requests(self) -> int:
         return len(self.seqs)
+
+
+class DraftClock:
+    """How long the drafter ran: host seconds on CPU; on CUDA, a pair of events recorded around it, read once
+    the step's single device-to-host copy has synchronized (no sync of its own)."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.host_s = 0.0
+        if self.cuda:
+            self.start, self.end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            self.start.record()
+        self.t0 = time.perf_counter()
+
+    def stop(self) -> "DraftClock":
+        self.host_s = time.perf_counter() - self.t0
+        if self.cuda:
+            self.end.record()
+        return self
+
+    def seconds(self) -> float:
+        """Call after the step's fetch: the device work is then complete."""
+        return self.start.elapsed_time(self.end) / 1000.0 if self.cuda else self.host_s
 
 
 @dataclass
@@ -82,19 +106,21 @@ class Speculator:
     def draft(self, seqs: list[ScheduledSeq]) -> TreeBatch:
         """Drafter proposal -> per-request best-first trees, W = max budget + 1 rows each. The drafter takes
         the pending features into its own state; if it fails they stay pending."""
-        tree, curve, draft_s, build_s = self._full_trees(seqs)
+        tree, curve, clock, build_s = self._full_trees(seqs)
         budgets = [s.spec_budget for s in seqs]
         tree = tree.truncated(self.stage(budgets), max(budgets) + 1)
-        return TreeBatch(seqs, tree, budgets, curve, draft_s=draft_s, tree_build_s=build_s)
+        return TreeBatch(seqs, tree, budgets, curve, draft_s=clock.host_s, tree_build_s=build_s, clock=clock)
 
-    def curves(self, seqs: list[ScheduledSeq]) -> torch.Tensor:
-        """[M, B] acceptance curves of these requests' full-budget trees, verified by nobody this step: what the
-        adaptive budget reads to decide whether a request at budget 0 should verify a tree next step."""
-        return self._full_trees(seqs)[1]
+    def curves(self, seqs: list[ScheduledSeq]) -> tuple[torch.Tensor, DraftClock]:
+        """[M, B] acceptance curves of these requests' full-budget trees, verified by nobody this step (what the
+        adaptive budget reads to decide whether a request at budget 0 should verify a tree next step), and the
+        drafter's clock."""
+        _, curve, clock, _ = self._full_trees(seqs)
+        return curve, clock
 
-    def _full_trees(self, seqs: list[ScheduledSeq]) -> tuple[DraftTree, torch.Tensor, float, float]:
+    def _full_trees(self, seqs: list[ScheduledSeq]) -> tuple[DraftTree, torch.Tensor, DraftClock, float]:
         """The drafter's proposal built into full-budget trees (best-first trees nest, so a request's own budget
-        is a cut of it), their acceptance curves, and the seconds drafting and building took."""
+        is a cut of it), their acceptance curves, the drafter's clock and the seconds building took."""
         consumed, batch = {}, []
         for s in seqs:
             rows = self.pending_hidden.pop(s.request.request_id, None)
@@ -103,12 +129,13 @@ class Speculator:
             batch.append(DraftRequest(s.request.request_id, s.request.all_token_ids,
                                       torch.cat(rows) if rows else None))
         top_k = 1 if self.chain else self.max_budget
-        t0 = time.perf_counter()
+        clock = DraftClock(self.device)
         try:
             logprobs, token_ids = self.drafter.propose(batch, top_k)  # [N, L, K]
         except BaseException:
             self.restore_hidden(consumed)
             raise
+        clock.stop()
         t1 = time.perf_counter()
         device = self.device
         logprobs, token_ids = logprobs.to(device, non_blocking=True), token_ids.to(device, non_blocking=True)
@@ -116,7 +143,7 @@ class Speculator:
         # the full budget's node probabilities tell the adaptive budget what a bigger tree would bring
         full = torch.full((len(seqs),), self.max_budget, dtype=torch.int64, device=device)
         tree = DraftTree.from_topk(logprobs, token_ids, roots, full, self.max_budget)
-        return tree, tree.acceptance_curve(), t1 - t0, time.perf_counter() - t1
+        return tree, tree.acceptance_curve(), clock, time.perf_counter() - t1
 
     def restore_hidden(self, consumed: dict[str, list[torch.Tensor]]) -> None:
         """Puts features a failed step consumed back in front of any recorded since."""

@@ -119,3 +119,51 @@ def test_a_drafter_with_nothing_to_propose_costs_no_verify_rows(tiny_checkpoints
         core.step()
         budgets += core.last_stats.spec_budgets if core.last_stats else []
     assert budgets and set(budgets) == {0}
+
+
+def test_drafting_cost_counts_against_the_tree_and_dear_drafting_backs_off():
+    """A tree must pay for its drafting too; at budget 0 a dear drafter runs only at doubling intervals, a cheap one
+    every step."""
+    from engine.speculative.adaptive import MAX_PROBE_INTERVAL, PROBE_EVERY
+
+    curve = [0.6 * (1 - 0.5 ** (j + 1)) / 0.5 for j in range(16)]  # ~1.2 expected accepted drafts in all
+    cheap, dear = BudgetController(max_budget=16), BudgetController(max_budget=16)
+    for c in (cheap, dear):
+        c.observe_request("r", 16, accepted=1, curve=curve)
+        c.observe_draft(1, 5.0)  # the first call's one-time costs are not the drafter's
+    for _ in range(8):
+        for c in (cheap, dear):
+            c.observe_step(1, 0.010, tokens=1)
+            c.observe_step(17, 0.011, tokens=2)
+        cheap.observe_draft(1, 0.0001)  # an n-gram lookup: 1% of a step
+        dear.observe_draft(1, 0.015)  # a drafter forward: 1.5 steps, more than the tree could bring
+    assert cheap.budget("r") > 0 and dear.budget("r") == 0
+    assert all(cheap.should_draft("r") for _ in range(50))
+    drafted = [i for i in range(2000) if dear.should_draft("r")]
+    gaps = [b - a for a, b in zip([-1] + drafted, drafted)]
+    assert gaps[0] == PROBE_EVERY and gaps[1] == 2 * PROBE_EVERY and max(gaps) == MAX_PROBE_INTERVAL, gaps
+    assert len(drafted) < 2000 / 40
+
+
+def test_an_expensive_drafter_that_does_not_pay_stays_out_of_the_way(tiny_checkpoints):
+    """A drafter that costs several plain steps per call and is always wrong: the engine decodes plainly and
+    calls it for a small fraction of the steps; greedy output is unchanged."""
+    import time
+
+    folder, _ = tiny_checkpoints("llama")
+    ref = greedy(LLM(folder, dtype="fp32"))
+    wrong = [(p + [(t + 1) % 1000 for t in r], len(p)) for p, r in zip(prompts(), ref)]
+    oracle = OracleDrafter(golden_lookup(wrong), 1000, horizon=7, check_prefix=False)
+    calls = []
+    propose = oracle.propose
+
+    def slow(batch, top_k):
+        calls.append(len(batch))
+        time.sleep(0.02)  # tiny-model plain steps take a few ms
+        return propose(batch, top_k)
+
+    oracle.propose = slow
+    llm = LLM(folder, dtype="fp32", drafter=oracle, spec_budget=16)
+    steps = chosen_budgets(llm)
+    assert len(calls) < 0.25 * len(steps), (len(calls), len(steps))
+    assert greedy(LLM(folder, dtype="fp32", drafter=oracle, spec_budget=16)) == ref

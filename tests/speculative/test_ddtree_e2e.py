@@ -200,7 +200,7 @@ def test_bad_spec_configuration_is_one_line(tiny_checkpoints, kwargs, match):
 def test_speculative_steps_time_every_phase(tiny_checkpoints):
     """Tree steps report draft, tree_build, verify and accept times (the step-phase histogram's labels)."""
     folder, _ = tiny_checkpoints("llama")
-    llm = LLM(folder, dtype="fp32", drafter="ngram", spec_budget=8)
+    llm = LLM(folder, dtype="fp32", drafter="ngram", spec_budget=8, adaptive=False)  # every step a tree
     core = llm.engine
     core.add_request(prompts()[1], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
     phases = set()

@@ -11,12 +11,10 @@ import time
 
 
 # `ddtree serve`'s own defaults where they differ from the library's (each default lives here or in the
-# config dataclasses, nowhere else): serve speculates unless told otherwise, with the shipped DFlash drafter on
-# the embedded model (engine/drafters) and the n-gram drafter on a model given without --draft-model.
-SERVE_SPEC_DEFAULTS = {"drafter": "dflash"}
-SERVE_SPEC_DEFAULTS_OTHER_MODELS = {"drafter": "ngram"}
-SERVE_DRAFTER_HELP = {"drafter": "dflash with the embedded model's shipped drafter; ngram for a model given "
-                                 "without --draft-model"}
+# config dataclasses, nowhere else): serve speculates with the n-gram drafter unless told otherwise. The embedded
+# model's shipped DFlash drafter is opt-in (`--drafter dflash`): on a CPU it measured 0.82x speculation off on
+# bench/serve.py's chat mix, where the n-gram drafter measured 1.10x (docs/BENCHMARKS.md, "Shipped drafter").
+SERVE_SPEC_DEFAULTS = {"drafter": "ngram"}
 
 
 def add_engine_flags(p: argparse.ArgumentParser, spec_defaults: dict | None = None) -> None:
@@ -83,18 +81,12 @@ def cmd_serve(args) -> int:
     exit_now(serve(*serve_configs(args)))
 
 
-def serve_spec_defaults(args) -> dict:
-    if getattr(args, "model", None) is not None and not getattr(args, "draft_model", None):
-        return SERVE_SPEC_DEFAULTS_OTHER_MODELS
-    return SERVE_SPEC_DEFAULTS
-
-
 def serve_configs(args):
     """(ServerConfig, EngineConfig) for `ddtree serve` from its parsed flags; ValueError for a bad setup."""
     from server.config import ServerConfig, api_key_from_env
     from server.flags import build
 
-    engine = engine_config(args, serve_spec_defaults(args))
+    engine = engine_config(args, SERVE_SPEC_DEFAULTS)
     if engine.spec.drafter == "oracle":
         raise ValueError("--drafter oracle cannot serve: it replays golden continuations, which only "
                          "`ddtree generate` and the tests have; use ngram, dflash (--draft-model) or none")
@@ -164,7 +156,7 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--json", action="store_true", help="print one JSON object with text, token_ids and timing")
     g.set_defaults(func=cmd_generate)
     s = sub.add_parser("serve", help="run the OpenAI-compatible HTTP server")
-    add_engine_flags(s, SERVE_DRAFTER_HELP)
+    add_engine_flags(s, SERVE_SPEC_DEFAULTS)
     from server.config import ServerConfig
     from server.flags import add_flags
 

@@ -57,7 +57,7 @@ def test_bad_flags_are_one_line(tiny_checkpoints, args, needle):
 
 def test_cli_defaults_are_the_config_dataclasses_defaults():
     """Flags carry no defaults of their own: `serve` and `generate` with no flags build exactly the
-    dataclasses' defaults (serve's one documented difference: it speculates by default), and every field has a flag
+    dataclasses' defaults (serve's one documented difference: the n-gram drafter), and every field has a flag
     whose --help text is the field's own."""
     import dataclasses
 
@@ -71,12 +71,13 @@ def test_cli_defaults_are_the_config_dataclasses_defaults():
     serve_args = p.parse_args(["serve"])
     server, engine = cli.serve_configs(serve_args)
     assert server == ServerConfig()
-    # serve speculates by default: the embedded model with its shipped DFlash drafter, other models with n-gram
     assert engine == EngineConfig(spec=SpecConfig(**cli.SERVE_SPEC_DEFAULTS))
-    assert engine.spec.drafter == "dflash" and engine.spec.draft_model == shipped_drafter_dir()
-    assert cli.serve_configs(p.parse_args(["serve", "."]))[1].spec.drafter == "ngram"
+    # the embedded model's shipped drafter is one flag away; another model needs its own
+    shipped = cli.serve_configs(p.parse_args(["serve", "--drafter", "dflash"]))[1].spec
+    assert shipped.draft_model == shipped_drafter_dir()
     assert cli.serve_configs(p.parse_args(["serve", ".", "--draft-model", "d"]))[1].spec.drafter == "dflash"
-    assert cli.serve_configs(p.parse_args(["serve", "--drafter", "none"]))[1].spec.drafter == "none"
+    with pytest.raises(ValueError, match="needs --draft-model"):
+        cli.serve_configs(p.parse_args(["serve", ".", "--drafter", "dflash"]))
     generate_args = p.parse_args(["generate", "--prompt", "hi"])
     assert cli.engine_config(generate_args) == EngineConfig()
     assert cli.engine_config(p.parse_args(["generate", "--prompt", "hi", "--draft-model", "x"])).spec.drafter == \

@@ -5,7 +5,8 @@ The model. A best-first tree's nodes come in decreasing draft probability q_1 >=
 probability of node j's prefix), and the expected number of accepted drafts of the first b nodes is the sum of
 the target's probabilities of those prefixes (DDTree, Prop. 1). The drafter's q are rarely calibrated, so per
 request we keep c = (drafts it accepted) / (sum of q over the nodes it verified), as decayed sums, and predict
-the gain of node j as c * q_j, from the request's latest tree (the runner builds it at the full budget and
+the gain of node j as c * q_j (c blended with the engine-wide ratio, so a new request starts from what the
+drafter has been worth), from the request's latest tree (the runner builds it at the full budget and
 returns its cumulative q curve). A verify row costs t_row seconds; the step's throughput is tokens / T; a row is
 worth adding when c * q_j >= t_row * tokens / T. t_row and T come from a decayed least-squares fit of the step
 time on the number of rows, started from a prior. The gains are decreasing, so the budget is the number of
@@ -31,7 +32,7 @@ PRIOR_WEIGHT = 4.0  # pseudo-observations behind the cost prior
 MIN_GAIN = 0.02  # a row is never free: below this many expected accepted tokens a node is not verified
 CHEAP_DRAFT = 0.02  # tokens of throughput a curve-only draft may cost to run every step at budget 0
 MAX_PROBE_INTERVAL = 256
-MIN_DRAFT_CALLS = 3  # drafter calls measured before their cost counts (the first is discarded)
+MIN_DRAFT_CALLS = 1  # drafter calls measured before their cost counts (the first is discarded)
 
 
 @dataclass
@@ -71,6 +72,7 @@ class BudgetController:
         self.last_rows, self.last_seconds, self.last_tokens = 0, 0.0, 0
         self.draft_s = self.drafted = 0.0  # decayed sums: drafter seconds, requests drafted
         self.draft_calls = 0
+        self.accepted = self.predicted = 0.0  # decayed sums over every request: a new request's calibration
 
     def release(self, request_id: str) -> None:
         self.requests.pop(request_id, None)
@@ -110,6 +112,9 @@ class BudgetController:
         predicted = curve[budget - 1] if 0 < budget <= len(curve) else 0.0
         stats.accepted = DECAY * stats.accepted + accepted
         stats.predicted = DECAY * stats.predicted + predicted
+        if predicted > 0:
+            self.accepted = DECAY * self.accepted + accepted
+            self.predicted = DECAY * self.predicted + predicted
         stats.curve = list(curve)
 
     # ----------------------------------------------------------------------------------------------- choosing
@@ -130,7 +135,7 @@ class BudgetController:
         stats = self.requests.get(request_id)
         if stats is None or not stats.curve:
             return 0  # no draft seen yet: this step drafts without verifying (the runner watches budget 0)
-        calibration = stats.accepted / stats.predicted if stats.predicted > 0 else 1.0
+        calibration = self.calibration(stats)
         theta = self.threshold()
         chosen = _nodes_above(stats.curve[:self.max_budget], calibration, theta)
         if chosen and calibration * stats.curve[chosen - 1] - chosen * theta <= self.draft_tokens():
@@ -146,6 +151,15 @@ class BudgetController:
             stats.steps_at_zero = 0
             stats.draft_interval = PROBE_EVERY
         return chosen
+
+    def calibration(self, stats: _RequestStats) -> float:
+        """accepted / predicted drafts: the request's own record, blended with the engine-wide one (weight
+        PRIOR_WEIGHT in predicted drafts), so a new request starts from what this drafter has been worth."""
+        accepted, predicted = stats.accepted, stats.predicted
+        if self.predicted > 0:
+            accepted += PRIOR_WEIGHT * self.accepted / self.predicted
+            predicted += PRIOR_WEIGHT
+        return accepted / predicted if predicted > 0 else 1.0
 
     def should_draft(self, request_id: str) -> bool:
         """Whether a decoding request at budget 0 drafts this step (curve only, no verify rows)."""

@@ -51,12 +51,12 @@ def parse_serve(argv: list[str]):
     settings it serves with: the ServerConfig and EngineConfig fields in one namespace."""
     from types import SimpleNamespace
 
-    from server.cli import engine_config, serve_spec_defaults
+    from server.cli import SERVE_SPEC_DEFAULTS, engine_config
     from server.flags import build
 
     assert argv[:2] == ["ddtree", "serve"], argv
     args = cli_parser().parse_args([compose_defaults(a) for a in argv[1:]])
-    server, engine = build(ServerConfig, args), engine_config(args, serve_spec_defaults(args))
+    server, engine = build(ServerConfig, args), engine_config(args, SERVE_SPEC_DEFAULTS)
     return SimpleNamespace(**vars(engine), **vars(server), drain_timeout=server.drain_timeout_s,
                            draft_model=engine.spec.draft_model)
 

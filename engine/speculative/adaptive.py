@@ -32,6 +32,7 @@ PRIOR_WEIGHT = 4.0  # pseudo-observations behind the cost prior
 MIN_GAIN = 0.02  # a row is never free: below this many expected accepted tokens a node is not verified
 CHEAP_DRAFT = 0.02  # tokens of throughput a curve-only draft may cost to run every step at budget 0
 MAX_PROBE_INTERVAL = 256
+SPIKE_CLIP = 4.0  # a drafter call counts at most this many times the running per-request average
 MIN_DRAFT_CALLS = 1  # drafter calls measured before their cost counts (the first is discarded)
 
 
@@ -96,6 +97,8 @@ class BudgetController:
             self.draft_calls += 1
             if self.draft_calls == 1:
                 return  # the first call pays one-time costs (allocations, lazy initialisation)
+            if self.drafted > 0:  # one slow call (a GC pause, a busy host) moves the average a bounded step
+                seconds = min(seconds, SPIKE_CLIP * num_requests * self.draft_s / self.drafted)
             self.draft_s = DECAY * self.draft_s + seconds
             self.drafted = DECAY * self.drafted + num_requests
 

@@ -12,7 +12,7 @@ import time
 
 # `ddtree serve`'s own defaults where they differ from the library's (each default lives here or in the
 # config dataclasses, nowhere else): serve speculates with the n-gram drafter unless told otherwise. The embedded
-# model's shipped DFlash drafter is opt-in (`--drafter dflash`): on a CPU it measured 0.82x speculation off on
+# model's shipped DFlash drafter is opt-in (`--drafter dflash`): on a CPU it measured 0.82-0.84x speculation off on
 # bench/serve.py's chat mix, where the n-gram drafter measured 1.10x (docs/BENCHMARKS.md, "Shipped drafter").
 SERVE_SPEC_DEFAULTS = {"drafter": "ngram"}
 

@@ -143,3 +143,17 @@ def test_bad_settings_are_one_line_errors(tmp_path, capsys):
     assert main(["train-drafter", "--out", str(tmp_path), "--prompts", str(tmp_path / "none.jsonl")]) == 2
     err = capsys.readouterr().err
     assert "no such prompt file" in err and len(err.strip().splitlines()) == 1
+
+
+def test_the_shipped_drafter_loads_for_the_embedded_model_and_keeps_greedy_output():
+    """engine/drafters/smollm2-135m-instruct: --drafter dflash without --draft-model on the embedded model."""
+    from engine.drafters import shipped_drafter_dir
+
+    prompt = "Write a short note to a friend about a road trip."
+    greedy = SamplingParams(max_tokens=32, temperature=0)
+    plain = LLM().generate([prompt], greedy, chat=True)[0]
+    llm = LLM(drafter="dflash", adaptive=False)
+    assert llm.config.spec.draft_model == shipped_drafter_dir()
+    spec = llm.generate([prompt], greedy, chat=True)[0]
+    assert spec.token_ids == plain.token_ids
+    assert sum(spec.stats["spec"]["accepted_per_depth"]) > 0  # a trained drafter: some drafts are accepted

@@ -66,8 +66,11 @@ class DraftClock:
         return self
 
     def seconds(self) -> float:
-        """Call after the step's fetch: the device work is then complete."""
-        return self.start.elapsed_time(self.end) / 1000.0 if self.cuda else self.host_s
+        """Call after the step's fetch: the device work is then complete (the wait below returns at once)."""
+        if not self.cuda:
+            return self.host_s
+        self.end.synchronize()
+        return self.start.elapsed_time(self.end) / 1000.0
 
 
 @dataclass

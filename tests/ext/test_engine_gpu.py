@@ -142,3 +142,24 @@ def test_graph_replay_follows_changed_block_tables(tiny_checkpoints):
             for a, b in zip(old, new):
                 view[b * 4:(b + 1) * 4].copy_(view[a * 4:(a + 1) * 4])
         req.block_ids = new + req.block_ids[2 * len(old):]
+
+
+@pytest.mark.parametrize("chain,budget", [(True, 16), (False, 12)])  # 15 and 12 drafts: widths padded to 17
+def test_dflash_chain_and_tree_with_cuda_graphs_equal_plain(tiny_checkpoints, tmp_path, chain, budget):
+    """A DFlash drafter (block 16: the chain verifies 16 rows, padded to the 17-row bucket past a KV block) with
+    CUDA graphs captured at startup: greedy output equals plain decoding."""
+    import json
+    import os
+
+    from engine.speculative.dflash import save_random_dflash
+
+    folder, _ = tiny_checkpoints("qwen3")
+    with open(os.path.join(folder, "config.json")) as f:
+        save_random_dflash(str(tmp_path), json.load(f), num_layers=1, block_size=16, target_layer_ids=[0, 1])
+    ps = graph_prompts(3)
+    sp = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
+    ref = [o.token_ids for o in LLM(folder, dtype="fp32", device="cuda").generate(ps, sp)]
+    spec = LLM(folder, dtype="fp32", device="cuda", drafter="dflash", draft_model=str(tmp_path), chain=chain,
+               spec_budget=budget, adaptive=False, max_num_seqs=32)
+    assert spec.engine.runner.graphs is not None
+    assert [o.token_ids for o in spec.generate(ps, sp)] == ref

@@ -33,9 +33,13 @@ class TreeBatch:
     tree: DraftTree  # [N, W] rows, root first
     budgets: list[int]  # drafted nodes per request (host copy of what the scheduler granted)
     curve: torch.Tensor | None = None  # [N, B] the full-budget tree's cumulative draft probability (adaptive budgets)
-    draft_s: float = 0.0  # host seconds in the drafter's propose()
     tree_build_s: float = 0.0  # seconds building the trees from its proposal
-    clock: "DraftClock | None" = None  # the drafter's device time (read after the step's fetch)
+    clock: "DraftClock | None" = None  # the drafter's time (device time read after the step's fetch)
+
+    @property
+    def draft_s(self) -> float:
+        """Host seconds in the drafter's propose()."""
+        return self.clock.host_s if self.clock is not None else 0.0
 
     @property
     def width(self) -> int:
@@ -49,7 +53,7 @@ class TreeBatch:
 
 class DraftClock:
     """How long the drafter ran: host seconds on CPU; on CUDA, a pair of events recorded around it, read once
-    the step's single device-to-host copy has synchronized (no sync of its own)."""
+    the step's single device-to-host copy has synchronized (so waiting on the end event costs nothing)."""
 
     def __init__(self, device: torch.device):
         self.cuda = device.type == "cuda"
@@ -112,7 +116,7 @@ class Speculator:
         tree, curve, clock, build_s = self._full_trees(seqs)
         budgets = [s.spec_budget for s in seqs]
         tree = tree.truncated(self.stage(budgets), max(budgets) + 1)
-        return TreeBatch(seqs, tree, budgets, curve, draft_s=clock.host_s, tree_build_s=build_s, clock=clock)
+        return TreeBatch(seqs, tree, budgets, curve, tree_build_s=build_s, clock=clock)
 
     def curves(self, seqs: list[ScheduledSeq]) -> tuple[torch.Tensor, DraftClock]:
         """[M, B] acceptance curves of these requests' full-budget trees, verified by nobody this step (what the

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from engine.model.errors import CheckpointError, ConfigError
 from engine.model.layers import GatedMLP, RMSNorm, RotaryEmbedding, apply_rope, rope_parameters
@@ -34,6 +35,9 @@ from ext.ops import topk_logprobs
 
 DFLASH2_MARKERS = ("attention_conv", "mlp_conv", "candidate_selector")
 IGNORED_KEYS = ("embed_tokens.weight", "lm_head.weight", "rotary_emb.inv_freq")
+# Not cuDNN: its attention builds an execution plan for every new key length (about 14 ms each on the H200,
+# bench/step.py), and a drafter's context grows by a token or more every step.
+SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
 def build_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
@@ -172,10 +176,11 @@ class DFlashModel(nn.Module):
         [num_layers, S_r, n_kv, hd] -> final-normed hidden [N*bs, H]."""
         cos, sin = self.rotary.cos_sin(positions, h.dtype)
         bs = self.config.block_size
-        for i, layer in enumerate(self.layers):
-            per_req = [(k[i], v[i]) for k, v in contexts]
-            h = h + layer.self_attn(layer.input_layernorm(h), cos, sin, per_req, bs)
-            h = h + layer.mlp(layer.post_attention_layernorm(h))
+        with sdpa_kernel(SDPA_BACKENDS):
+            for i, layer in enumerate(self.layers):
+                per_req = [(k[i], v[i]) for k, v in contexts]
+                h = h + layer.self_attn(layer.input_layernorm(h), cos, sin, per_req, bs)
+                h = h + layer.mlp(layer.post_attention_layernorm(h))
         return self.norm(h)
 
 

@@ -67,7 +67,8 @@ def test_sampled_ddtree_on_cuda_reproduces_seeded_plain_sampling(tiny_checkpoint
                         repetition_penalty=1.1, logprobs=2)
     plain = LLM(folder, dtype="fp32", device="cuda").generate(prompts(), sp)
     before = ops.cuda_calls()
-    spec = LLM(folder, dtype="fp32", device="cuda", drafter="ngram", spec_budget=8).generate(prompts(), sp)
+    spec = LLM(folder, dtype="fp32", device="cuda", drafter="ngram", spec_budget=8,
+              adaptive=False).generate(prompts(), sp)
     used = {k: v - before.get(k, 0) for k, v in ops.cuda_calls().items()}
     assert [o.token_ids for o in spec] == [o.token_ids for o in plain]
     for a, b in zip(spec, plain):
@@ -163,3 +164,26 @@ def test_dflash_chain_and_tree_with_cuda_graphs_equal_plain(tiny_checkpoints, tm
                spec_budget=budget, adaptive=False, max_num_seqs=32)
     assert spec.engine.runner.graphs is not None
     assert [o.token_ids for o in spec.generate(ps, sp)] == ref
+
+
+def test_dflash_drafter_attention_avoids_cudnn(tiny_checkpoints, tmp_path):
+    """In bf16 SDPA would pick cuDNN, which builds a plan for every new key length (~14 ms each on the H200): a
+    drafter whose context grows every step must run another backend."""
+    import json
+    import os
+
+    from torch.profiler import ProfilerActivity, profile
+
+    from engine.speculative.dflash import save_random_dflash
+
+    folder, _ = tiny_checkpoints("qwen3")
+    with open(os.path.join(folder, "config.json")) as f:
+        save_random_dflash(str(tmp_path), json.load(f), num_layers=1, block_size=8, target_layer_ids=[0, 1])
+    llm = LLM(folder, dtype="bf16", device="cuda", drafter="dflash", draft_model=str(tmp_path), spec_budget=4,
+              adaptive=False)
+    sp = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        llm.generate(graph_prompts(2), sp)
+    names = {e.key for e in prof.key_averages()}
+    assert "aten::scaled_dot_product_attention" in names, sorted(names)
+    assert not [n for n in names if "cudnn" in n.lower()], sorted(names)

@@ -1,0 +1,189 @@
+"""Anatomy of one engine step on one device: wall time, GPU busy time (kernels under the profiler) and GPU idle
+time per step, for plain decoding (B = 0) and DDTree verify steps (B tree nodes) at context lengths L, batch 1.
+The verify/decode ratio is each B's time over B = 0's at the same L. Prints one JSON line per (L, B) and a
+table; not a test.
+
+The tree comes from a drafter with no cost of its own (FixedTreeDrafter: the same best-first tree of random
+tokens every step, so almost nothing is accepted): the step is the engine's own round (tree build, verify
+rows, sampling, walk, compaction, bookkeeping) plus the target forward. `--drafter dflash` measures a real
+DFlash drafter's round instead (`--draft-model`, default: the shipped one for the SmolLM2 shape).
+
+    python bench/step.py --qwen3-8b --lengths 1024 4096 16384 32768 --budgets 0 16 64
+    python bench/step.py --smollm2 --drafter dflash --lengths 512 --budgets 0 4 16 64
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import torch  # noqa: E402
+
+from bench.gpu_serving import QWEN3_8B  # noqa: E402
+from engine import LLM, SamplingParams  # noqa: E402
+
+SMOLLM2_135M = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 576,
+                "intermediate_size": 1536, "num_hidden_layers": 30, "num_attention_heads": 9,
+                "num_key_value_heads": 3, "head_dim": 64, "hidden_act": "silu", "rms_norm_eps": 1e-05,
+                "max_position_embeddings": 65536, "vocab_size": 49152, "tie_word_embeddings": True,
+                "rope_theta": 100000.0, "torch_dtype": "bfloat16"}
+
+
+class FixedTreeDrafter:
+    """Proposes the same K random tokens per depth every step, from tensors made once per batch size: a full
+    best-first tree whose drafting costs nothing."""
+
+    target_layer_ids: tuple[int, ...] = ()
+
+    def __init__(self, vocab_size: int, horizon: int, device: str):
+        self.vocab_size, self.horizon, self.device = vocab_size, horizon, device
+        self._cache: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def release(self, request_id: str) -> None:
+        pass
+
+    def propose(self, batch, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        key = (len(batch), top_k)
+        if key not in self._cache:
+            g = torch.Generator().manual_seed(0)
+            ids = torch.stack([torch.randperm(self.vocab_size, generator=g)[:top_k]
+                               for _ in range(len(batch) * self.horizon)]).view(len(batch), self.horizon, top_k)
+            logprobs = -torch.arange(1, top_k + 1, dtype=torch.float32).expand(len(batch), self.horizon, top_k)
+            self._cache[key] = (logprobs.contiguous().to(self.device), ids.to(self.device))
+        return self._cache[key]
+
+
+def sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def gpu_busy(fn, top_ops: int = 0) -> tuple[float, int]:
+    """Runs fn under the profiler -> (seconds some kernel, copy or memset was running, number of them); prints
+    the top_ops host operators by self CPU time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        fn()
+        sync()
+    if top_ops:
+        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=top_ops), flush=True)
+    with tempfile.NamedTemporaryFile(suffix=".json") as f:
+        prof.export_chrome_trace(f.name)
+        with open(f.name) as g:
+            events = json.load(g)["traceEvents"]
+    spans = sorted((e["ts"], e["ts"] + e.get("dur", 0)) for e in events
+                   if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset"))
+    busy, end = 0.0, float("-inf")
+    for s, e in spans:  # union of intervals (us)
+        if e > end:
+            busy += e - max(s, end)
+            end = e
+    return busy / 1e6, len(spans)
+
+
+def measure(llm: LLM, length: int, steps: int, warmup: int, top_ops: int = 0) -> dict:
+    """One request with an L-token random prompt: prefill, `warmup` steps, then `steps` timed steps (wall) and
+    `steps` profiled steps (GPU busy)."""
+    engine = llm.engine
+    g = torch.Generator().manual_seed(length)
+    prompt = torch.randint(100, engine.vocab_size, (length,), generator=g).tolist()
+    rid = engine.add_request(prompt, SamplingParams(max_tokens=64 * (warmup + 2 * steps + 2), temperature=0,
+                                                    ignore_eos=True, detokenize=False))
+    req = engine.requests[rid]
+    while not req.output_token_ids:
+        engine.step()
+    for _ in range(warmup):
+        engine.step()
+    sync()
+    timings: dict[str, list[float]] = {}
+    modes, tokens0 = set(), len(req.output_token_ids)
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        engine.step()
+        for k, v in engine.last_stats.timings.items():
+            timings.setdefault(k, []).append(v)
+        modes.add(engine.last_stats.cuda_graph or "eager")
+    sync()
+    wall = (time.perf_counter() - t0) / steps
+    tau = (len(req.output_token_ids) - tokens0) / steps
+    busy, kernels = gpu_busy(lambda: [engine.step() for _ in range(steps)], top_ops)
+    engine.abort(rid)
+    engine.step()
+    return dict(wall_ms=wall * 1e3, gpu_busy_ms=busy / steps * 1e3, gpu_idle_ms=(wall - busy / steps) * 1e3,
+                kernels_per_step=kernels / steps, tau=tau, graph=sorted(modes),
+                phases_ms={k: round(statistics.mean(v) * 1e3, 3) for k, v in timings.items()})
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    shape = p.add_mutually_exclusive_group(required=True)
+    shape.add_argument("--model", help="HF folder or GGUF")
+    shape.add_argument("--qwen3-8b", action="store_true", help="Qwen3-8B shape, dummy bf16 weights")
+    shape.add_argument("--smollm2", action="store_true", help="SmolLM2-135M shape, dummy bf16 weights")
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--lengths", type=int, nargs="+", default=[1024, 4096, 16384, 32768])
+    p.add_argument("--budgets", type=int, nargs="+", default=[0, 16, 64])
+    p.add_argument("--drafter", choices=("fixed", "dflash"), default="fixed")
+    p.add_argument("--draft-model", default=None, help="DFlash folder (default: the shipped SmolLM2 drafter)")
+    p.add_argument("--chain", action="store_true", help="dflash: verify the drafter's top-1 path (B ignored)")
+    p.add_argument("--depth", type=int, default=8, help="fixed drafter's horizon")
+    p.add_argument("--steps", type=int, default=32)
+    p.add_argument("--warmup", type=int, default=8)
+    p.add_argument("--enforce-eager", action="store_true")
+    p.add_argument("--top-ops", type=int, default=0, help="print the N host operators with most self CPU time")
+    args = p.parse_args()
+
+    model, load_format = args.model, "auto"
+    if args.model is None:
+        model, load_format = tempfile.mkdtemp(prefix="step-shape-"), "dummy"
+        with open(os.path.join(model, "config.json"), "w") as f:
+            json.dump(QWEN3_8B if args.qwen3_8b else SMOLLM2_135M, f)
+    common = dict(device=args.device, load_format=load_format, max_num_seqs=1, enforce_eager=args.enforce_eager,
+                  max_model_len=max(args.lengths) + 64 * (args.warmup + 2 * args.steps + 4),
+                  enable_prefix_caching=False)
+    draft_model = args.draft_model
+    if args.drafter == "dflash" and draft_model is None:
+        from engine.drafters import shipped_drafter_dir
+
+        draft_model = shipped_drafter_dir()
+    rows = []
+    for budget in args.budgets:
+        if budget == 0:
+            llm = LLM(model, **common)
+        elif args.drafter == "dflash":
+            llm = LLM(model, drafter="dflash", draft_model=draft_model, spec_budget=budget, adaptive=False,
+                      chain=args.chain, **common)
+        else:
+            drafter = FixedTreeDrafter(QWEN3_8B["vocab_size"] if args.qwen3_8b else SMOLLM2_135M["vocab_size"],
+                                       args.depth, args.device)
+            llm = LLM(model, drafter=drafter, spec_budget=budget, adaptive=False, **common)
+        for length in args.lengths:
+            r = dict(bench="step", shape=("qwen3-8b" if args.qwen3_8b else "smollm2" if args.smollm2 else model),
+                     drafter=(args.drafter + (" chain" if args.chain else "")) if budget else "none", L=length, B=budget,
+                     **measure(llm, length, args.steps, args.warmup, args.top_ops if budget else 0))
+            rows.append(r)
+            print(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in r.items()}), flush=True)
+        del llm
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    print("\n| L | B | wall ms/step | GPU busy ms | GPU idle ms | kernels/step | verify/decode (wall, GPU) |")
+    print("|---|---|---|---|---|---|---|")
+    base = {r["L"]: r for r in rows if r["B"] == 0}
+    for r in sorted(rows, key=lambda r: (r["L"], r["B"])):
+        b = base.get(r["L"])
+        gpu = f"{r['gpu_busy_ms'] / b['gpu_busy_ms']:.2f}" if b and b["gpu_busy_ms"] else "-"
+        ratio = f"{r['wall_ms'] / b['wall_ms']:.2f}, {gpu}" if b else ""
+        print(f"| {r['L']} | {r['B']} | {r['wall_ms']:.2f} | {r['gpu_busy_ms']:.2f} | {r['gpu_idle_ms']:.2f} | "
+              f"{r['kernels_per_step']:.0f} | {ratio} |")
+
+
+if __name__ == "__main__":
+    main()

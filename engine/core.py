@@ -99,6 +99,8 @@ class EngineCore:
         self.requests: dict[str, Request] = {}
         self.request_errors: list[RequestError] = []  # requests that failed while the engine went on
         self.last_stats: StepStats | None = None
+        self._grammar_tokenizer = None  # llguidance's view of the tokenizer, built for the first grammar
+        self.num_constrained_requests = 0
 
     def make_speculator(self, drafter) -> Speculator | None:
         """The DDTree half of the runner, or None for plain decoding. `drafter` overrides the configured one
@@ -189,12 +191,15 @@ class EngineCore:
         if longest > self.kv_plan.num_tokens:
             raise ValueError(f"the request needs {longest} tokens of KV cache but the cache holds "
                              f"{self.kv_plan.num_tokens}")
-        if sampling.stop and self.tokenizer is None:
-            raise ValueError("stop strings need the model's tokenizer, and this model has none")
+        if (sampling.stop or sampling.grammar) and self.tokenizer is None:
+            raise ValueError("stop strings and structured output need the model's tokenizer, and this model has none")
+        constraint = self._constraint(sampling.grammar) if sampling.grammar is not None else None
         seed = sampling.seed if sampling.seed is not None else self.rng.getrandbits(63)
         req = Request(list(prompt_token_ids), sampling, self.eos_token_ids, seed=signed64(seed))
         if request_id is not None:
             req.request_id = request_id
+        req.constraint = constraint
+        self.num_constrained_requests += constraint is not None
         if sampling.detokenize and self.tokenizer is not None:
             req.text = OutputText(self.tokenizer, stop=sampling.stop, skip_special_tokens=sampling.skip_special_tokens,
                                   include_stop_str_in_output=sampling.include_stop_str_in_output,
@@ -202,6 +207,14 @@ class EngineCore:
         self.requests[req.request_id] = req
         self.scheduler.add(req)
         return req.request_id
+
+    def _constraint(self, grammar: str):
+        """The request's grammar state; the tokenizer's llguidance view is built on first use (about 0.5 s)."""
+        from engine.structured import Constraint, grammar_tokenizer
+
+        if self._grammar_tokenizer is None:
+            self._grammar_tokenizer = grammar_tokenizer(self.tokenizer, self.vocab_size, self.eos_token_ids)
+        return Constraint(self._grammar_tokenizer, grammar, self.eos_token_ids)
 
     def abort(self, request_id: str) -> bool:
         req = self.scheduler.abort(request_id)
@@ -300,4 +313,10 @@ class EngineCore:
             accept_lengths=result.accept_lengths, tree_nodes=result.tree_nodes,
             accepted_per_position=result.accepted_per_position, prefix_cache_queries=plan.prefix_cache_queries,
             prefix_cache_hits=plan.prefix_cache_hits, kernel_fallbacks=ops.take_reference_fallbacks(),
-            spec_budgets=plan.spec_budgets, cuda_graph=result.cuda_graph)
+            spec_budgets=plan.spec_budgets, cuda_graph=result.cuda_graph,
+            num_constrained_requests=self._take_constrained(), num_grammar_pruned=result.num_grammar_pruned)
+
+    def _take_constrained(self) -> int:
+        """Requests admitted with a grammar since the last step's statistics."""
+        n, self.num_constrained_requests = self.num_constrained_requests, 0
+        return n

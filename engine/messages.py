@@ -92,6 +92,9 @@ class StepStats:
     spec_budgets: list[int] = field(default_factory=list)
     # ext ops that ran their PyTorch reference on a CUDA tensor this step (only with reference kernels allowed)
     kernel_fallbacks: dict[str, int] = field(default_factory=dict)
+    # structured output: requests admitted with a grammar this step, draft nodes the grammars pruned
+    num_constrained_requests: int = 0
+    num_grammar_pruned: int = 0
 
 
 @dataclass

@@ -50,3 +50,4 @@ class StepResult:
     timings: dict[str, float] = field(default_factory=dict)
     num_drafted: int = 0  # requests the drafter ran for this step (verified or curves only)
     draft_seconds: float = 0.0  # the drafter's time this step (device time on CUDA)
+    num_grammar_pruned: int = 0  # draft-tree nodes dropped because the request's grammar forbids them

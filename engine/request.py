@@ -31,6 +31,7 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True  # in the detokenized text
     detokenize: bool = True  # produce text (needs the model's tokenizer); stop strings need it
+    grammar: str | None = None  # structured output: an llguidance grammar (engine/grammar.py builds them)
 
     def validate(self, vocab_size: int | None = None) -> None:
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
@@ -51,6 +52,8 @@ class SamplingParams:
             raise ValueError("stop strings must be non-empty strings")
         if self.stop and not self.detokenize:
             raise ValueError("stop strings need detokenize=True")
+        if self.grammar is not None and not isinstance(self.grammar, str):
+            raise ValueError("grammar must be an llguidance grammar string (engine.grammar)")
         if vocab_size is not None:
             for t in list(self.stop_token_ids) + list((self.logit_bias or {}).keys()):
                 if not 0 <= int(t) < vocab_size:
@@ -95,6 +98,7 @@ class Request:
     num_preemptions: int = 0
     # speculative-decoding bookkeeping: steps, accepted tokens per step
     accept_lengths: list[int] = field(default_factory=list)
+    constraint: Any = None  # engine.structured.Constraint when the sampling has a grammar
 
     @property
     def all_token_ids(self) -> list[int]:

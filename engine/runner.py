@@ -108,6 +108,7 @@ class ModelRunner:
         result.num_drafted = (batch.num_requests if batch is not None else 0) + (len(watched[0]) if watched else 0)
         result.draft_seconds = sum(c.seconds() for c in clocks)  # the fetch synchronized: events are complete
         if batch is not None:
+            result.num_grammar_pruned = batch.num_pruned
             self._tree_results(batch, inputs, host, len(sampling), features, result)
             result.timings.update(draft=batch.draft_s, tree_build=batch.tree_build_s, verify=t2 - t1,
                                   accept=time.perf_counter() - t2)
@@ -149,7 +150,9 @@ class ModelRunner:
         if not requests:
             return SampleOutput(torch.empty(0, dtype=torch.int64, device=self.device), [], None, None, None), None
         logits = self.model.compute_logits(hidden[rows])  # [R, vocab] fp32
-        out = self.sampler(logits, SamplingBatch(requests, num_rows, depths, tree_tokens, tree_vis))
+        grammar_rows, grammar_masks = _grammar_masks(sampling, batch)
+        out = self.sampler(logits, SamplingBatch(requests, num_rows, depths, tree_tokens, tree_vis,
+                                                 grammar_rows, grammar_masks))
         walk = None
         if batch is not None:
             targets = out.tokens[len(sampling):].view(batch.num_requests, batch.width)
@@ -183,6 +186,23 @@ class ModelRunner:
                 if d >= len(result.accepted_per_position):
                     result.accepted_per_position.append(0)
                 result.accepted_per_position[d] += 1
+
+
+def _grammar_masks(sampling: list, batch: TreeBatch | None) -> tuple[list[int], list[bytes]]:
+    """Sampled rows (numbered as the sampler sees them: plain rows, then every tree's rows) whose request has a
+    grammar, and the bitmask of each row's grammar state."""
+    rows, masks = [], []
+    for i, (req, _) in enumerate(sampling):
+        if req.constraint is not None:
+            rows.append(i)
+            masks.append(req.constraint.mask())
+    if batch is not None:
+        width = batch.width
+        for i, built in batch.constrained.items():
+            first = len(sampling) + i * width
+            rows.extend(range(first, first + width))
+            masks.extend(built.row_masks(width))
+    return rows, masks
 
 
 def _decoding(s: ScheduledSeq) -> bool:

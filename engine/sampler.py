@@ -4,7 +4,8 @@ vocabulary, no host sync).
 
 Per row, in this order (the order plain decoding has always used): logit_bias; repetition, presence and
 frequency penalties over the request's output (for a tree row: plus the drafted tokens on the path to it);
-min_tokens (EOS and stop ids masked while the row's output index is below it); then argmax at temperature 0,
+min_tokens (EOS and stop ids masked while the row's output index is below it); the grammar's bitmask (structured
+output; for a tree row, of the grammar state after its path); then argmax at temperature 0,
 or temperature, top-k, top-p, min-p and one draw.
 
 The draw is inverse-CDF sampling with a counter-based uniform u = f(request seed, output index of the token):
@@ -21,6 +22,7 @@ import torch
 
 from engine.request import Request
 from engine.staging import Staging
+from engine.structured import apply_masks, masks_tensor
 from ext import ops
 
 _GOLDEN = 0x9E3779B97F4A7C15 - (1 << 64)  # splitmix64 constants as signed int64 (torch wraps on overflow)
@@ -67,6 +69,9 @@ class SamplingBatch:
     # the trailing tree requests' node tokens [N, W] and ancestor-or-self visibility [N, W, W] (penalties)
     tree_tokens: torch.Tensor | None = None
     tree_visibility: torch.Tensor | None = None
+    # structured output: rows restricted to a grammar's bitmask (engine/structured.py), one mask per row
+    grammar_rows: list[int] | None = None
+    grammar_masks: list[bytes] | None = None
 
 
 @dataclass
@@ -123,6 +128,9 @@ class Sampler:
             processed = self._apply_penalties(processed, batch, rows)
         if rows.min_token_rows:
             processed = self._mask_min_tokens(processed, batch, rows)
+        if batch.grammar_rows:  # last: no bias or penalty can bring back a token the grammar forbids
+            processed = apply_masks(processed, self._tensor(batch.grammar_rows),
+                                    masks_tensor(batch.grammar_masks, self.device))
         tokens = processed.argmax(-1)
         if rows.sampled_rows:
             tokens = self._draw(processed, tokens, batch, rows)

@@ -139,6 +139,8 @@ class Scheduler:
                 if logprobs is not None:
                     req.output_logprobs.append(logprobs[j])
                 reason = self.stop_reason(req, token)
+                if req.constraint is not None and not reason and not req.constraint.commit(token):
+                    reason = "abort"  # the grammar refused a token it had allowed (logged): end, never emit junk
                 if reason:
                     break
             self.blocks.commit(req)

@@ -106,6 +106,11 @@ class Metrics:
                                             "(first admission of each request).").labels(model_name)
         self.prefix_cache_hits = counter("prefix_cache_hits", "Prompt tokens whose KV came from the prefix "
                                          "cache.").labels(model_name)
+        self.structured_requests = counter("structured_output_requests", "Requests admitted with a grammar "
+                                           "(response_format json_object / json_schema, or a tool call the "
+                                           "tool_choice requires).").labels(model_name)
+        self.grammar_pruned = counter("spec_decode_grammar_pruned_nodes", "Draft-tree candidates dropped before "
+                                      "verification because the request's grammar forbids them.").labels(model_name)
         self.kernel_fallbacks = counter("kernel_reference_fallbacks", "Calls of an ext op on a CUDA tensor that "
                                         "ran its PyTorch reference (only with --reference-kernels).", ["op"])
 
@@ -166,6 +171,11 @@ class Metrics:
             self.prefix_cache_queries.inc(queries)
         if hits:
             self.prefix_cache_hits.inc(hits)
+        constrained, pruned = _get(stats, "num_constrained_requests", 0), _get(stats, "num_grammar_pruned", 0)
+        if constrained:
+            self.structured_requests.inc(constrained)
+        if pruned:
+            self.grammar_pruned.inc(pruned)
         for op, count in (_get(stats, "kernel_fallbacks", None) or {}).items():
             self.kernel_fallbacks.labels(self.model_name, op).inc(count)
         for phase, seconds in (_get(stats, "timings", None) or {}).items():

@@ -2,16 +2,17 @@
 
 Requests hand the engine plain sampling values through `to_sampling_kwargs()`, so the engine never imports server
 code. Validation policy: wrong types are errors (no "5" -> 5 coercion); a JSON null means "not given"; fields we
-know but do not implement (tools, response_format, beam search, ...) are rejected by name unless they carry their
-neutral value; truly unknown fields are accepted and listed by `ignored_fields()` for the app to log. Failures
+know but do not implement (guided_*, beam search, ...) are rejected by name unless they carry their neutral value; truly unknown fields are accepted and listed by `ignored_fields()` for the app to log. Failures
 are ProtocolErrors (server/errors.py), which `parse_request` turns into a 400 envelope.
 """
 from __future__ import annotations
 
 from typing import Annotated, Any, ClassVar, Literal, Mapping, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, field_validator, model_validator
+from pydantic import (BaseModel, ConfigDict, Field, PrivateAttr, StrictBool, StrictInt, StrictStr, field_validator,
+                      model_validator)
 
+from engine.grammar import GrammarError, json_object_grammar, json_schema_grammar
 from server.errors import ApiError, ProtocolError, error_response, type_name
 
 MAX_N = 16
@@ -49,15 +50,14 @@ def parse_request(model: type, body: Any):
 # Known fields we do not implement -> the value that means "feature not used" (accepted silently).
 _NO_NEUTRAL = object()
 _UNSUPPORTED_COMMON: dict[str, Any] = {
-    "response_format": {"type": "text"}, "guided_json": _NO_NEUTRAL, "guided_regex": _NO_NEUTRAL,
+    "guided_json": _NO_NEUTRAL, "guided_regex": _NO_NEUTRAL,
     "guided_choice": _NO_NEUTRAL, "guided_grammar": _NO_NEUTRAL, "structured_outputs": _NO_NEUTRAL,
     "use_beam_search": False, "length_penalty": _NO_NEUTRAL, "prompt_logprobs": _NO_NEUTRAL,
     "logits_processors": _NO_NEUTRAL, "allowed_token_ids": _NO_NEUTRAL, "bad_words": [],
     "truncate_prompt_tokens": _NO_NEUTRAL, "spaces_between_special_tokens": True, "best_of": 1,
 }
 _UNSUPPORTED_CHAT: dict[str, Any] = {
-    **_UNSUPPORTED_COMMON, "tools": _NO_NEUTRAL, "tool_choice": "none", "functions": _NO_NEUTRAL,
-    "function_call": "none", "parallel_tool_calls": _NO_NEUTRAL, "audio": _NO_NEUTRAL, "modalities": ["text"],
+    **_UNSUPPORTED_COMMON, "functions": _NO_NEUTRAL, "function_call": "none", "audio": _NO_NEUTRAL, "modalities": ["text"],
     "prediction": _NO_NEUTRAL, "web_search_options": _NO_NEUTRAL, "reasoning_effort": _NO_NEUTRAL,
     "echo": False, "continue_final_message": False, "add_generation_prompt": True, "chat_template": _NO_NEUTRAL,
     "documents": _NO_NEUTRAL, "store": False,
@@ -119,6 +119,49 @@ class _SamplingRequest(_Request):
     user: Optional[StrictStr] = None
     skip_special_tokens: StrictBool = True  # extension, applied by the detokenizer
     include_stop_str_in_output: StrictBool = False  # extension, applied by the stop-string matcher
+    response_format: Optional[dict[StrictStr, Any]] = None  # text | json_object | json_schema (structured output)
+
+    @field_validator("response_format")
+    @classmethod
+    def _response_format(cls, v: Optional[dict]) -> Optional[dict]:
+        if v is None:
+            return v
+        kind = v.get("type")
+        if kind not in ("text", "json_object", "json_schema"):
+            raise ProtocolError(f"Invalid 'response_format.type' {kind!r}: expected 'text', 'json_object' or "
+                                f"'json_schema'.", loc=("type",))
+        if kind == "json_schema":
+            spec = v.get("json_schema")
+            if not isinstance(spec, dict) or not isinstance(spec.get("name"), str):
+                raise ProtocolError("'response_format.json_schema' must be an object with a string 'name' and "
+                                    "a 'schema'.", loc=("json_schema",))
+            if "schema" not in spec:
+                raise ProtocolError("'response_format.json_schema.schema' is required.", loc=("json_schema",))
+        return v
+
+    _grammar: Optional[str] = PrivateAttr(None)
+
+    @model_validator(mode="after")
+    def _compile_grammar(self) -> "_SamplingRequest":
+        self._grammar = self._make_grammar()
+        return self
+
+    def _make_grammar(self) -> Optional[str]:
+        """The llguidance grammar response_format asks for, or None; a schema that does not compile is a 400
+        naming the problem. Subclasses add tool calls."""
+        v = self.response_format
+        if v is None or v["type"] == "text":
+            return None
+        if v["type"] == "json_object":
+            return json_object_grammar()
+        try:
+            return json_schema_grammar(v["json_schema"]["schema"], "Invalid JSON schema in 'response_format'")
+        except GrammarError as e:
+            raise ProtocolError(str(e), loc=("response_format", "json_schema", "schema")) from None
+
+    def grammar(self) -> Optional[str]:
+        """What the engine constrains the output to (compiled at validation)."""
+        return self._grammar
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -181,7 +224,7 @@ class _SamplingRequest(_Request):
             "presence_penalty": float(self.presence_penalty), "frequency_penalty": float(self.frequency_penalty),
             "repetition_penalty": float(pick("repetition_penalty", 1.0)),
             "logit_bias": {int(k): float(v) for k, v in self.logit_bias.items()},
-            "logprobs": self._logprobs_count(),
+            "logprobs": self._logprobs_count(), "grammar": self.grammar(),
         }
 
     def check_token_ids(self, vocab_size: int) -> None:

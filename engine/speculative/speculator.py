@@ -13,7 +13,7 @@ logical position start + j, so the cache again holds a plain sequence of start +
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -21,6 +21,7 @@ from engine.plan import ScheduledSeq
 from engine.speculative import verify
 from engine.speculative.drafter import DraftRequest
 from engine.speculative.tree import DraftTree
+from engine.structured import ConstrainedTree
 from engine.staging import Staging
 from ext import ops
 
@@ -34,6 +35,9 @@ class TreeBatch:
     budgets: list[int]  # drafted nodes per request (host copy of what the scheduler granted)
     curve: torch.Tensor | None = None  # [N, B] the full-budget tree's cumulative draft probability (adaptive budgets)
     tree_build_s: float = 0.0  # seconds building the trees from its proposal
+    # structured output: request index -> its grammar-aware tree (rows' bitmasks), and nodes the grammar pruned
+    constrained: dict = field(default_factory=dict)
+    num_pruned: int = 0
     clock: "DraftClock | None" = None  # the drafter's time (device time read after the step's fetch)
 
     @property
@@ -113,21 +117,24 @@ class Speculator:
     def draft(self, seqs: list[ScheduledSeq]) -> TreeBatch:
         """Drafter proposal -> per-request best-first trees, W = max budget + 1 rows each. The drafter takes
         the pending features into its own state; if it fails they stay pending."""
-        tree, curve, clock, build_s = self._full_trees(seqs)
+        tree, curve, clock, build_s, constrained = self._full_trees(seqs)
         budgets = [s.spec_budget for s in seqs]
         tree = tree.truncated(self.stage(budgets), max(budgets) + 1)
-        return TreeBatch(seqs, tree, budgets, curve, tree_build_s=build_s, clock=clock)
+        return TreeBatch(seqs, tree, budgets, curve, tree_build_s=build_s, clock=clock, constrained=constrained,
+                         num_pruned=sum(c.num_pruned for c in constrained.values()))
 
     def curves(self, seqs: list[ScheduledSeq]) -> tuple[torch.Tensor, DraftClock]:
         """[M, B] acceptance curves of these requests' full-budget trees, verified by nobody this step (what the
         adaptive budget reads to decide whether a request at budget 0 should verify a tree next step), and the
         drafter's clock."""
-        _, curve, clock, _ = self._full_trees(seqs)
+        _, curve, clock, _, _ = self._full_trees(seqs)
         return curve, clock
 
-    def _full_trees(self, seqs: list[ScheduledSeq]) -> tuple[DraftTree, torch.Tensor, DraftClock, float]:
+    def _full_trees(self, seqs: list[ScheduledSeq]) -> tuple[DraftTree, torch.Tensor, DraftClock, float, dict]:
         """The drafter's proposal built into full-budget trees (best-first trees nest, so a request's own budget
-        is a cut of it), their acceptance curves, the drafter's clock and the seconds building took."""
+        is a cut of it), their acceptance curves, the drafter's clock, the seconds building took, and the
+        grammar-aware trees of requests with structured output (built on the host: their proposals come to the
+        host, a sync that only steps with such requests pay)."""
         consumed, batch = {}, []
         for s in seqs:
             rows = self.pending_hidden.pop(s.request.request_id, None)
@@ -150,7 +157,22 @@ class Speculator:
         # the full budget's node probabilities tell the adaptive budget what a bigger tree would bring
         full = torch.full((len(seqs),), self.max_budget, dtype=torch.int64, device=device)
         tree = DraftTree.from_topk(logprobs, token_ids, roots, full, self.max_budget)
-        return tree, tree.acceptance_curve(), clock, time.perf_counter() - t1
+        constrained = self._constrained_trees(seqs, logprobs, token_ids, tree)
+        return tree, tree.acceptance_curve(), clock, time.perf_counter() - t1, constrained
+
+    def _constrained_trees(self, seqs: list[ScheduledSeq], logprobs: torch.Tensor, token_ids: torch.Tensor,
+                           tree: DraftTree) -> dict[int, ConstrainedTree]:
+        """Rebuilds the trees of requests with a grammar so that every node is legal after its parent's path."""
+        which = [i for i, s in enumerate(seqs) if s.request.constraint is not None]
+        if not which:
+            return {}
+        index = torch.tensor(which, device=logprobs.device)
+        lps, ids = logprobs[index].float().cpu().tolist(), token_ids[index].cpu().tolist()
+        out = {}
+        for j, i in enumerate(which):
+            out[i] = ConstrainedTree(lps[j], ids[j], self.max_budget, seqs[i].request.constraint)
+            out[i].write_into(tree, i)
+        return out
 
     def restore_hidden(self, consumed: dict[str, list[torch.Tensor]]) -> None:
         """Puts features a failed step consumed back in front of any recorded since."""

@@ -7,6 +7,7 @@ controller's. Prompts: the held-out split of engine/train/prompts.py (never trai
 
     python bench/accept.py                                  # embedded SmolLM2 + its shipped drafter, CPU
     python bench/accept.py --device cuda --num-prompts 64 --json out.json
+    python bench/accept.py --schema person.json --no-chain   # tau with grammar pruning against without
 """
 from __future__ import annotations
 
@@ -54,6 +55,8 @@ def main() -> int:
     p.add_argument("--concurrency", type=int, default=1, help="requests in flight (1 = batch 1)")
     p.add_argument("--no-chain", action="store_true", help="skip the chain")
     p.add_argument("--no-chat", action="store_true", help="prompts as plain text, not chat turns")
+    p.add_argument("--schema", default=None, help="a JSON schema file: constrain every output to it and measure "
+                                                  "DDTree with and without grammar pruning")
     p.add_argument("--json", default=None, help="write every measurement here")
     args = p.parse_args()
 
@@ -70,6 +73,13 @@ def main() -> int:
           f"{args.concurrency}", flush=True)
     print(TABLE_HEADER, flush=True)
     kw = dict(max_tokens=args.max_tokens, concurrency=args.concurrency)
+    prunings = [True]
+    if args.schema:
+        from engine.grammar import json_schema_grammar
+
+        with open(args.schema) as f:
+            kw["grammar"] = json_schema_grammar(json.load(f))
+        prunings = [True, False]
     results = []
     for t in args.temperatures:
         plain = measure(loaded, base, ids, "plain", temperature=t, **kw)
@@ -78,9 +88,11 @@ def main() -> int:
         runs = [] if args.no_chain else [("chain", 0)]
         runs += [("ddtree", b) for b in args.budgets]
         for mode, budget in runs:
-            m = measure(loaded, base, ids, mode, draft_model=draft, budget=budget or 16, temperature=t, **kw)
-            print(m.row(plain.tokens_per_s), flush=True)
-            results.append(m)
+            for pruning in prunings:
+                m = measure(loaded, base, ids, mode, draft_model=draft, budget=budget or 16, temperature=t,
+                            grammar_pruning=pruning, **kw)
+                print(m.row(plain.tokens_per_s), flush=True)
+                results.append(m)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"device": args.device, "target": loaded.path, "draft_model": draft, "prompts": len(ids),

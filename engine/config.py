@@ -40,6 +40,9 @@ class SpecConfig:
     adaptive: bool = opt(True, "choose each request's tree budget every step (0..--spec-budget) from its measured "
                                "acceptance and the measured cost of a verify row; --no-adaptive always verifies "
                                "--spec-budget nodes")
+    grammar_pruning: bool = opt(True, "structured output: drop draft-tree candidates the request's grammar "
+                                      "forbids before verification; --no-grammar-pruning verifies them anyway "
+                                      "(they are never accepted; for comparison)")
 
     def __post_init__(self):
         if self.drafter not in DRAFTERS:

@@ -112,7 +112,8 @@ class EngineCore:
             drafter = make_drafter(spec, self.model, self.model.vocab_size, device=self.config.device,
                                    dtype=self.dtype)
         budget = drafter.horizon if spec.chain else spec.budget
-        return Speculator(drafter, budget, chain=spec.chain, device=self.config.device) if budget > 0 else None
+        return Speculator(drafter, budget, chain=spec.chain, device=self.config.device,
+                          grammar_pruning=spec.grammar_pruning) if budget > 0 else None
 
     def _graph_blocker(self) -> str | None:
         """Why this engine cannot use CUDA graphs, or None."""

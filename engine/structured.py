@@ -81,11 +81,14 @@ class ConstrainedTree:
     """One request's grammar-aware best-first tree (host lists, rows in pop order, row 0 = root)."""
 
     def __init__(self, logprobs: list[list[float]], token_ids: list[list[int]], budget: int,
-                 constraint: Constraint):
-        """logprobs / token_ids [L][K]: the drafter's top-K per depth, sorted descending."""
+                 constraint: Constraint, prune: bool = True):
+        """logprobs / token_ids [L][K]: the drafter's top-K per depth, sorted descending. prune=False keeps the
+        drafter's own tree: forbidden nodes (and everything under them) are verified but can never be accepted
+        (bench/accept.py's comparison)."""
         depth_count, k = len(token_ids), len(token_ids[0]) if token_ids else 0
         self.tokens, self.parents, self.depths, self.scores = [-1], [-1], [0], [0.0]
         self.masks, paths = [constraint.mask()], [[]]
+        dead = [False]  # a forbidden node kept when not pruning, or a node under one
         self.num_pruned = 0
         frontier = [(-logprobs[0][0], 0, 0, 0)] if depth_count and k else []  # (-score, depth - 1, rank, parent)
         while frontier and len(self.tokens) <= budget:
@@ -94,19 +97,22 @@ class ConstrainedTree:
             if r + 1 < k:  # the next sibling replaces this candidate in the frontier, legal or not
                 heapq.heappush(frontier, (-(score - logprobs[d][r] + logprobs[d][r + 1]), d, r + 1, parent))
             token = token_ids[d][r]
-            if not allows(self.masks[parent], token):
+            forbidden = dead[parent] or not allows(self.masks[parent], token)
+            if forbidden and prune:
                 self.num_pruned += 1
                 continue
+            dead.append(forbidden)
             path = paths[parent] + [token]
             row = len(self.tokens)
-            final = token in constraint.eos_token_ids  # the output ends here: nothing follows, any mask will do
+            # the output ends here (or cannot get here): nothing follows, any mask will do
+            final = forbidden or token in constraint.eos_token_ids
             self.tokens.append(token)
             self.parents.append(parent)
             self.depths.append(d + 1)
             self.scores.append(score)
             self.masks.append(self.masks[parent] if final else constraint.path_mask(path))
             paths.append(path)
-            if d + 1 < depth_count and not final:
+            if d + 1 < depth_count and (not final or forbidden):
                 heapq.heappush(frontier, (-(score + logprobs[d + 1][0]), d + 1, 0, row))
 
     @property

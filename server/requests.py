@@ -7,12 +7,15 @@ are ProtocolErrors (server/errors.py), which `parse_request` turns into a 400 en
 """
 from __future__ import annotations
 
+import json
+
 from typing import Annotated, Any, ClassVar, Literal, Mapping, Optional, Union
 
 from pydantic import (BaseModel, ConfigDict, Field, PrivateAttr, StrictBool, StrictInt, StrictStr, field_validator,
                       model_validator)
 
-from engine.grammar import GrammarError, json_object_grammar, json_schema_grammar
+from engine.grammar import (GrammarError, check_tool_schema, json_object_grammar, json_schema_grammar,
+                            tool_calls_grammar)
 from server.errors import ApiError, ProtocolError, error_response, type_name
 
 MAX_N = 16
@@ -245,24 +248,45 @@ class TextContentPart(BaseModel):
     text: StrictStr
 
 
+class FunctionCall(BaseModel):
+    name: StrictStr
+    arguments: StrictStr  # JSON text
+
+
+class MessageToolCall(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    id: StrictStr
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(BaseModel):
-    """One input message. Content is a string or a list of text parts; tool calls are not supported."""
+    """One input message. Content is a string or a list of text parts; an assistant message may carry tool_calls
+    (then content may be null), a "tool" message answers one of them (tool_call_id)."""
     model_config = ConfigDict(extra="allow")  # replayed SDK messages carry refusal/annotations: null
-    role: Literal["system", "user", "assistant", "developer"]
-    content: Union[StrictStr, list[TextContentPart]]
+    role: Literal["system", "user", "assistant", "developer", "tool"]
+    content: Union[StrictStr, list[TextContentPart]] = ""
     name: Optional[StrictStr] = None
+    tool_calls: Optional[list[MessageToolCall]] = None
+    tool_call_id: Optional[StrictStr] = None
 
     @model_validator(mode="before")
     @classmethod
     def _screen(cls, data: Any) -> Any:
         if isinstance(data, dict):
-            for name in ("tool_calls", "function_call", "audio", "tool_call_id"):
+            for name in ("function_call", "audio"):
                 if data.get(name):
                     raise ProtocolError(f"Unsupported parameter: '{name}' in messages is not supported by this "
                                         f"server.", loc=(name,), code="unsupported_parameter")
-            if data.get("role") in ("tool", "function"):
-                raise ProtocolError(f"Unsupported role {data['role']!r}: tool messages are not supported; use "
-                                    f"'system', 'user', 'assistant' or 'developer'.", loc=("role",))
+            if data.get("role") == "function":
+                raise ProtocolError("Unsupported role 'function' (deprecated by OpenAI): use 'tool' messages.",
+                                    loc=("role",))
+            if data.get("role") == "tool" and not isinstance(data.get("tool_call_id"), str):
+                raise ProtocolError("A 'tool' message needs the 'tool_call_id' it answers.", loc=("tool_call_id",))
+            if data.get("content") is None and (data.get("role") != "assistant" or not data.get("tool_calls")):
+                raise ProtocolError("'content' is required (only an assistant message with tool_calls may omit "
+                                    "it).", loc=("content",))
+            data = {k: v for k, v in data.items() if v is not None}
         return data
 
     @field_validator("content", mode="before")
@@ -297,7 +321,36 @@ class ChatMessage(BaseModel):
         out: dict[str, Any] = {"role": "system" if self.role == "developer" else self.role, "content": self.text}
         if self.name is not None:
             out["name"] = self.name
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        if self.tool_calls:  # templates (Qwen's, Llama's) read arguments as a mapping
+            out["tool_calls"] = [{"id": c.id, "type": "function", "function": {
+                "name": c.function.name, "arguments": _json_or_text(c.function.arguments)}} for c in self.tool_calls]
         return out
+
+
+def _json_or_text(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
+
+
+class FunctionDefinition(BaseModel):
+    model_config = ConfigDict(extra="allow")  # strict, ...
+    name: Annotated[str, Field(strict=True, pattern=r"^[A-Za-z0-9_.-]{1,64}$")]
+    description: Optional[StrictStr] = None
+    parameters: Optional[dict[StrictStr, Any]] = None
+
+
+class Tool(BaseModel):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedToolChoice(BaseModel):
+    type: Literal["function"]
+    function: dict[StrictStr, StrictStr]  # {"name": ...}
 
 
 class ChatCompletionRequest(_SamplingRequest):
@@ -307,6 +360,9 @@ class ChatCompletionRequest(_SamplingRequest):
     logprobs: StrictBool = False
     top_logprobs: Optional[StrictInt] = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     chat_template_kwargs: dict[StrictStr, Any] = Field(default_factory=dict)  # extension, e.g. enable_thinking
+    tools: Optional[list[Tool]] = None
+    tool_choice: Optional[Union[Literal["none", "auto", "required"], NamedToolChoice]] = None
+    parallel_tool_calls: StrictBool = True
 
     @field_validator("messages")
     @classmethod
@@ -323,6 +379,48 @@ class ChatCompletionRequest(_SamplingRequest):
             raise ProtocolError("'max_tokens' and 'max_completion_tokens' disagree; send only "
                                 "'max_completion_tokens'.", loc=("max_completion_tokens",))
         return self
+
+    def _make_grammar(self) -> Optional[str]:
+        """Tool checks, then: "required" or a named tool_choice constrains the output to tool calls."""
+        choice = self.tool_choice
+        if self.tools is not None and not self.tools:
+            raise ProtocolError("'tools' must not be empty; omit it instead.", loc=("tools",))
+        if choice not in (None, "none") and not self.tools:
+            raise ProtocolError("'tool_choice' requires 'tools'.", loc=("tool_choice",))
+        for i, tool in enumerate(self.tools or ()):
+            try:
+                check_tool_schema(tool.model_dump(), i)
+            except GrammarError as e:
+                raise ProtocolError(str(e), loc=("tools", i, "function", "parameters")) from None
+        forced = self.forced_tools()
+        if forced is None:
+            return super()._make_grammar()
+        if self.response_format is not None and self.response_format.get("type") != "text":
+            raise ProtocolError("'response_format' cannot be combined with a 'tool_choice' that requires a tool "
+                                "call.", loc=("response_format",))
+        return tool_calls_grammar([t.model_dump() for t in forced],
+                                  parallel=self.parallel_tool_calls and choice == "required")
+
+    def forced_tools(self) -> Optional[list[Tool]]:
+        """The tools the output must call (tool_choice "required" or named), or None."""
+        choice = self.tool_choice
+        if choice == "required":
+            return list(self.tools or ())
+        if isinstance(choice, NamedToolChoice):
+            name = choice.function.get("name")
+            match = [t for t in self.tools or () if t.function.name == name]
+            if not match:
+                known = ", ".join(t.function.name for t in self.tools or ())
+                raise ProtocolError(f"'tool_choice' names function {name!r}, which is not in 'tools' ({known}).",
+                                    loc=("tool_choice", "function", "name"))
+            return match
+        return None
+
+    def template_tools(self) -> Optional[list[dict[str, Any]]]:
+        """The tools the chat template renders (none when tool_choice is "none")."""
+        if not self.tools or self.tool_choice == "none":
+            return None
+        return [t.model_dump(exclude_none=True) for t in self.tools]
 
     def _max_new_tokens(self) -> Optional[int]:
         return self.max_completion_tokens or self.max_tokens

@@ -11,7 +11,7 @@ from pydantic import BaseModel, Field, model_serializer
 
 LOGPROB_FLOOR = -9999.0  # JSON has no -inf; what a fully masked token reports instead
 
-FinishReason = Literal["stop", "length", "abort"]
+FinishReason = Literal["stop", "length", "abort", "tool_calls"]
 
 
 def random_id(prefix: str) -> str:
@@ -60,9 +60,21 @@ class CompletionLogprobs(BaseModel):
     text_offset: list[int] = Field(default_factory=list)
 
 
+class ToolCallFunction(BaseModel):
+    name: str
+    arguments: str  # JSON text
+
+
+class ToolCall(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: ToolCallFunction
+
+
 class ChatCompletionMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: Optional[str] = None
+    tool_calls: Optional[list[ToolCall]] = None
 
 
 class ChatCompletionChoice(BaseModel):
@@ -82,9 +94,29 @@ class ChatCompletion(BaseModel):
     usage: Usage
 
 
+class _OmitNone(BaseModel):
+    @model_serializer(mode="wrap")
+    def _omit_unset(self, handler: Any) -> dict[str, Any]:
+        return {k: v for k, v in handler(self).items() if v is not None}
+
+
+class ToolCallFunctionDelta(_OmitNone):
+    name: Optional[str] = None
+    arguments: Optional[str] = None
+
+
+class ToolCallDelta(_OmitNone):
+    """A streamed tool call: the first delta of a call has its id, type and name; later ones add arguments."""
+    index: int
+    id: Optional[str] = None
+    type: Optional[Literal["function"]] = None
+    function: ToolCallFunctionDelta
+
+
 class ChatCompletionDelta(BaseModel):
     role: Optional[Literal["assistant"]] = None
     content: Optional[str] = None
+    tool_calls: Optional[list[ToolCallDelta]] = None
 
     @model_serializer(mode="wrap")
     def _omit_unset(self, handler: Any) -> dict[str, Any]:

@@ -26,6 +26,7 @@ from tokenizers import Tokenizer as RustTokenizer
 
 from server.errors import ProtocolError
 from server.responses import ChatCompletionTokenLogprob, CompletionLogprobs, TopLogprob, finite_logprob
+from server.tool_calls import adapt_for_template
 
 # transformers' named special tokens (SPECIAL_TOKENS_ATTRIBUTES): the chat template sees each one that is set
 SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
@@ -194,7 +195,8 @@ _RESERVED_TEMPLATE_KWARGS = {"conversation", "messages", "tokenize", "add_genera
 
 
 def render_chat(tokenizer: Tokenizer, messages: Sequence[Any], *, add_generation_prompt: bool = True,
-                chat_template_kwargs: Optional[Mapping[str, Any]] = None) -> str:
+                chat_template_kwargs: Optional[Mapping[str, Any]] = None,
+                tools: Optional[list[dict[str, Any]]] = None) -> str:
     """Messages (request ChatMessages or dicts) -> prompt text via the chat template. Raises ChatTemplateError."""
     if not tokenizer.chat_template:
         raise ChatTemplateError("This model has no chat template; use /v1/completions with a plain prompt.")
@@ -203,8 +205,10 @@ def render_chat(tokenizer: Tokenizer, messages: Sequence[Any], *, add_generation
     if clash:
         raise ChatTemplateError(f"'chat_template_kwargs' may not set {clash}.", loc=("chat_template_kwargs",))
     conversation = [m.to_template_dict() if hasattr(m, "to_template_dict") else dict(m) for m in messages]
+    conversation, tools = adapt_for_template(tokenizer.chat_template, conversation, tools)
     try:
-        text = tokenizer.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt, **extra)
+        text = tokenizer.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt, tools=tools,
+                                             **extra)
     except Exception as e:  # the template is model data: jinja errors and raise_exception() are client errors
         raise ChatTemplateError(f"The chat template could not render these messages: {e}") from e
     if not isinstance(text, str):
@@ -213,10 +217,11 @@ def render_chat(tokenizer: Tokenizer, messages: Sequence[Any], *, add_generation
 
 
 def encode_chat(tokenizer: Tokenizer, messages: Sequence[Any], *, add_generation_prompt: bool = True,
-                chat_template_kwargs: Optional[Mapping[str, Any]] = None) -> list[int]:
+                chat_template_kwargs: Optional[Mapping[str, Any]] = None,
+                tools: Optional[list[dict[str, Any]]] = None) -> list[int]:
     """Render, then encode without adding special tokens: the template already wrote BOS and friends."""
     text = render_chat(tokenizer, messages, add_generation_prompt=add_generation_prompt,
-                       chat_template_kwargs=chat_template_kwargs)
+                       chat_template_kwargs=chat_template_kwargs, tools=tools)
     return tokenizer.encode(text, add_special_tokens=False)
 
 

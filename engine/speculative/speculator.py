@@ -91,8 +91,10 @@ class Walk:
 
 
 class Speculator:
-    def __init__(self, drafter, max_budget: int, chain: bool = False, device: torch.device | str = "cpu"):
+    def __init__(self, drafter, max_budget: int, chain: bool = False, device: torch.device | str = "cpu",
+                 grammar_pruning: bool = True):
         self.drafter, self.max_budget, self.chain = drafter, max_budget, chain
+        self.grammar_pruning = grammar_pruning
         self.device = torch.device(device)  # the target's: trees live where the verify rows are
         self.stage = Staging(device)  # the runner shares its own (reset every step)
         self.pending_hidden: dict[str, list[torch.Tensor]] = {}  # request -> feature rows not yet drafted on
@@ -170,7 +172,8 @@ class Speculator:
         lps, ids = logprobs[index].float().cpu().tolist(), token_ids[index].cpu().tolist()
         out = {}
         for j, i in enumerate(which):
-            out[i] = ConstrainedTree(lps[j], ids[j], self.max_budget, seqs[i].request.constraint)
+            out[i] = ConstrainedTree(lps[j], ids[j], self.max_budget, seqs[i].request.constraint,
+                                     prune=self.grammar_pruning)
             out[i].write_into(tree, i)
         return out
 

@@ -28,11 +28,13 @@ class Measurement:
     accept_rate: list[float] = field(default_factory=list)  # [d]: fraction of verify steps accepting depth d+1
     elapsed_s: float = 0.0
     tokens_per_s: float = 0.0
+    note: str = ""  # e.g. "grammar, pruned"
 
     def row(self, plain_tps: float | None = None) -> str:
         speed = f"{self.tokens_per_s:.1f}" + (f" ({self.tokens_per_s / plain_tps:.2f}x)" if plain_tps else "")
         rates = " ".join(f"{r:.2f}" for r in self.accept_rate[:8])
-        return (f"| {self.mode} | {self.budget} | {self.temperature:g} | {self.tau:.3f} | {rates} | {speed} | "
+        mode = f"{self.mode} ({self.note})" if self.note else self.mode
+        return (f"| {mode} | {self.budget} | {self.temperature:g} | {self.tau:.3f} | {rates} | {speed} | "
                 f"{self.tokens} |")
 
 
@@ -42,9 +44,11 @@ TABLE_HEADER = ("| mode | budget | T | tau | acceptance at depth 1..8 | tokens/s
 
 def measure(loaded, base: EngineConfig, prompt_ids: list[list[int]], mode: str, *, draft_model: str | None = None,
             budget: int = 16, temperature: float = 0.0, max_tokens: int = 128, concurrency: int = 1, seed: int = 0,
-            warmup: bool = True) -> Measurement:
+            warmup: bool = True, grammar: str | None = None, grammar_pruning: bool = True) -> Measurement:
     """Generates every prompt with the target `loaded` (engine.model.loader.LoadedModel) in `mode`; `base` gives
-    the engine settings (device, dtype, KV cache...), its spec is replaced. concurrency: requests in flight."""
+    the engine settings (device, dtype, KV cache...), its spec is replaced. concurrency: requests in flight.
+    grammar: every request's output is constrained to it (engine/grammar.py); grammar_pruning off verifies the
+    drafter's own tree (forbidden nodes included) for comparison."""
     from engine.core import EngineCore
 
     if mode not in MODES:
@@ -53,7 +57,7 @@ def measure(loaded, base: EngineConfig, prompt_ids: list[list[int]], mode: str, 
         spec = SpecConfig()
     else:
         spec = SpecConfig(drafter="dflash", draft_model=draft_model, budget=budget, chain=mode == "chain",
-                          adaptive=False)
+                          adaptive=False, grammar_pruning=grammar_pruning)
     core = EngineCore(dataclasses.replace(base, spec=spec, seed=seed), loaded=loaded)
     if warmup and prompt_ids:
         run_requests(core, [("warmup", prompt_ids[0], SamplingParams(max_tokens=4, temperature=0,
@@ -67,15 +71,19 @@ def measure(loaded, base: EngineConfig, prompt_ids: list[list[int]], mode: str, 
         accept.extend(delta.accept_lengths)
 
     requests = [(f"eval-{i}", ids, SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=seed + i,
-                                                  detokenize=False)) for i, ids in enumerate(prompt_ids)]
+                                                  detokenize=False, grammar=grammar))
+                for i, ids in enumerate(prompt_ids)]
     start = time.perf_counter()
     run_requests(core, requests, done, concurrency)
     elapsed = time.perf_counter() - start
     depth = max(accept, default=1) - 1
     rates = [sum(1 for n in accept if n - 1 > d) / len(accept) for d in range(depth)] if accept else []
     used = 0 if core.speculator is None else core.speculator.max_budget
+    note = "" if grammar is None else "grammar" if mode == "plain" else \
+        "grammar, " + ("pruned" if grammar_pruning else "not pruned")
     return Measurement(mode, used, temperature, len(prompt_ids), generated, len(accept),
-                       sum(accept) / len(accept) if accept else 1.0, rates, elapsed, generated / max(elapsed, 1e-9))
+                       sum(accept) / len(accept) if accept else 1.0, rates, elapsed, generated / max(elapsed, 1e-9),
+                       note=note)
 
 
 def evaluate_drafter(loaded, base: EngineConfig, draft_model: str, prompt_ids: list[list[int]], *, budget: int,

@@ -122,7 +122,13 @@ class _SamplingRequest(_Request):
     user: Optional[StrictStr] = None
     skip_special_tokens: StrictBool = True  # extension, applied by the detokenizer
     include_stop_str_in_output: StrictBool = False  # extension, applied by the stop-string matcher
-    response_format: Optional[dict[StrictStr, Any]] = None  # text | json_object | json_schema (structured output)
+    response_format: Optional[dict[StrictStr, Any]] = Field(  # text | json_object | json_schema (structured output)
+        None, json_schema_extra=_schema({"oneOf": [
+            {"type": "object", "properties": {"type": {"enum": ["text", "json_object"]}}, "required": ["type"]},
+            {"type": "object", "required": ["type", "json_schema"], "properties": {
+                "type": {"const": "json_schema"},
+                "json_schema": {"type": "object", "required": ["name", "schema"], "properties": {
+                    "name": {"type": "string"}, "schema": {"type": "object"}, "strict": {"type": "boolean"}}}}}]}))
 
     @field_validator("response_format")
     @classmethod
@@ -263,7 +269,12 @@ class MessageToolCall(BaseModel):
 class ChatMessage(BaseModel):
     """One input message. Content is a string or a list of text parts; an assistant message may carry tool_calls
     (then content may be null), a "tool" message answers one of them (tool_call_id)."""
-    model_config = ConfigDict(extra="allow")  # replayed SDK messages carry refusal/annotations: null
+    # replayed SDK messages carry refusal/annotations: null. The schema says what the validator enforces: content
+    # is required unless an assistant message carries tool_calls.
+    model_config = ConfigDict(extra="allow", json_schema_extra={"anyOf": [
+        {"required": ["content"], "properties": {"role": {"enum": ["system", "user", "assistant", "developer"]}}},
+        {"required": ["content", "tool_call_id"], "properties": {"role": {"const": "tool"}}},
+        {"required": ["tool_calls"], "properties": {"role": {"const": "assistant"}}}]})
     role: Literal["system", "user", "assistant", "developer", "tool"]
     content: Union[StrictStr, list[TextContentPart]] = ""
     name: Optional[StrictStr] = None

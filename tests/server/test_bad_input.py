@@ -29,7 +29,7 @@ CASES = [
      "messages[0].content"),
     ("empty-messages", CHAT, chat_body(messages=[]), 400, "messages"),
     ("unknown-role", CHAT, chat_body(messages=[{"role": "wizard", "content": "hi"}]), 400, "messages[0].role"),
-    ("tool-role", CHAT, chat_body(messages=[{"role": "tool", "content": "hi"}]), 400, "messages[0].role"),
+    ("tool-role", CHAT, chat_body(messages=[{"role": "tool", "content": "hi"}]), 400, "messages[0].tool_call_id"),
     ("max-tokens-string", CHAT, chat_body(max_tokens="5"), 400, "max_tokens"),
     ("max-tokens-float", CHAT, chat_body(max_tokens=2.5), 400, "max_tokens"),
     ("max-tokens-negative", CHAT, chat_body(max_tokens=-1), 400, "max_tokens"),
@@ -50,7 +50,8 @@ CASES = [
     ("logit-bias-out-of-vocab", CHAT, chat_body(logit_bias={"99999999": 5}), 400, "logit_bias"),
     ("logit-bias-by-text", CHAT, chat_body(logit_bias={"hello": 5}), 400, "logit_bias"),
     ("empty-stop-string", CHAT, chat_body(stop=[""]), 400, "stop"),
-    ("tools-unsupported", CHAT, chat_body(tools=[{"type": "function", "function": {"name": "f"}}]), 400, "tools"),
+    ("tools-bad-schema", CHAT, chat_body(tools=[{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"a": {"$ref": "#/nowhere"}}}}}]), 400, "tools[0].function.parameters"),
     ("seed-too-big", CHAT, chat_body(seed=2 ** 70), 400, "seed"),
     ("lone-surrogate", CHAT, b'{"messages": [{"role": "user", "content": "\\ud800"}], "max_tokens": 2}', 400,
      None),

@@ -43,7 +43,7 @@ def test_minimal_chat_and_default_sampling_kwargs():
     assert req.to_sampling_kwargs() == {
         "n": 1, "max_tokens": None, "temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "seed": None,
         "stop": [], "stop_token_ids": [], "ignore_eos": False, "min_tokens": 0, "presence_penalty": 0.0,
-        "frequency_penalty": 0.0, "repetition_penalty": 1.0, "logit_bias": {}, "logprobs": None}
+        "frequency_penalty": 0.0, "repetition_penalty": 1.0, "logit_bias": {}, "logprobs": None, "grammar": None}
 
 
 def test_sampling_kwargs_carry_every_honoured_field():
@@ -131,7 +131,9 @@ def test_messages_validation():
     err = chat_error(messages=[{"role": "robot", "content": "x"}])
     assert err["param"] == "messages[0].role" and "'robot'" in err["message"]
     err = chat_error(messages=[{"role": "user", "content": "a"}, {"role": "tool", "content": "x"}])
-    assert err["param"] == "messages[1].role" and "tool" in err["message"]
+    assert err["param"] == "messages[1].tool_call_id" and "tool" in err["message"]
+    err = chat_error(messages=[{"role": "function", "content": "x"}])
+    assert err["param"] == "messages[0].role" and "'tool'" in err["message"]
     err = chat_error(messages=[{"role": "user", "content": [{"type": "text", "text": "a"},
                                                             {"type": "image_url", "image_url": {"url": "x"}}]}])
     assert err["param"] == "messages[0].content[1].type" and "image_url" in err["message"]
@@ -140,7 +142,14 @@ def test_messages_validation():
         "messages[0].content[0].text"
     assert chat_error(messages=[{"content": "x"}])["code"] == "missing_required_parameter"
     err = chat_error(messages=[{"role": "assistant", "content": "", "tool_calls": [{"id": "1"}]}])
-    assert err["param"] == "messages[0].tool_calls" and err["code"] == "unsupported_parameter"
+    assert err["param"] == "messages[0].tool_calls[0].function", err
+    assert chat_error(messages=[{"role": "assistant", "content": None}])["param"] == "messages[0].content"
+    call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": '{"a": 1}'}}
+    req = chat(messages=[{"role": "user", "content": "a"}, {"role": "assistant", "content": None, "tool_calls": [call]},
+                         {"role": "tool", "tool_call_id": "c1", "content": "2"}])
+    assert [m.to_template_dict() for m in req.messages][1:] == [
+        {"role": "assistant", "content": "", "tool_calls": [{**call, "function": {"name": "f", "arguments": {"a": 1}}}]},
+        {"role": "tool", "content": "2", "tool_call_id": "c1"}]
     assert chat_error(messages=["hi"])["param"] == "messages[0]"
 
 
@@ -155,9 +164,8 @@ def test_message_content_forms_and_template_dicts():
         {"role": "assistant", "content": "ok"}]
 
 
-UNSUPPORTED_CHAT = {"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "auto",
-                    "functions": [{"name": "f"}], "function_call": "auto", "response_format": {"type": "json_object"},
-                    "parallel_tool_calls": False, "audio": {"voice": "x"}, "modalities": ["text", "audio"],
+UNSUPPORTED_CHAT = {"functions": [{"name": "f"}], "function_call": "auto", "audio": {"voice": "x"},
+                    "modalities": ["text", "audio"],
                     "prediction": {"type": "content", "content": "x"}, "guided_json": {}, "use_beam_search": True,
                     "best_of": 2, "echo": True, "prompt_logprobs": 1, "reasoning_effort": "low"}
 NEUTRAL_CHAT = {"tool_choice": "none", "response_format": {"type": "text"}, "modalities": ["text"], "echo": False,
@@ -215,7 +223,7 @@ def test_fastapi_request_validation_error_becomes_400_envelope():
 
     client = TestClient(app)
     r = client.post("/v1/chat/completions", json={"messages": MSGS, "tools": [{}]})
-    assert r.status_code == 400 and r.json()["error"]["param"] == "tools"
+    assert r.status_code == 400 and r.json()["error"]["param"].startswith("tools[0]"), r.json()
     r = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}], "n": 99})
     assert r.status_code == 400 and r.json()["error"]["param"] == "n"
     r = client.post("/v1/chat/completions", content=b"{oops", headers={"content-type": "application/json"})
@@ -254,8 +262,8 @@ def test_completion_fields():
     assert completion_error(echo=True, logprobs=1)["param"] == "echo"
     assert completion(echo=True).echo
     assert completion(best_of=2, n=2).n == 2  # best_of == n changes nothing
-    for field, value in [("suffix", "x"), ("best_of", 3), ("response_format", {"type": "json_object"}),
-                         ("guided_regex", "a+"), ("use_beam_search", True)]:
+    assert completion(response_format={"type": "json_object"}).grammar()  # structured output on this endpoint too
+    for field, value in [("suffix", "x"), ("best_of", 3), ("guided_regex", "a+"), ("use_beam_search", True)]:
         err = completion_error(**{field: value})
         assert err["param"] == field and err["code"] == "unsupported_parameter", (field, err)
 

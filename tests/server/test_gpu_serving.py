@@ -105,3 +105,25 @@ def test_penalties_and_logit_bias(client, gpu_server):
     biased = client.completions.create(model=model_id(client), prompt="The fruit is", max_tokens=5, temperature=1.0,
                                        logit_bias={str(forced): 100}, seed=1, logprobs=1)
     assert biased.choices[0].text == piece * 5
+
+
+def test_structured_output_and_required_tool_call_on_cuda(client):
+    """Grammar bitmasks applied on the device (and grammar-aware trees with the n-gram drafter): schema-valid
+    JSON at T = 0 and T = 1, and a required tool call that parses."""
+    import json
+
+    import jsonschema
+
+    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20},
+                                               "population": {"type": "integer", "minimum": 0}},
+              "required": ["city", "population"], "additionalProperties": False}
+    for temperature in (0.0, 1.0):
+        out = client.chat.completions.create(
+            model=model_id(client), messages=QUESTION, max_tokens=60, temperature=temperature, seed=1,
+            response_format={"type": "json_schema", "json_schema": {"name": "c", "schema": schema}})
+        assert out.choices[0].finish_reason == "stop"
+        jsonschema.validate(json.loads(out.choices[0].message.content), schema)
+    tool = {"type": "function", "function": {"name": "lookup", "parameters": schema}}
+    out = client.chat.completions.create(model=model_id(client), messages=QUESTION, max_tokens=60, temperature=0,
+                                         tools=[tool], tool_choice="required")
+    jsonschema.validate(json.loads(out.choices[0].message.tool_calls[0].function.arguments), schema)

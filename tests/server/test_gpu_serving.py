@@ -115,11 +115,12 @@ def test_structured_output_and_required_tool_call_on_cuda(client):
     import jsonschema
 
     schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20},
-                                               "population": {"type": "integer", "minimum": 0}},
+                                               "population": {"type": "integer", "minimum": 0,
+                                                              "maximum": 100000000}},
               "required": ["city", "population"], "additionalProperties": False}
     for temperature in (0.0, 1.0):
         out = client.chat.completions.create(
-            model=model_id(client), messages=QUESTION, max_tokens=60, temperature=temperature, seed=1,
+            model=model_id(client), messages=QUESTION, max_tokens=80, temperature=temperature, seed=1,
             response_format={"type": "json_schema", "json_schema": {"name": "c", "schema": schema}})
         assert out.choices[0].finish_reason == "stop"
         jsonschema.validate(json.loads(out.choices[0].message.content), schema)

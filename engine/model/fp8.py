@@ -4,8 +4,8 @@ float8_e4m3fn `<name>.weight` beside a float32 `<name>.weight_scale_inv` of one 
 (ceil(out / 128) x ceil(in / 128)); the real weight is fp8 x scale, block by block.
 
 Loading dequantizes every such weight to the model's dtype as it streams in (Fp8BlockWeights wraps the
-checkpoint's WeightSource), so the model runs in bf16 / fp32 on any device. FP8 GEMMs on Hopper are not
-implemented: on CUDA the loader says so once. `quantize_block_fp8` writes that layout (tests, tiny checkpoints).
+checkpoint's WeightSource; engine/model/quantization.py decides), so the model runs in bf16 / fp32 on any device.
+FP8 GEMMs on Hopper are not implemented: on CUDA the loader says so once. `quantize_block_fp8` writes that layout (tests, tiny checkpoints).
 """
 from __future__ import annotations
 
@@ -22,16 +22,8 @@ logger = logging.getLogger("ddtree.engine")
 SCALE_SUFFIX = "_scale_inv"  # "<name>.weight" -> "<name>.weight_scale_inv"
 
 
-def fp8_block_size(cfg: dict) -> tuple[int, int] | None:
-    """The checkpoint's weight block size when its config declares DeepSeek-style FP8, else None. Other
-    quantization methods and FP8 variants are refused by name."""
-    q = cfg.get("quantization_config")
-    if not q:
-        return None
-    method = q.get("quant_method")
-    if method != "fp8":
-        raise ConfigError(f"config field 'quantization_config.quant_method'={method!r} is not supported "
-                          f"(only DeepSeek-style block 'fp8')")
+def fp8_block_size(q: dict) -> tuple[int, int]:
+    """The weight block size of a DeepSeek-style FP8 quantization_config; other FP8 variants are refused by name."""
     if q.get("fmt", "e4m3") != "e4m3":
         raise ConfigError(f"config field 'quantization_config.fmt'={q['fmt']!r} is not supported (only 'e4m3')")
     if q.get("activation_scheme", "dynamic") != "dynamic":

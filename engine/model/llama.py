@@ -24,9 +24,9 @@ def check_supported(cfg: dict) -> None:
     act = cfg.get("hidden_act", "silu")
     if act != "silu":
         raise ConfigError(f"config field 'hidden_act'={act!r} is not supported (only 'silu')")
-    from engine.model.fp8 import fp8_block_size
+    from engine.model.quantization import quantization_of
 
-    fp8_block_size(cfg)  # DeepSeek-style block FP8 loads (dequantized, engine/model/fp8.py); other methods fail here
+    quantization_of(cfg)  # block FP8 and pack-quantized INT4 load (dequantized); other methods fail here
     if cfg.get("use_sliding_window") or (cfg.get("sliding_window") and cfg.get("model_type") == "mistral"):
         raise ConfigError("config field 'use_sliding_window'/'sliding_window': sliding-window attention is not supported")
     if cfg.get("pretraining_tp", 1) not in (1, None):

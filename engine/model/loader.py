@@ -25,6 +25,7 @@ from torch import nn
 from tqdm import tqdm
 
 from engine.model.errors import CheckpointError, ConfigError, read_json_object as _read_json_object
+from engine.model.quantization import dequantizing
 from engine.model.generation_config import default_sampling, read_generation_config  # noqa: F401 (re-exported)
 from engine.model.weights import (DictWeights, SafetensorsWeights, WeightSource,  # noqa: F401 (re-exported)
                                   read_safetensors, safetensors_files)
@@ -234,19 +235,6 @@ def _count(n: int) -> str:
     return str(n)
 
 
-def _fp8_weights(cfg: dict, weights: WeightSource | None, dtype: torch.dtype, device) -> WeightSource | None:
-    """DeepSeek-style FP8 block-quantized weights are dequantized as they load (engine/model/fp8.py)."""
-    from engine.model.fp8 import Fp8BlockWeights, fp8_block_size
-
-    block = fp8_block_size(cfg)
-    if block is None or weights is None:
-        return weights
-    if torch.device(device).type == "cuda":
-        logger.warning("FP8 checkpoint: FP8 GEMMs are not implemented; the weights are dequantized to %s on load "
-                       "(twice the memory of FP8)", str(dtype).removeprefix("torch."))
-    return Fp8BlockWeights(weights, block)
-
-
 def load_model(path: str | None, dtype: str | torch.dtype | None = None, device: str = "cpu",
                load_format: str = "auto") -> LoadedModel:
     """path: an HF checkpoint folder, a .gguf file, or None for the embedded SmolLM2-135M-Instruct.
@@ -279,7 +267,7 @@ def load_model(path: str | None, dtype: str | torch.dtype | None = None, device:
         generation_config = read_generation_config(path)
         try:
             weights = None if dummy else SafetensorsWeights(safetensors_files(path), path)
-            weights = _fp8_weights(cfg, weights, torch_dtype, device)
+            weights = dequantizing(cfg, weights, torch_dtype, device)
             model = build_model(cfg, weights, path, torch_dtype, device)
         except ConfigError as e:
             raise ConfigError(f"{os.path.join(path, 'config.json')}: {e}") from None

@@ -122,12 +122,19 @@ def measure(llm: LLM, length: int, steps: int, warmup: int, top_ops: int = 0) ->
                 phases_ms={k: round(statistics.mean(v) * 1e3, 3) for k, v in timings.items()})
 
 
+def llm_vocab(model: str, load_format: str) -> int:
+    from engine.model.loader import read_config
+
+    return int(read_config(model)["vocab_size"]) if os.path.isdir(model) else 49152
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     shape = p.add_mutually_exclusive_group(required=True)
     shape.add_argument("--model", help="HF folder or GGUF")
     shape.add_argument("--qwen3-8b", action="store_true", help="Qwen3-8B shape, dummy bf16 weights")
     shape.add_argument("--smollm2", action="store_true", help="SmolLM2-135M shape, dummy bf16 weights")
+    shape.add_argument("--dummy-config", help="a config.json of any supported shape, dummy weights")
     p.add_argument("--device", default="cuda")
     p.add_argument("--lengths", type=int, nargs="+", default=[1024, 4096, 16384, 32768])
     p.add_argument("--budgets", type=int, nargs="+", default=[0, 16, 64])
@@ -144,8 +151,13 @@ def main() -> None:
     model, load_format = args.model, "auto"
     if args.model is None:
         model, load_format = tempfile.mkdtemp(prefix="step-shape-"), "dummy"
+        if args.dummy_config:
+            with open(args.dummy_config) as f:
+                cfg = json.load(f)
+        else:
+            cfg = QWEN3_8B if args.qwen3_8b else SMOLLM2_135M
         with open(os.path.join(model, "config.json"), "w") as f:
-            json.dump(QWEN3_8B if args.qwen3_8b else SMOLLM2_135M, f)
+            json.dump(cfg, f)
     common = dict(device=args.device, load_format=load_format, max_num_seqs=1, enforce_eager=args.enforce_eager,
                   max_model_len=max(args.lengths) + 64 * (args.warmup + 2 * args.steps + 4),
                   enable_prefix_caching=False)
@@ -162,11 +174,11 @@ def main() -> None:
             llm = LLM(model, drafter="dflash", draft_model=draft_model, spec_budget=budget, adaptive=False,
                       chain=args.chain, **common)
         else:
-            drafter = FixedTreeDrafter(QWEN3_8B["vocab_size"] if args.qwen3_8b else SMOLLM2_135M["vocab_size"],
-                                       args.depth, args.device)
+            drafter = FixedTreeDrafter(llm_vocab(model, load_format), args.depth, args.device)
             llm = LLM(model, drafter=drafter, spec_budget=budget, adaptive=False, **common)
         for length in args.lengths:
-            r = dict(bench="step", shape=("qwen3-8b" if args.qwen3_8b else "smollm2" if args.smollm2 else model),
+            r = dict(bench="step", shape=("qwen3-8b" if args.qwen3_8b else "smollm2" if args.smollm2 else
+                                          args.dummy_config or model), eager=args.enforce_eager,
                      drafter=(args.drafter + (" chain" if args.chain else "")) if budget else "none", L=length, B=budget,
                      **measure(llm, length, args.steps, args.warmup, args.top_ops if budget else 0))
             rows.append(r)

@@ -11,8 +11,8 @@ is never read; a padding request (i >= N) is a W_pad-token sequence over the scr
 kernels' launch shape is fixed at capture from capacities (W_pad query rows, max_model_len + W_pad keys), and
 every per-step length is read from the device buffers, so a replay serves any lengths up to those.
 
-Graphs run only where they can: CUDA, no --enforce-eager, models without host-synchronizing layers (MoE routing
-still syncs), steps of decoding requests only; other steps run eagerly, and each eager step is counted with its
+Graphs run only where they can: CUDA, no --enforce-eager, models without host-synchronizing layers (MoE layers
+qualify when their grouped-GEMM dispatch serves the device and dtype), steps of decoding requests only; other steps run eagerly, and each eager step is counted with its
 reason (StepStats.cuda_graph).
 """
 from __future__ import annotations
@@ -195,6 +195,10 @@ class CudaGraphs:
 
 def supports_graphs(model) -> str | None:
     """None when the model's forward can be captured, else why not."""
-    if any(hasattr(m, "experts") for m in model.modules()):
-        return "MoE routing synchronizes with the host"
+    from engine.model.moe import sync_free
+
+    if not sync_free(model):
+        param = next(model.parameters())
+        return (f"MoE dispatch synchronizes with the host (its grouped GEMM needs bf16 on sm_90+, this is "
+                f"{str(param.dtype).removeprefix('torch.')})")
     return None

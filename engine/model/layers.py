@@ -40,7 +40,9 @@ class GatedMLP(nn.Module):
         self.gate_up_proj = None  # set by fuse_projections() after loading
 
     def fuse_projections(self) -> None:
-        """After loading: one [gate; up] matmul instead of two."""
+        """After loading: one [gate; up] matmul instead of two (already done for experts their module packed)."""
+        if self.gate_up_proj is not None:
+            return
         g, u = self.gate_proj, self.up_proj
         fused = nn.Linear(g.in_features, 2 * g.out_features, bias=g.bias is not None, device=g.weight.device,
                           dtype=g.weight.dtype)

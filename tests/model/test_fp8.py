@@ -48,27 +48,41 @@ def copy_folder(src: str, dst: str, state: dict, quantization: dict | None) -> s
     return dst
 
 
+def quantized_pair(tiny_checkpoints, tmp_path_factory, name: str, quantize_one, quantization: dict):
+    """(quantized folder, reference folder, number of quantized weights) from the tiny DeepSeek-V3: every attention
+    and MLP / expert projection weight that quantize_one(key, weight) accepts is replaced by the tensors it returns
+    in the quantized folder and by its reference dequantization in the other; everything else is copied."""
+    folder, _ = tiny_checkpoints("deepseek_v3")
+    state = {}
+    for file in sorted(os.listdir(folder)):
+        if file.endswith(".safetensors"):
+            state.update(load_file(os.path.join(folder, file)))
+    stored, reference, count = {}, {}, 0
+    for key, tensor in state.items():
+        done = None
+        if tensor.dim() == 2 and key.endswith(".weight") and any(f".{p}." in key for p in PROJECTIONS):
+            done = quantize_one(key, tensor)
+        if done is None:
+            stored[key] = reference[key] = tensor.contiguous()
+            continue
+        tensors, reference[key] = done
+        stored.update(tensors)
+        count += 1
+    base = tmp_path_factory.mktemp(name)
+    return (copy_folder(folder, str(base / name), stored, quantization),
+            copy_folder(folder, str(base / "ref"), reference, None), count)
+
+
+def _fp8_one(key: str, weight: torch.Tensor):
+    q, scale_inv = quantize_block_fp8(weight, BLOCK)
+    return {key: q, key + "_scale_inv": scale_inv}, dequantize_by_blocks(q, scale_inv)
+
+
 @pytest.fixture(scope="module")
 def fp8_pair(tiny_checkpoints, tmp_path_factory):
     """(FP8 folder, reference folder with this test's dequantization, number of quantized weights)."""
-    folder, _ = tiny_checkpoints("deepseek_v3")
-    state = {}
-    for name in sorted(os.listdir(folder)):
-        if name.endswith(".safetensors"):
-            state.update(load_file(os.path.join(folder, name)))
-    fp8, reference, count = {}, {}, 0
-    for key, tensor in state.items():
-        if tensor.dim() == 2 and key.endswith(".weight") and any(f".{p}." in key for p in PROJECTIONS):
-            q, scale_inv = quantize_block_fp8(tensor, BLOCK)
-            fp8[key], fp8[key + "_scale_inv"] = q, scale_inv
-            reference[key] = dequantize_by_blocks(q, scale_inv)
-            count += 1
-        else:
-            fp8[key] = reference[key] = tensor.contiguous()
-    base = tmp_path_factory.mktemp("fp8")
     quant = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": list(BLOCK)}
-    return (copy_folder(folder, str(base / "fp8"), fp8, quant), copy_folder(folder, str(base / "ref"), reference, None),
-            count)
+    return quantized_pair(tiny_checkpoints, tmp_path_factory, "fp8", _fp8_one, quant)
 
 
 def run(folder: str):

@@ -12,11 +12,10 @@ import torch
 from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
 from compressed_tensors.quantization import QuantizationArgs
 from compressed_tensors.quantization.lifecycle.forward import dequantize, quantize
-from safetensors.torch import load_file
 
 from engine import LLM
 from engine.model.errors import ConfigError
-from tests.model.test_fp8 import PROJECTIONS, copy_folder, run
+from tests.model.test_fp8 import quantized_pair, run
 
 GROUP = 8
 ARGS = QuantizationArgs(num_bits=4, type="int", symmetric=True, strategy="group", group_size=GROUP)
@@ -25,32 +24,23 @@ QUANT = {"quant_method": "compressed-tensors", "format": "pack-quantized", "igno
              "num_bits": 4, "type": "int", "symmetric": True, "strategy": "group", "group_size": GROUP}}}}
 
 
+def _int4_one(key: str, w: torch.Tensor):
+    """Quantized and packed by compressed-tensors; the reference is the library's own dequantization."""
+    out_dim, in_dim = w.shape
+    if in_dim % GROUP:
+        return None
+    base = key.removesuffix(".weight")
+    scale = (w.float().view(out_dim, in_dim // GROUP, GROUP).abs().amax(-1) / 7).clamp(min=1e-8)
+    zero = torch.zeros_like(scale, dtype=torch.int8)
+    q = quantize(w.float(), scale, zero, ARGS, dtype=torch.int8)
+    stored = {base + ".weight_packed": pack_to_int32(q, 4), base + ".weight_scale": scale.to(torch.bfloat16),
+              base + ".weight_shape": torch.tensor([out_dim, in_dim])}
+    return stored, dequantize(q, scale.to(torch.bfloat16).float(), zero, ARGS).contiguous()
+
+
 @pytest.fixture(scope="module")
 def int4_pair(tiny_checkpoints, tmp_path_factory):
-    folder, _ = tiny_checkpoints("deepseek_v3")
-    state = {}
-    for name in sorted(os.listdir(folder)):
-        if name.endswith(".safetensors"):
-            state.update(load_file(os.path.join(folder, name)))
-    packed, reference, count = {}, {}, 0
-    for key, w in state.items():
-        if w.dim() == 2 and key.endswith(".weight") and any(f".{p}." in key for p in PROJECTIONS) \
-                and w.shape[1] % GROUP == 0:
-            base = key.removesuffix(".weight")
-            out_dim, in_dim = w.shape
-            scale = (w.float().view(out_dim, in_dim // GROUP, GROUP).abs().amax(-1) / 7).clamp(min=1e-8)
-            zero = torch.zeros_like(scale, dtype=torch.int8)
-            q = quantize(w.float(), scale, zero, ARGS, dtype=torch.int8)
-            packed[base + ".weight_packed"] = pack_to_int32(q, 4)
-            packed[base + ".weight_scale"] = scale.to(torch.bfloat16)
-            packed[base + ".weight_shape"] = torch.tensor([out_dim, in_dim])
-            reference[key] = dequantize(q, scale.to(torch.bfloat16).float(), zero, ARGS).contiguous()
-            count += 1
-        else:
-            packed[key] = reference[key] = w.contiguous()
-    base = tmp_path_factory.mktemp("int4")
-    return copy_folder(folder, str(base / "int4"), packed, QUANT), copy_folder(folder, str(base / "ref"), reference,
-                                                                              None), count
+    return quantized_pair(tiny_checkpoints, tmp_path_factory, "int4", _int4_one, QUANT)
 
 
 def test_int4_checkpoint_equals_the_library_dequantization(int4_pair):

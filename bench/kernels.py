@@ -200,6 +200,43 @@ def bench_gqa(bw: float, flops: float, quick: bool) -> None:
     record("gqa_sdpa", L=L, B=b, ms=t)
 
 
+def bench_prefill(flops: float) -> None:
+    """Causal prefill chunks through the same paged kernel (R = 1, page 16), against torch SDPA (FlashAttention
+    backend, dense, is_causal) on the same shapes."""
+    print("\n## 9. GQA prefill attention, one Qwen3-8B layer (32 q / 8 kv heads, d = 128, bf16), causal chunk of Q "
+          "new tokens after C cached ones")
+    print(f"{'C':>6} {'Q':>5} {'ours ms':>8} {'TFLOP/s':>8} {'% GEMM':>7} {'SDPA ms':>8} {'TFLOP/s':>8}")
+    hkv, d, hq, page = 8, 128, 32, 16
+    for ctx, q_len in ((0, 2048), (0, 8192), (30720, 2048)):
+        seq = ctx + q_len
+        nblk = math.ceil(seq / page)
+        k_cache = torch.randn(nblk, page, hkv, d, device=DEV, dtype=torch.bfloat16)
+        v_cache = torch.randn_like(k_cache)
+        meta = AttentionMetadata(
+            positions=torch.arange(ctx, seq, device=DEV), slot_mapping=torch.zeros(q_len, dtype=torch.int64, device=DEV),
+            query_start_loc=torch.tensor([0, q_len], dtype=torch.int32, device=DEV),
+            seq_lens=torch.tensor([seq], dtype=torch.int32, device=DEV),
+            block_tables=torch.arange(nblk, dtype=torch.int32, device=DEV)[None], block_size=page,
+            query_lens_host=[q_len], seq_lens_host=[seq])
+        q = torch.randn(q_len, hq, d, device=DEV, dtype=torch.bfloat16)
+        work = 4 * hq * d * q_len * (ctx + q_len / 2)  # causal: half of the chunk's own square
+        t = event_ms(lambda: ops.paged_attention(q, k_cache, v_cache, meta, d**-0.5))
+        k = k_cache.reshape(-1, hkv, d)[:seq].transpose(0, 1)[None]
+        v = v_cache.reshape(-1, hkv, d)[:seq].transpose(0, 1)[None]
+        qd = q.transpose(0, 1)[None]
+        if ctx == 0:
+            ts = event_ms(lambda: F.scaled_dot_product_attention(qd, k, v, is_causal=True, enable_gqa=True))
+        else:  # a chunk after context: bottom-right causal mask
+            mask = torch.ones(q_len, seq, dtype=torch.bool, device=DEV).tril(ctx)
+            ts = event_ms(lambda: F.scaled_dot_product_attention(qd, k, v, attn_mask=mask, enable_gqa=True))
+        tf, tfs = work / (t * 1e-3) / 1e12, work / (ts * 1e-3) / 1e12
+        print(f"{ctx:>6} {q_len:>5} {t:8.3f} {tf:8.1f} {100 * tf * 1e12 / flops:6.1f}% {ts:8.3f} {tfs:8.1f}")
+        record("prefill", C=ctx, Q=q_len, ms=t, TFLOPs=tf, pct_flops=100 * tf * 1e12 / flops, sdpa_ms=ts,
+               sdpa_TFLOPs=tfs)
+        del k_cache, v_cache
+        torch.cuda.empty_cache()
+
+
 def bench_mla(bw: float, flops: float, quick: bool) -> None:
     print("\n## 4. MLA verify attention (absorbed, 512 latent + 64 rope, bf16), page 64, R = 1")
     print("bytes 1152*L, FLOPs 2*h*1088*L*(B+1)")
@@ -289,7 +326,7 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--quick", action="store_true", help="a few cases of each section")
     p.add_argument("--json", default=None, help="write every row here")
-    p.add_argument("--only", default="", help="comma list of sections: topk,tree,gqa,mla,accept,compact")
+    p.add_argument("--only", default="", help="comma list of sections: topk,tree,gqa,mla,accept,compact,prefill")
     args = p.parse_args()
     assert build.load_ops() is not None, "the CUDA extension did not build"
     props = torch.cuda.get_device_properties(0)
@@ -301,7 +338,8 @@ def main() -> None:
     only = set(filter(None, args.only.split(",")))
     sections = [("topk", lambda: bench_topk(bw, args.quick)), ("tree", bench_tree_build),
                 ("gqa", lambda: bench_gqa(bw, flops, args.quick)), ("mla", lambda: bench_mla(bw, flops, args.quick)),
-                ("accept", lambda: bench_accept(bw)), ("compact", lambda: bench_compaction(bw))]
+                ("accept", lambda: bench_accept(bw)), ("compact", lambda: bench_compaction(bw)),
+                ("prefill", lambda: bench_prefill(flops))]
     for name, fn in sections:
         if only and name not in only:
             continue

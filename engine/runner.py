@@ -67,9 +67,11 @@ class ModelRunner:
             is_tree = [True] * len(plan.seqs)  # budget-0 requests ride as root-only trees: one graph shape
         plain = [s for s, t in zip(plan.seqs, is_tree) if not t]
         tree_seqs = [s for s, t in zip(plan.seqs, is_tree) if t]
+        # a budget-0 request riding as a root-only tree drafts only when the adaptive budget watches it
+        drafted = [s.spec_budget > 0 or self.watch is None or self.watch(s.request.request_id) for s in tree_seqs]
         # a step that fails after this leaves no trace the next step would see: the drafter's state covers
         # committed tokens only, features are recorded and tokens returned only at the end
-        batch = spec.draft(tree_seqs) if tree_seqs else None
+        batch = spec.draft(tree_seqs, drafted) if tree_seqs else None
         # decoding requests at budget 0 still draft (no verify rows): their curves tell the adaptive budget
         # when a tree would pay again
         watch = [s for s in plain if _decoding(s) and self.watch(s.request.request_id)] \
@@ -105,7 +107,7 @@ class ModelRunner:
             for j, s in enumerate(watched[0]):
                 result.curves[s.request.request_id] = host.curves[first + j]
         clocks = [c for c in (batch.clock if batch is not None else None, watched[2] if watched else None) if c]
-        result.num_drafted = (batch.num_requests if batch is not None else 0) + (len(watched[0]) if watched else 0)
+        result.num_drafted = (sum(batch.drafted) if batch is not None else 0) + (len(watched[0]) if watched else 0)
         result.draft_seconds = sum(c.seconds() for c in clocks)  # the fetch synchronized: events are complete
         if batch is not None:
             result.num_grammar_pruned = batch.num_pruned
@@ -168,7 +170,7 @@ class ModelRunner:
             tau = host.accept_len[i]
             acc, emitted = host.accepted[i][:tau], host.emitted[i][:tau]  # accepted rows; drafts then the bonus
             result.new_token_ids[req.request_id] = emitted
-            if host.curves:
+            if host.curves and batch.drafted[i]:
                 result.curves[req.request_id] = host.curves[i]
             if req.sampling.logprobs is not None:  # token j was chosen at accepted row acc[j]
                 result.logprobs[req.request_id] = [host.logprob(num_plain + i * width + a, req.sampling.logprobs)

@@ -33,6 +33,7 @@ class TreeBatch:
     seqs: list[ScheduledSeq]
     tree: DraftTree  # [N, W] rows, root first
     budgets: list[int]  # drafted nodes per request (host copy of what the scheduler granted)
+    drafted: list[bool]  # the drafter ran for this request (False: a root-only tree, no proposal, no curve)
     curve: torch.Tensor | None = None  # [N, B] the full-budget tree's cumulative draft probability (adaptive budgets)
     tree_build_s: float = 0.0  # seconds building the trees from its proposal
     # structured output: request index -> its grammar-aware tree (rows' bitmasks), and nodes the grammar pruned
@@ -116,14 +117,16 @@ class Speculator:
         self.pending_hidden.pop(request_id, None)
         self.drafter.release(request_id)
 
-    def draft(self, seqs: list[ScheduledSeq]) -> TreeBatch:
-        """Drafter proposal -> per-request best-first trees, W = max budget + 1 rows each. The drafter takes
-        the pending features into its own state; if it fails they stay pending."""
-        tree, curve, clock, build_s, constrained = self._full_trees(seqs)
-        budgets = [s.spec_budget for s in seqs]
+    def draft(self, seqs: list[ScheduledSeq], drafted: list[bool] | None = None) -> TreeBatch:
+        """Drafter proposal -> per-request best-first trees, W = max budget + 1 rows each. Requests with
+        drafted[i] False (budget 0, not watched) get a root-only tree without running the drafter for them. The
+        drafter takes the pending features into its own state; if it fails they stay pending."""
+        drafted = drafted if drafted is not None else [True] * len(seqs)
+        tree, curve, clock, build_s, constrained = self._full_trees(seqs, drafted)
+        budgets = [s.spec_budget if d else 0 for s, d in zip(seqs, drafted)]
         tree = tree.truncated(self.stage(budgets), max(budgets) + 1)
-        return TreeBatch(seqs, tree, budgets, curve, tree_build_s=build_s, clock=clock, constrained=constrained,
-                         num_pruned=sum(c.num_pruned for c in constrained.values()))
+        return TreeBatch(seqs, tree, budgets, drafted, curve, tree_build_s=build_s, clock=clock,
+                         constrained=constrained, num_pruned=sum(c.num_pruned for c in constrained.values()))
 
     def curves(self, seqs: list[ScheduledSeq]) -> tuple[torch.Tensor, DraftClock]:
         """[M, B] acceptance curves of these requests' full-budget trees, verified by nobody this step (what the
@@ -132,13 +135,16 @@ class Speculator:
         _, curve, clock, _, _ = self._full_trees(seqs)
         return curve, clock
 
-    def _full_trees(self, seqs: list[ScheduledSeq]) -> tuple[DraftTree, torch.Tensor, DraftClock, float, dict]:
+    def _full_trees(self, seqs: list[ScheduledSeq], drafted: list[bool] | None = None
+                    ) -> tuple[DraftTree, torch.Tensor, DraftClock, float, dict]:
         """The drafter's proposal built into full-budget trees (best-first trees nest, so a request's own budget
         is a cut of it), their acceptance curves, the drafter's clock, the seconds building took, and the
         grammar-aware trees of requests with structured output (built on the host: their proposals come to the
         host, a sync that only steps with such requests pay)."""
+        drafted = drafted if drafted is not None else [True] * len(seqs)
+        run = [s for s, d in zip(seqs, drafted) if d]
         consumed, batch = {}, []
-        for s in seqs:
+        for s in run:
             rows = self.pending_hidden.pop(s.request.request_id, None)
             if rows:
                 consumed[s.request.request_id] = rows
@@ -147,7 +153,11 @@ class Speculator:
         top_k = 1 if self.chain else self.max_budget
         clock = DraftClock(self.device)
         try:
-            logprobs, token_ids = self.drafter.propose(batch, top_k)  # [N, L, K]
+            if batch:
+                logprobs, token_ids = self.drafter.propose(batch, top_k)  # [N, L, K]
+            else:
+                logprobs = torch.zeros((0, self.horizon, top_k), dtype=torch.float32, device=self.device)
+                token_ids = torch.zeros((0, self.horizon, top_k), dtype=torch.int64, device=self.device)
         except BaseException:
             self.restore_hidden(consumed)
             raise
@@ -155,25 +165,29 @@ class Speculator:
         t1 = time.perf_counter()
         device = self.device
         logprobs, token_ids = logprobs.to(device, non_blocking=True), token_ids.to(device, non_blocking=True)
+        if len(run) < len(seqs):  # undrafted requests: any proposal will do, their trees hold the root only
+            index = self.stage([i for i, d in enumerate(drafted) if d])
+            logprobs = logprobs.new_zeros((len(seqs), *logprobs.shape[1:])).index_copy_(0, index, logprobs)
+            token_ids = token_ids.new_zeros((len(seqs), *token_ids.shape[1:])).index_copy_(0, index, token_ids)
         roots = self.stage([s.request.all_token_ids[-1] for s in seqs])
         # the full budget's node probabilities tell the adaptive budget what a bigger tree would bring
-        full = torch.full((len(seqs),), self.max_budget, dtype=torch.int64, device=device)
+        full = self.stage([self.max_budget if d else 0 for d in drafted])
         tree = DraftTree.from_topk(logprobs, token_ids, roots, full, self.max_budget)
-        constrained = self._constrained_trees(seqs, logprobs, token_ids, tree)
+        constrained = self._constrained_trees(seqs, logprobs, token_ids, tree, drafted)
         return tree, tree.acceptance_curve(), clock, time.perf_counter() - t1, constrained
 
     def _constrained_trees(self, seqs: list[ScheduledSeq], logprobs: torch.Tensor, token_ids: torch.Tensor,
-                           tree: DraftTree) -> dict[int, ConstrainedTree]:
+                           tree: DraftTree, drafted: list[bool]) -> dict[int, ConstrainedTree]:
         """Rebuilds the trees of requests with a grammar so that every node is legal after its parent's path."""
-        which = [i for i, s in enumerate(seqs) if s.request.constraint is not None]
+        which = [i for i, s in enumerate(seqs) if s.request.constraint is not None]  # root-only trees too: masks
         if not which:
             return {}
         index = torch.tensor(which, device=logprobs.device)
         lps, ids = logprobs[index].float().cpu().tolist(), token_ids[index].cpu().tolist()
         out = {}
         for j, i in enumerate(which):
-            out[i] = ConstrainedTree(lps[j], ids[j], self.max_budget, seqs[i].request.constraint,
-                                     prune=self.grammar_pruning)
+            out[i] = ConstrainedTree(lps[j], ids[j], self.max_budget if drafted[i] else 0,
+                                     seqs[i].request.constraint, prune=self.grammar_pruning)
             out[i].write_into(tree, i)
         return out
 

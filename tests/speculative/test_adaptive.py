@@ -4,6 +4,7 @@ budgets share one padded verify width without any padding row ever being accepte
 identical to plain decoding."""
 from __future__ import annotations
 
+import pytest
 import torch
 
 from engine import LLM, SamplingParams
@@ -148,9 +149,11 @@ def test_drafting_cost_counts_against_the_tree_and_dear_drafting_backs_off():
     assert len(drafted) < 2000 / 40
 
 
-def test_an_expensive_drafter_that_does_not_pay_stays_out_of_the_way(tiny_checkpoints):
+@pytest.mark.parametrize("graphs", [False, True])
+def test_an_expensive_drafter_that_does_not_pay_stays_out_of_the_way(tiny_checkpoints, graphs):
     """A drafter that costs several plain steps per call and is always wrong: the engine decodes plainly and
-    calls it for a small fraction of the steps; greedy output is unchanged."""
+    calls it for a small fraction of the steps; greedy output is unchanged. With CUDA graphs (emulated on CPU)
+    budget-0 requests ride as root-only trees, and still are not drafted for."""
     import time
 
     folder, _ = tiny_checkpoints("llama")
@@ -167,6 +170,43 @@ def test_an_expensive_drafter_that_does_not_pay_stays_out_of_the_way(tiny_checkp
 
     oracle.propose = slow
     llm = LLM(folder, dtype="fp32", drafter=oracle, spec_budget=16)
+    if graphs:
+        llm.engine.enable_graphs(emulate=True)
     steps = chosen_budgets(llm)
     assert len(calls) < 0.25 * len(steps), (len(calls), len(steps))
     assert greedy(LLM(folder, dtype="fp32", drafter=oracle, spec_budget=16)) == ref
+
+
+def test_budget_zero_requests_beside_a_tree_are_not_drafted_for_under_graphs(tiny_checkpoints, monkeypatch):
+    """With CUDA graphs (emulated on CPU) a step that verifies one request's tree lays every decoding request out
+    as a tree; the requests whose budget is 0 ride as root-only trees and the drafter is not run for them (only
+    at their probe intervals). One request's drafts always match, the others' never do."""
+    monkeypatch.setattr(BudgetController, "draft_tokens", lambda self: 1.0)  # drafting costs: back off
+    folder, _ = tiny_checkpoints("llama")
+    ref = greedy(LLM(folder, dtype="fp32"))
+    golden = [(p + (r if i == 0 else [(t + 1) % 1000 for t in r]), len(p))
+              for i, (p, r) in enumerate(zip(prompts(), ref))]
+    oracle = OracleDrafter(golden_lookup(golden), 1000, horizon=7, check_prefix=False)
+    step_drafts: set[str] = set()
+    propose = oracle.propose
+
+    def counting(batch, top_k):
+        step_drafts.update(r.request_id for r in batch)
+        return propose(batch, top_k)
+
+    oracle.propose = counting
+    llm = LLM(folder, dtype="fp32", drafter=oracle, spec_budget=16)
+    llm.engine.enable_graphs(emulate=True)
+    core, sp = llm.engine, SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
+    ids = [core.add_request(p, sp) for p in prompts()]
+    outputs, tree_steps, others_drafted = {i: [] for i in ids}, 0, 0
+    while core.has_unfinished():
+        step_drafts.clear()
+        for delta in core.step():
+            outputs[delta.request_id].extend(delta.new_token_ids)
+        if ids[0] in step_drafts and core.last_stats.cuda_graph == "replay":
+            tree_steps += 1
+            others_drafted += len(step_drafts - {ids[0]})
+    assert [outputs[i] for i in ids] == ref
+    assert tree_steps >= 5, tree_steps  # the matching request verified trees through graph replays
+    assert others_drafted <= tree_steps, (others_drafted, tree_steps)  # not 3 per step: probes only

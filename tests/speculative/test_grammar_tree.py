@@ -53,7 +53,7 @@ def test_plain_constrained_output_is_valid(plain):
 
 def test_ngram_ddtree_equals_plain_constrained(plain):
     _, prompts, sp, ref = plain
-    outs, _, accepts = run(LLM(drafter="ngram", spec_budget=8, adaptive=False), prompts, sp)
+    outs, _, accepts = run(LLM(drafter="ngram", spec_budget=4, adaptive=False), prompts, sp)
     assert outs == ref and accepts
 
 
@@ -64,7 +64,7 @@ def test_oracle_distractors_are_pruned_and_output_is_unchanged(plain):
     golden = {tuple(p): p + r for p, r in zip(prompts, ref)}
     oracle = OracleDrafter(lambda r: _lookup(golden, r.token_ids), llm.engine.vocab_size, horizon=6,
                            num_distractors=6)
-    outs, pruned, accepts = run(LLM(drafter=oracle, spec_budget=12, adaptive=False), prompts, sp)
+    outs, pruned, accepts = run(LLM(drafter=oracle, spec_budget=6, adaptive=False), prompts, sp)
     assert outs == ref
     assert pruned > 0 and sum(accepts) / len(accepts) > 2.0, (pruned, accepts)
 

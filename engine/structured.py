@@ -128,9 +128,7 @@ class ConstrainedTree:
         def padded(values: list, fill, dtype) -> torch.Tensor:
             return torch.tensor(values[:width] + [fill] * (width - min(n, width)), dtype=dtype)
 
-        root = tree.node_token_ids[index, 0].clone()
-        tree.node_token_ids[index] = padded(self.tokens, -1, torch.int64).to(device)
-        tree.node_token_ids[index, 0] = root
+        tree.node_token_ids[index, 1:] = padded(self.tokens, -1, torch.int64)[1:].to(device)  # row 0: the root
         tree.parents[index] = padded(self.parents, -1, torch.int64).to(device)
         tree.depths[index] = padded(self.depths, 0, torch.int64).to(device)
         tree.scores[index] = padded(self.scores, float("-inf"), torch.float64).to(device)

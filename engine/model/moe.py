@@ -41,14 +41,14 @@ class Experts(nn.ModuleList):
         for other dtypes loops on the host over the group ends), checked once against the loop."""
         if self.w13 is None or x.device.type != "cuda" or x.dtype != torch.bfloat16:
             return False
-        if torch.cuda.get_device_capability(x.device) < (9, 0):
-            return False
         key = (x.device, x.dtype)
-        if key not in self._grouped:
+        if key not in self._grouped:  # decided once: this runs per MoE layer per forward
             self._grouped[key] = self._check_grouped(x.device, x.dtype)
         return self._grouped[key]
 
     def _check_grouped(self, device, dtype) -> bool:
+        if torch.cuda.get_device_capability(device) < (9, 0):
+            return False
         g = torch.Generator(device="cpu").manual_seed(0)
         x = torch.randn(4, self.w13.shape[2], generator=g).to(device, dtype)
         ids = torch.randint(0, len(self), (4, 2), generator=g).to(device)

@@ -75,6 +75,8 @@ class EngineConfig:
                                             "tree rows)")
     max_model_len: int | None = opt(None, "context length (default: the model's max_position_embeddings, "
                                           "capped at 32768)")
+    tensor_parallel_size: int = opt(1, "ranks the model is split across (one process per rank; on CUDA rank r "
+                                       "runs on cuda:r; gloo on CPU, NCCL on CUDA)")
     seed: int = opt(0, "seed for requests that do not set one")
     enable_prefix_caching: bool = opt(True, "reuse the KV of shared prompt prefixes")
     enforce_eager: bool = opt(False, "run every step eagerly: no CUDA graphs (they are captured at startup on "
@@ -99,6 +101,8 @@ class EngineConfig:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.load_format not in ("auto", "dummy"):
             raise ValueError(f"load_format must be auto or dummy, got {self.load_format!r}")
+        if not isinstance(self.tensor_parallel_size, int) or self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be an integer >= 1, got {self.tensor_parallel_size!r}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
         if self.spec.drafter == "dflash" and not self.spec.draft_model:

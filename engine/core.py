@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import random
 import time
+from dataclasses import replace
 
 import torch
 
@@ -62,11 +63,35 @@ def check_extension(config: EngineConfig) -> None:
 
 
 class EngineCore:
-    def __init__(self, config: EngineConfig, loaded=None, drafter=None):
+    def __init__(self, config: EngineConfig, loaded=None, drafter=None, tp=None, log_level=None):
+        """tp: this rank's engine.distributed.TPGroup when this core is a follower (engine/ranks.py); a leader
+        (config.tensor_parallel_size > 1, tp None) starts its followers here."""
+        self.followers = None
+        if config.tensor_parallel_size > 1 and tp is None:
+            if loaded is not None or drafter is not None:
+                raise ValueError("tensor parallelism loads its own model shards and drafter (pass neither)")
+            from engine.ranks import Followers
+
+            self.followers = Followers(config, log_level)
+            tp = self.followers.tp
+        self.tp = tp
+        try:
+            self._start(config, loaded, drafter)
+        except BaseException:
+            self.shutdown()  # a leader's followers would otherwise wait for it forever
+            raise
+
+    def _start(self, config: EngineConfig, loaded, drafter) -> None:
+        """Loading, KV-cache sizing, warm-up and graph capture (the same on every rank)."""
+        tp = self.tp
+        if tp is not None:
+            from engine.ranks import rank_config
+
+            config = rank_config(config, tp.rank)
         self.config = config
         self.dtype = resolve_dtype(config.dtype, config.device)
         check_extension(config)
-        self.loaded = loaded or load_model(config.model, self.dtype, config.device, config.load_format)
+        self.loaded = loaded or load_model(config.model, self.dtype, config.device, config.load_format, tp=tp)
         self.model, self.tokenizer = self.loaded.model, self.loaded.tokenizer
         cfg, gen = self.loaded.hf_config, self.loaded.generation_config
         self.max_model_len = config.max_model_len or min(cfg.get("max_position_embeddings") or 2048, 32768)
@@ -78,6 +103,8 @@ class EngineCore:
         per_block = ModelRunner.kv_bytes_per_block(self.model, config.block_size, self.dtype)
         measure = (lambda: measure_cuda_peak(torch.device(config.device), self._warmup)) if config.is_cuda else None
         self.kv_plan = plan_kv_cache(config, per_block, self.max_model_len, max_budget, measure)
+        if tp is not None:  # every rank's cache has the same blocks: the smallest that fits on each device
+            self.kv_plan = replace(self.kv_plan, num_blocks=tp.min_int(self.kv_plan.num_blocks))
         logger.info("%s", self.kv_plan.describe(self.max_model_len))
         # a drafter fed by target features needs them for every prompt token, so cached prefixes would starve it
         needs_features = self.speculator is not None and bool(self.speculator.capture_layer_ids)
@@ -178,7 +205,15 @@ class EngineCore:
 
     # ------------------------------------------------------------------------------------------ requests
 
+    def _mirror(self, name: str, *args) -> None:
+        """Leader of a tensor-parallel group: the followers make this call too (engine/ranks.py)."""
+        if self.tp is not None and self.tp.is_leader:
+            self.tp.broadcast_object((name, args))
+
     def add_request(self, prompt_token_ids: list[int], sampling: SamplingParams, request_id: str | None = None) -> str:
+        if self.tp is not None:
+            request_id = request_id if request_id is not None else Request([0], sampling).request_id
+            self._mirror("add_request", list(prompt_token_ids), sampling, request_id)
         sampling.validate(self.vocab_size)
         if not prompt_token_ids:
             raise ValueError("the prompt is empty")
@@ -218,6 +253,7 @@ class EngineCore:
         return Constraint(self._grammar_tokenizer, grammar, self.eos_token_ids)
 
     def abort(self, request_id: str) -> bool:
+        self._mirror("abort", request_id)
         req = self.scheduler.abort(request_id)
         self._release(request_id)
         return req is not None
@@ -240,12 +276,19 @@ class EngineCore:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
+    def shutdown(self) -> None:
+        """Stops a tensor-parallel leader's followers (nothing to do otherwise); the core is unusable after."""
+        if self.followers is not None:
+            self.followers.stop()
+            self.followers = None
+
     # ---------------------------------------------------------------------------------------------- step
 
     def step(self) -> list[Delta]:
         """One engine step; returns a Delta for every request that produced tokens or finished. A failure tied
         to one request (RequestFault) fails that request only: nothing of the step was committed, so the
         others simply run again next step. Any other exception propagates (the engine process dies)."""
+        self._mirror("step")
         t0 = time.perf_counter()
         preemptions_before = self.scheduler.num_preemptions
         plan = self.scheduler.schedule()
@@ -297,8 +340,11 @@ class EngineCore:
         width = max(s.spec_budget for s in plan.seqs) + 1  # verify rows per tree request (padded)
         rows = sum(width if s.spec_budget else s.num_new_tokens for s in plan.seqs)
         tokens = sum(len(t) for t in result.new_token_ids.values())
+        draft_seconds = result.draft_seconds
+        if self.tp is not None and self.budgets.enabled:  # budgets follow the leader's clock on every rank
+            seconds, draft_seconds = self.tp.broadcast_object((seconds, draft_seconds))
         self.budgets.observe_step(rows, seconds, tokens)
-        self.budgets.observe_draft(result.num_drafted, result.draft_seconds)
+        self.budgets.observe_draft(result.num_drafted, draft_seconds)
         for s in plan.seqs:
             rid = s.request.request_id
             if rid in result.curves:

@@ -49,6 +49,16 @@ class LLM:
         self.engine = EngineCore(self.config, drafter=drafter_obj)
         self.tokenizer = self.engine.tokenizer
 
+    def shutdown(self) -> None:
+        """Stops the engine's other tensor-parallel ranks (a no-op for one rank)."""
+        self.engine.shutdown()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
+
     def encode(self, prompt: str, chat: bool = False) -> list[int]:
         return encode_text(self.tokenizer, prompt, chat)
 

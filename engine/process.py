@@ -131,7 +131,7 @@ def run_engine(config: EngineConfig, inbox, outbox, log_level: int | str | None 
     try:
         from engine.core import EngineCore
 
-        core = EngineCore(config)
+        core = EngineCore(config, log_level=log_level)
         extras = ready_extras(core)
     except Exception as e:  # the one-line reason for /health and the exit message; the traceback for the log
         outbox.put(failure("", e))
@@ -144,6 +144,7 @@ def run_engine(config: EngineConfig, inbox, outbox, log_level: int | str | None 
     except Exception as e:  # the server logs the traceback (once) and fails the open requests
         outbox.put(failure("engine step failed: ", e))
         status = 1
+    core.shutdown()  # tensor parallel: the other ranks exit too
     quick_exit(outbox, status)
 
 

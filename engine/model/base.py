@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from engine.model.layers import RMSNorm
+from engine.model.tensor_parallel import vocab_parallel_embed, vocab_parallel_logits
 from ext.metadata import AttentionMetadata
 
 
@@ -24,6 +25,8 @@ class CausalLM(nn.Module):
         self.norm = RMSNorm(hidden_size, rms_norm_eps)
         self.tie_word_embeddings = tie_word_embeddings
         self.lm_head = None if tie_word_embeddings else nn.Linear(hidden_size, vocab_size, bias=False)
+        self.tp = None  # engine.distributed.TPGroup once engine/model/tensor_parallel.py shards this model
+        self.shard_specs: dict = {}  # parameter name -> ShardSpec (tensor parallel only)
 
     # HF checkpoint names: model.embed_tokens / model.layers / model.norm / lm_head
     def hf_name(self, name: str) -> str:
@@ -43,6 +46,8 @@ class CausalLM(nn.Module):
         return self.layers[layer].self_attn.kv_cache_shape(num_blocks, block_size)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.tp is not None:
+            return vocab_parallel_embed(self.embed_tokens.weight, input_ids, self.tp)
         return self.embed_tokens(input_ids)
 
     def forward(
@@ -67,4 +72,6 @@ class CausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [num_rows, hidden] -> [num_rows, vocab] fp32
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        if self.tp is not None:
+            return vocab_parallel_logits(hidden, weight, self.tp)
         return torch.nn.functional.linear(hidden, weight).float()

@@ -139,19 +139,37 @@ def _plan(model, source: WeightSource, where: str) -> dict[str, list[tuple[str, 
     for hf, name in expected.items():
         if hf not in filled:
             raise CheckpointError(where, f"tensor {hf!r} is missing")
-        shape, want = filled[hf][1], tuple(params[name].shape)
+        shape, want = filled[hf][1], _full_shape(model, name, tuple(params[name].shape))
         if shape != want:
             raise CheckpointError(where, f"tensor {hf!r} has shape {shape}, expected {want}")
+    for key, parts in plan.items():  # tensor parallel: each parameter takes its shard of what it is given
+        plan[key] = [(name, _sharded(take, model.shard_specs.get(name))) for name, take in parts]
     return plan
+
+
+def _full_shape(model, name: str, shape: tuple[int, ...]) -> tuple[int, ...]:
+    spec = getattr(model, "shard_specs", {}).get(name)
+    return shape if spec is None else spec.full_shape(shape)
+
+
+def _sharded(take: Take, spec) -> Take:
+    if spec is None:
+        return take
+    return spec.take if take is None else (lambda t: spec.take(take(t)))
 
 
 def fill_weights(model, source: WeightSource, where: str, dtype: torch.dtype, device) -> None:
     """Reads `source` tensor by tensor into `model`'s meta parameters on `device`: each checkpoint tensor is
     read, cast and copied into a freshly allocated parameter, then dropped, so at most about one checkpoint
-    tensor is held in host memory at a time. fp32_param_suffixes stay float32."""
+    tensor is held in host memory at a time. fp32_param_suffixes stay float32, and parameters marked `keep_dtype`
+    (FP8 weights and their scales, engine/model/fp8_linear.py) keep their own dtype. A source with a
+    `prepare_model(model)` may first swap modules on the meta device (the FP8 linears)."""
+    if hasattr(source, "prepare_model"):
+        source.prepare_model(model)
     plan = _plan(model, source, where)
     fp32_names = getattr(model, "fp32_param_suffixes", ())
     shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
+    kept = {n: p.dtype for n, p in model.named_parameters() if getattr(p, "keep_dtype", False)}
     total = sum(source.nbytes(k) for k in plan)
     start, count, done = time.perf_counter(), 0, 0
     with torch.no_grad(), tqdm(total=total, desc=source.desc, unit="B", unit_scale=True, unit_divisor=1024,
@@ -160,7 +178,8 @@ def fill_weights(model, source: WeightSource, where: str, dtype: torch.dtype, de
             for name, take in plan.pop(key):
                 src = tensor if take is None else take(tensor)
                 keep_fp32 = any(name.endswith(s) for s in fp32_names)
-                dst = torch.empty(shapes[name], dtype=torch.float32 if keep_fp32 else dtype, device=device)
+                dst_dtype = kept.get(name, torch.float32 if keep_fp32 else dtype)
+                dst = torch.empty(shapes[name], dtype=dst_dtype, device=device)
                 dst.copy_(src)
                 _set_param(model, name, dst)
                 del src
@@ -190,13 +209,17 @@ def fill_dummy_weights(model, dtype: torch.dtype, device, seed: int = DUMMY_SEED
     with torch.no_grad():
         for name, p in tqdm(params, desc="dummy weights", unit="tensor", disable=None, leave=False):
             keep_fp32 = any(name.endswith(s) for s in fp32_names)
-            value = torch.empty(p.shape, dtype=torch.float32 if keep_fp32 else dtype, device=device)
+            spec = model.shard_specs.get(name) if hasattr(model, "shard_specs") else None
+            shape = tuple(p.shape) if spec is None else spec.full_shape(tuple(p.shape))
+            value = torch.empty(shape, dtype=torch.float32 if keep_fp32 else dtype, device=device)
             if name.endswith("bias"):
                 value.zero_()
             elif _is_norm_weight(model, name):
                 value.fill_(1.0)
             else:
                 value.normal_(0.0, DUMMY_STD, generator=generator)
+            if spec is not None:  # every rank draws the whole tensor, so shards agree with an unsharded model
+                value = spec.take(value).contiguous()
             total += value.numel() * value.element_size()
             _set_param(model, name, value)
     logger.info("initialised %d tensors (%.2f GiB) with dummy weights (seed %d) in %.2f s", len(params),
@@ -204,13 +227,18 @@ def fill_dummy_weights(model, dtype: torch.dtype, device, seed: int = DUMMY_SEED
 
 
 def build_model(cfg: dict, weights: Mapping[str, torch.Tensor] | WeightSource | None, where: str,
-                dtype: torch.dtype, device, seed: int = DUMMY_SEED):
+                dtype: torch.dtype, device, seed: int = DUMMY_SEED, tp=None):
     """Builds the family's module tree on the meta device, then fills every parameter on `device`: from
     `weights` (a WeightSource streamed tensor by tensor, or an in-memory state dict), or with dummy weights
-    when `weights` is None."""
+    when `weights` is None. With `tp` (engine.distributed.TPGroup) the tree is cut to this rank's shard first
+    (engine/model/tensor_parallel.py) and only that shard is read."""
     cls = model_class(cfg, where)
     with torch.device("meta"):
         model = cls(cfg)
+    if tp is not None and tp.world_size > 1:
+        from engine.model.tensor_parallel import shard_model
+
+        shard_model(model, tp)
     if weights is None:
         fill_dummy_weights(model, dtype, device, seed)
     else:
@@ -236,7 +264,7 @@ def _count(n: int) -> str:
 
 
 def load_model(path: str | None, dtype: str | torch.dtype | None = None, device: str = "cpu",
-               load_format: str = "auto") -> LoadedModel:
+               load_format: str = "auto", tp=None) -> LoadedModel:
     """path: an HF checkpoint folder, a .gguf file, or None for the embedded SmolLM2-135M-Instruct.
     load_format: "auto" reads the weights; "dummy" builds the model from its config alone with deterministic
     random weights (no weight files needed)."""
@@ -258,7 +286,7 @@ def load_model(path: str | None, dtype: str | torch.dtype | None = None, device:
         from engine.model.gguf import load_gguf_tokenizer, open_gguf
 
         cfg, weights = open_gguf(path)
-        model = build_model(cfg, None if dummy else weights, path, torch_dtype, device)
+        model = build_model(cfg, None if dummy else weights, path, torch_dtype, device, tp=tp)
         tokenizer = load_gguf_tokenizer(path) if weights.has_tokenizer else None
         loaded = LoadedModel(model, tokenizer, cfg, path, {})
     else:
@@ -268,7 +296,7 @@ def load_model(path: str | None, dtype: str | torch.dtype | None = None, device:
         try:
             weights = None if dummy else SafetensorsWeights(safetensors_files(path), path)
             weights = dequantizing(cfg, weights, torch_dtype, device)
-            model = build_model(cfg, weights, path, torch_dtype, device)
+            model = build_model(cfg, weights, path, torch_dtype, device, tp=tp)
         except ConfigError as e:
             raise ConfigError(f"{os.path.join(path, 'config.json')}: {e}") from None
         loaded = LoadedModel(model, load_tokenizer(path), cfg, path, generation_config)

@@ -1,0 +1,134 @@
+"""The engine's tensor-parallel ranks: rank 0 (the leader, the EngineCore the server or LLM talks to) starts ranks
+1..N-1 as child processes, and every rank runs the same EngineCore over its shard of the model.
+
+Ranks never diverge because they compute the same things from the same inputs: the leader broadcasts each call
+that changes its core's state (add_request, abort, step) before making it, and each follower makes the same call
+on its core; everything the scheduler, the sampler and the DDTree round decide follows from those calls and from
+tensors that are identical on every rank after the model's collectives (engine/distributed.py). The two inputs
+that are not, the clock (the adaptive budget's measured step and drafter times) and free device memory (the KV
+cache size), are taken from the leader and the smallest rank respectively (engine/core.py).
+
+A follower is a plain subprocess (the engine process is a daemonic multiprocessing child, which may not start
+multiprocessing children), killed by the kernel when its leader dies (Linux); when a follower dies, the leader's
+next collective fails, the leader's step raises, and the server treats that like any engine death (503).
+"""
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import pickle
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import replace
+
+from engine.config import EngineConfig
+
+logger = logging.getLogger("ddtree.engine")
+
+HOST = "127.0.0.1"  # one node: ranks rendezvous on the loopback interface
+STOP_WAIT_S = 10.0
+
+
+def rank_config(config: EngineConfig, rank: int) -> EngineConfig:
+    """The config one rank runs: on CUDA each rank owns one device, cuda:rank."""
+    if config.tensor_parallel_size == 1 or not config.is_cuda:
+        return config
+    return replace(config, device=f"cuda:{rank}")
+
+
+def check_devices(config: EngineConfig) -> None:
+    if not config.is_cuda:
+        return
+    import torch
+
+    if config.device not in ("cuda", "cuda:0"):
+        raise ValueError(f"with --tensor-parallel-size {config.tensor_parallel_size}, use --device cuda (rank r runs "
+                         f"on cuda:r), not {config.device!r}")
+    found = torch.cuda.device_count()
+    if found < config.tensor_parallel_size:
+        raise ValueError(f"--tensor-parallel-size {config.tensor_parallel_size} needs that many CUDA devices; "
+                         f"{found} visible")
+
+
+class Followers:
+    """Rank 0's handle on ranks 1..N-1: started before the group forms, stopped with the leader's core."""
+
+    def __init__(self, config: EngineConfig, log_level: int | str | None = None):
+        from engine.distributed import TPGroup
+
+        check_devices(config)
+        n = config.tensor_parallel_size
+        store, rendezvous = TPGroup.open_store(HOST, n)
+        self.processes = [_spawn(config, rank, rendezvous, log_level) for rank in range(1, n)]
+        self.tp = TPGroup.join(0, rendezvous, rank_config(config, 0).device, store)
+        logger.info("tensor parallel: %d ranks (followers: pids %s)", n, ", ".join(str(p.pid) for p in self.processes))
+
+    def stop(self) -> None:
+        """Tells the followers to exit (they may be gone already) and reaps them."""
+        try:
+            self.tp.broadcast_object(("shutdown", ()))
+        except Exception:
+            pass
+        deadline = time.monotonic() + STOP_WAIT_S
+        for p in self.processes:
+            try:
+                p.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+        self.tp.shutdown()
+
+
+def _spawn(config: EngineConfig, rank: int, rendezvous, log_level) -> subprocess.Popen:
+    proc = subprocess.Popen([sys.executable, "-m", "engine.ranks"], stdin=subprocess.PIPE,
+                            preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None)
+    proc.stdin.write(pickle.dumps((config, rank, rendezvous, log_level)))
+    proc.stdin.close()
+    return proc
+
+
+def _die_with_parent() -> None:
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL))  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
+def follow(core) -> None:
+    """A follower's loop: make each call the leader broadcasts, until it says shutdown. The calls' errors are the
+    leader's too (same inputs), which reports them; here they are only logged at debug level."""
+    while True:
+        name, args = core.tp.broadcast_object()
+        if name == "shutdown":
+            return
+        try:
+            getattr(core, name)(*args)
+        except ValueError as e:  # a bad request: the leader answers it
+            logger.debug("rank %d: %s%r failed: %s", core.tp.rank, name, args[:0], e)
+
+
+def follower_main() -> None:
+    for sig in (signal.SIGINT, signal.SIGTERM):  # the leader owns this process's lifetime
+        signal.signal(sig, signal.SIG_IGN)
+    config, rank, rendezvous, log_level = pickle.loads(sys.stdin.buffer.read())
+    if log_level is not None:
+        from engine.process import configure_logging
+
+        configure_logging(log_level)
+    from engine.core import EngineCore
+    from engine.distributed import TPGroup
+
+    tp = TPGroup.join(rank, rendezvous, rank_config(config, rank).device)
+    core = EngineCore(config, tp=tp)
+    try:
+        follow(core)
+    finally:
+        tp.shutdown()
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    follower_main()

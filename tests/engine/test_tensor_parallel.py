@@ -1,0 +1,87 @@
+"""Tensor parallelism on CPU with the gloo backend: two engine processes (rank 0 in this process, rank 1 started by
+it) give token-for-token the greedy output of one, with DDTree verifying trees every step, for a tiny Llama, a
+Qwen3-MoE and a DeepSeek-V3 (MLA + MoE); seeded sampling runs to the end identically twice (ranks that diverged
+would deadlock or disagree); sizes that do not divide fail naming the field, and the other ranks exit."""
+from __future__ import annotations
+
+import time
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from engine import LLM, SamplingParams
+from engine.model.errors import ConfigError
+from engine.model.loader import model_class, read_config
+from engine.model.tensor_parallel import shard_model
+
+PROMPTS = [[1, 5, 9, 200, 31, 7, 7, 8] * 3, [3, 4, 5, 6, 3, 4, 5, 6, 3, 4], [17, 301, 999, 2, 45]]
+
+
+def generate(folder: str, tp: int, sampling: SamplingParams, runs: int = 1):
+    with LLM(folder, drafter="ngram", spec_budget=8, adaptive=False, tensor_parallel_size=tp) as llm:
+        return [llm.generate(PROMPTS, sampling) for _ in range(runs)]
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3_moe", "deepseek_v3"])
+def test_two_ranks_greedy_equal_one_rank_with_ddtree(tiny_checkpoints, family):
+    folder, _ = tiny_checkpoints(family)
+    greedy = SamplingParams(max_tokens=32, temperature=0.0)
+    (one,), (two,) = generate(folder, 1, greedy), generate(folder, 2, greedy)
+    assert [o.token_ids for o in two] == [o.token_ids for o in one]
+    assert all(len(o.token_ids) == 32 for o in two)
+    steps = sum(o.stats["spec"]["steps"] for o in two)
+    assert steps >= 3 * 4, "DDTree did not verify trees"  # at most 9 tokens a step: >= 4 steps per prompt
+
+
+def test_two_ranks_sample_identically_across_runs(tiny_checkpoints):
+    folder, _ = tiny_checkpoints("qwen3_moe")
+    seeded = SamplingParams(max_tokens=24, temperature=1.0, top_p=0.9, seed=7)
+    first, second = generate(folder, 2, seeded, runs=2)
+    assert [o.token_ids for o in first] == [o.token_ids for o in second]
+    assert all(o.finish_reason == "length" for o in first)
+
+
+def test_a_size_the_ranks_do_not_divide_fails_and_the_followers_exit(tiny_checkpoints):
+    folder, _ = tiny_checkpoints("llama")  # vocab 1000: not divisible by 3
+    start = time.monotonic()
+    with pytest.raises(ConfigError, match="tensor_parallel_size=3 does not divide vocab_size=1000"):
+        LLM(folder, tensor_parallel_size=3)
+    assert time.monotonic() - start < 60
+
+
+@pytest.mark.parametrize("family,field", [("llama", "num_attention_heads"), ("qwen3_moe", "num_attention_heads"),
+                                          ("deepseek_v3", "num_attention_heads")])
+def test_heads_that_do_not_divide_are_named(tiny_checkpoints, family, field):
+    folder, _ = tiny_checkpoints(family)
+    cfg = dict(read_config(folder), vocab_size=999)  # divisible by 3, so the heads (4) fail first
+    with torch.device("meta"):
+        model = model_class(cfg, folder)(cfg)
+    with pytest.raises(ConfigError, match=f"tensor_parallel_size=3 does not divide {field}=4"):
+        shard_model(model, SimpleNamespace(rank=0, world_size=3))
+
+
+def test_shards_partition_every_split_parameter(tiny_checkpoints):
+    """Rank r's slice of each split parameter is the r-th of world_size equal parts along its dim; row-parallel
+    biases are whole on rank 0 only."""
+    folder, _ = tiny_checkpoints("deepseek_v3")
+    cfg = read_config(folder)
+    specs = []
+    for rank in range(2):
+        with torch.device("meta"):
+            model = model_class(cfg, folder)(cfg)
+        full = {n: tuple(p.shape) for n, p in model.named_parameters()}
+        shard_model(model, SimpleNamespace(rank=rank, world_size=2, all_reduce=lambda x: x))
+        specs.append(model.shard_specs)
+        for name, p in model.named_parameters():
+            spec = model.shard_specs.get(name)
+            assert (full[name] if spec is None else spec.full_shape(tuple(p.shape))) == full[name], name
+    assert specs[0].keys() == specs[1].keys()
+    assert {"embed_tokens.weight", "lm_head.weight", "layers.0.self_attn.o_proj.weight",
+            "layers.1.mlp.experts.3.down_proj.weight", "layers.1.mlp.shared_experts.gate_proj.weight",
+            "layers.0.self_attn.kv_b_proj.weight"} <= specs[0].keys()
+    assert "layers.0.self_attn.kv_a_proj_with_mqa.weight" not in specs[0]  # the latent is replicated
+    assert "layers.1.mlp.gate.weight" not in specs[0]  # so is the router
+    t = torch.arange(24.0).view(4, 6)
+    spec0, spec1 = specs[0]["layers.0.self_attn.o_proj.weight"], specs[1]["layers.0.self_attn.o_proj.weight"]
+    assert torch.equal(torch.cat([spec0.take(t), spec1.take(t)], dim=spec0.dim), t)

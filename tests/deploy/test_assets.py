@@ -290,3 +290,43 @@ def test_kustomize_renders():
     (deployment,) = [d for d in rendered if d["kind"] == "Deployment"]
     (container,) = deployment["spec"]["template"]["spec"]["containers"]
     assert container["image"] == f"{image['newName']}:{image['newTag']}"
+
+
+# ---------------------------------------------------------------------------------------- tensor parallel
+
+def test_compose_tp8_server(compose):
+    svc = compose["services"]["server-tp8"]
+    args = parse_serve(svc["command"])
+    assert args.tensor_parallel_size == 8 and args.device == "cuda" and args.model.startswith("/models/")
+    (device,) = svc["deploy"]["resources"]["reservations"]["devices"]
+    assert device["count"] == args.tensor_parallel_size and svc["profiles"] == ["gpu-tp8"]
+    assert svc["shm_size"].endswith("gb") and int(svc["shm_size"][:-2]) >= 8
+
+
+def _replace(doc, pointer: str, value) -> None:
+    """RFC 6902 `replace`: the target must exist (kustomize fails otherwise)."""
+    *parents, last = [p for p in pointer.split("/")[1:]]
+    for part in parents:
+        doc = doc[int(part)] if isinstance(doc, list) else doc[part]
+    key = int(last) if isinstance(doc, list) else last
+    assert (key < len(doc)) if isinstance(doc, list) else (key in doc), pointer
+    doc[key] = value
+
+
+def test_k8s_tp8_overlay_patches_the_base_deployment():
+    overlay = load_yaml(K8S / "tp8" / "kustomization.yaml")
+    assert overlay["resources"] == [".."]
+    (patch,) = overlay["patches"]
+    assert patch["target"] == {"kind": "Deployment", "name": "ddtree"}
+    deployment = k8s_docs()[("Deployment", "ddtree")]
+    for op in yaml.safe_load(patch["patch"]):
+        assert op["op"] == "replace"
+        _replace(deployment, op["path"], op["value"])
+    spec = deployment["spec"]["template"]["spec"]
+    (container,) = spec["containers"]
+    args = parse_serve(container["args"])
+    assert args.tensor_parallel_size == 8 and args.device == "cuda"
+    for key in ("requests", "limits"):
+        assert container["resources"][key]["nvidia.com/gpu"] == 8
+    shm = {v["name"]: v for v in spec["volumes"]}["shm"]
+    assert shm["emptyDir"]["medium"] == "Memory" and shm["emptyDir"]["sizeLimit"] == "16Gi"

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from engine.model.layers import RMSNorm
+from engine.model.layers import RMSNorm, concat_linears
 from ext import ops
 from ext.metadata import AttentionMetadata
 
@@ -36,14 +36,11 @@ class GQAttention(nn.Module):
             self.q_norm = self.k_norm = None
 
     def fuse_projections(self) -> None:
-        """After loading: one [q; k; v] matmul instead of three (fewer, larger GEMMs; same math per row)."""
-        parts = [self.q_proj, self.k_proj, self.v_proj]
-        fused = nn.Linear(parts[0].in_features, sum(p.out_features for p in parts), bias=parts[0].bias is not None,
-                          device=parts[0].weight.device, dtype=parts[0].weight.dtype)
-        with torch.no_grad():
-            fused.weight.copy_(torch.cat([p.weight for p in parts]))
-            if fused.bias is not None:
-                fused.bias.copy_(torch.cat([p.bias for p in parts]))
+        """After loading: one [q; k; v] matmul instead of three (fewer, larger GEMMs; same math per row). FP8 q
+        beside dequantized k/v (a shape FP8 GEMMs do not take) stay three."""
+        fused = concat_linears([self.q_proj, self.k_proj, self.v_proj])
+        if fused is None:
+            return
         self.qkv_proj = fused
         del self.q_proj, self.k_proj, self.v_proj
 

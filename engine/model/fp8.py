@@ -3,9 +3,10 @@
 float8_e4m3fn `<name>.weight` beside a float32 `<name>.weight_scale_inv` of one scale per 128 x 128 block
 (ceil(out / 128) x ceil(in / 128)); the real weight is fp8 x scale, block by block.
 
-Loading dequantizes every such weight to the model's dtype as it streams in (Fp8BlockWeights wraps the
-checkpoint's WeightSource; engine/model/quantization.py decides), so the model runs in bf16 / fp32 on any device.
-FP8 GEMMs on Hopper are not implemented: on CUDA the loader says so once. `quantize_block_fp8` writes that layout (tests, tiny checkpoints).
+Fp8BlockWeights wraps the checkpoint's WeightSource and dequantizes every such weight to the model's dtype as it
+streams in, except the weights named in `kept`: those (and their scales) pass through as stored, for the FP8
+linear layers of engine/model/fp8_linear.py (Hopper). engine/model/quantization.py decides which path a load takes.
+`quantize_block_fp8` writes that layout (tests, tiny checkpoints, the FP8 GEMM probe).
 """
 from __future__ import annotations
 
@@ -54,7 +55,7 @@ def quantize_block_fp8(weight: torch.Tensor, block: tuple[int, int] = (128, 128)
     each block scaled so its largest magnitude maps to the format's maximum (448)."""
     out_dim, in_dim = weight.shape
     rows, cols = -(-out_dim // block[0]), -(-in_dim // block[1])
-    padded = torch.zeros(rows * block[0], cols * block[1], dtype=torch.float32)
+    padded = torch.zeros(rows * block[0], cols * block[1], dtype=torch.float32, device=weight.device)
     padded[:out_dim, :in_dim] = weight.float()
     tiles = padded.view(rows, block[0], cols, block[1])
     amax = tiles.abs().amax(dim=(1, 3)).clamp(min=1e-12)  # [rows, cols]
@@ -64,7 +65,8 @@ def quantize_block_fp8(weight: torch.Tensor, block: tuple[int, int] = (128, 128)
 
 
 class Fp8BlockWeights(WeightSource):
-    """A checkpoint's tensors with its FP8 weights dequantized (float32) and their scales hidden."""
+    """A checkpoint's tensors with its FP8 weights dequantized (float32) and their scales hidden, except the weights
+    in `kept` (set before the loader plans): those stay float8_e4m3fn and their `weight_scale_inv` is listed."""
 
     def __init__(self, inner: WeightSource, block: tuple[int, int]):
         self.inner, self.block, self.where = inner, block, inner.where
@@ -74,8 +76,10 @@ class Fp8BlockWeights(WeightSource):
         missing = [k for k in self.scale_of if k not in shapes]
         if missing:
             raise CheckpointError(self.where, f"tensor {self.scale_of[missing[0]]!r} scales a weight that is missing")
+        self._scale_shapes = {k: s for k, s in shapes.items() if k.endswith(SCALE_SUFFIX)}
         self._shapes = {k: s for k, s in shapes.items() if not k.endswith(SCALE_SUFFIX)}
         self._scales = {w: t for w, t in self._read_scales()}
+        self.kept: set[str] = set()  # weight keys loaded as stored (FP8 GEMMs), with their scales
 
     def _read_scales(self) -> Iterator[tuple[str, torch.Tensor]]:
         wanted = {s: w for w, s in self.scale_of.items()}
@@ -83,14 +87,20 @@ class Fp8BlockWeights(WeightSource):
             yield wanted[key], tensor.float().clone()
 
     def shapes(self):
-        return dict(self._shapes)
+        return {**self._shapes, **{self.scale_of[w]: self._scale_shapes[self.scale_of[w]] for w in self.kept}}
 
     def nbytes(self, key):
         return self.inner.nbytes(key)
 
     def read(self, keys):
-        for key, tensor in self.inner.read(set(keys)):
-            if tensor.dtype == torch.float8_e4m3fn:
+        scales = {k for k in keys if k.endswith(SCALE_SUFFIX)}
+        for key in scales:  # only kept weights' scales are listed; they were read at construction
+            yield key, self._scales[key.removesuffix(SCALE_SUFFIX)]
+        for key, tensor in self.inner.read(set(keys) - scales):
+            if key in self._scales and tensor.dtype != torch.float8_e4m3fn:
+                raise CheckpointError(self.where, f"tensor {key!r} has a scale but is stored as {tensor.dtype}, "
+                                                  f"not float8_e4m3fn")
+            if tensor.dtype == torch.float8_e4m3fn and key not in self.kept:
                 scale = self._scales.get(key)
                 if scale is None:
                     raise CheckpointError(self.where, f"FP8 tensor {key!r} has no {key + SCALE_SUFFIX!r}")
@@ -98,9 +108,6 @@ class Fp8BlockWeights(WeightSource):
                     tensor = dequantize_block_fp8(tensor, scale, self.block)
                 except ValueError as e:
                     raise CheckpointError(self.where, f"tensor {key!r}: {e}") from None
-            elif key in self._scales:
-                raise CheckpointError(self.where, f"tensor {key!r} has a scale but is stored as {tensor.dtype}, "
-                                                  f"not float8_e4m3fn")
             yield key, tensor
 
     def log_done(self, count, nbytes, seconds, dtype):

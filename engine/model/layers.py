@@ -29,6 +29,26 @@ class RMSNorm(nn.Module):
         return out if residual is None else (out, new_residual)
 
 
+def concat_linears(parts: list[nn.Module]) -> nn.Module | None:
+    """One linear layer computing the parts' outputs side by side (fused projections), of the parts' kind:
+    nn.Linear, or FP8 (engine/model/fp8_linear.py). None when the parts are of mixed kinds: they stay separate."""
+    from engine.model.fp8_linear import Fp8BlockLinear
+
+    kinds = {type(p) for p in parts}
+    if kinds == {Fp8BlockLinear}:
+        return Fp8BlockLinear.concat(parts)
+    if kinds != {nn.Linear}:
+        return None
+    first = parts[0]
+    fused = nn.Linear(first.in_features, sum(p.out_features for p in parts), bias=first.bias is not None,
+                      device=first.weight.device, dtype=first.weight.dtype)
+    with torch.no_grad():
+        fused.weight.copy_(torch.cat([p.weight for p in parts]))
+        if fused.bias is not None:
+            fused.bias.copy_(torch.cat([p.bias for p in parts]))
+    return fused
+
+
 class GatedMLP(nn.Module):
     """SwiGLU: down(silu(gate(x)) * up(x))."""
 
@@ -43,13 +63,9 @@ class GatedMLP(nn.Module):
         """After loading: one [gate; up] matmul instead of two (already done for experts their module packed)."""
         if self.gate_up_proj is not None:
             return
-        g, u = self.gate_proj, self.up_proj
-        fused = nn.Linear(g.in_features, 2 * g.out_features, bias=g.bias is not None, device=g.weight.device,
-                          dtype=g.weight.dtype)
-        with torch.no_grad():
-            fused.weight.copy_(torch.cat([g.weight, u.weight]))
-            if fused.bias is not None:
-                fused.bias.copy_(torch.cat([g.bias, u.bias]))
+        fused = concat_linears([self.gate_proj, self.up_proj])
+        if fused is None:
+            return
         self.gate_up_proj = fused
         del self.gate_proj, self.up_proj
 

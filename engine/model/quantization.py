@@ -1,7 +1,10 @@
 """Which quantized checkpoint formats load, and how: a config's quantization_config is either absent, DeepSeek-style
 block FP8 (engine/model/fp8.py) or compressed-tensors pack-quantized INT4 (engine/model/int4.py); anything else is
-refused by name before any weight is read. Both formats are dequantized as they stream in; their GEMMs (FP8 on
-Hopper, W4A16) are not implemented, which the loader says once on CUDA.
+refused by name before any weight is read.
+
+Block FP8 runs its dense linears as FP8 GEMMs where engine/model/fp8_linear.py can (CUDA sm_90, bf16, 128x128
+blocks); everywhere else, and for INT4 always (the W4A16 GEMM is not implemented), the weights are dequantized to
+the model's dtype as they stream in. The reason a load dequantizes is logged once (a warning on CUDA).
 """
 from __future__ import annotations
 
@@ -33,14 +36,23 @@ def quantization_of(cfg: dict):
 
 
 def dequantizing(cfg: dict, weights: WeightSource | None, dtype: torch.dtype, device) -> WeightSource | None:
-    """`weights` with the checkpoint's quantized tensors dequantized as they are read."""
+    """`weights` with the checkpoint's quantized tensors dequantized as they are read, except the FP8 weights of
+    the linears that run FP8 GEMMs (an Fp8GemmWeights, which picks them once it sees the model)."""
+    from engine.model import fp8_linear
     from engine.model.fp8 import Fp8BlockWeights
     from engine.model.int4 import Int4PackedWeights
 
     kind = quantization_of(cfg)
     if kind is None or weights is None:
         return weights
-    if torch.device(device).type == "cuda":
-        logger.warning("%s checkpoint: its quantized GEMMs are not implemented; the weights are dequantized to %s "
-                       "on load", kind[0].upper(), str(dtype).removeprefix("torch."))
-    return Fp8BlockWeights(weights, kind[1]) if kind[0] == "fp8" else Int4PackedWeights(weights, kind[1])
+    dtype_name = str(dtype).removeprefix("torch.")
+    log = logger.warning if torch.device(device).type == "cuda" else logger.info
+    if kind[0] == "int4":
+        log("INT4 checkpoint: the W4A16 GEMM is not implemented; the weights are dequantized to %s on load",
+            dtype_name)
+        return Int4PackedWeights(weights, kind[1])
+    gemm, reason = fp8_linear.choose_gemm(kind[1], dtype, device)
+    if gemm is not None:
+        return fp8_linear.Fp8GemmWeights(weights, kind[1], device, gemm)
+    log("FP8 checkpoint: FP8 GEMMs are off (%s); the weights are dequantized to %s on load", reason, dtype_name)
+    return Fp8BlockWeights(weights, kind[1])

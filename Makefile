@@ -7,7 +7,7 @@ PIP := $(PY) -m pip --disable-pip-version-check -q
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 
-.PHONY: setup serve test test-gpu bench tools clean
+.PHONY: setup serve test test-all test-gpu bench tools clean
 
 setup: $(VENV)/.installed
 
@@ -40,7 +40,11 @@ tools:
 serve: setup
 	$(VENV)/bin/ddtree serve $(ARGS)
 
+# `extended` tests repeat what the default run covers with more cases (pyproject.toml); test-all runs them too
 test: setup tools
+	$(PY) -m pytest -q -m "not extended" $(PYTEST_ARGS)
+
+test-all: setup tools
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
 test-gpu:

@@ -22,6 +22,7 @@ from ext import build, ops, prebuilt, reference
 from ext.metadata import build_metadata, pack_bits
 
 
+@pytest.mark.extended  # every GPU session builds all of them (`ddtree build-ext`) before its tests
 @pytest.mark.skipif(build.nvcc() is None, reason="nvcc is not on PATH (the CUDA toolkit is not installed)")
 def test_every_kernel_source_compiles_with_nvcc(tmp_path):
     sources = build.kernel_sources()
@@ -39,6 +40,7 @@ def test_every_kernel_source_compiles_with_nvcc(tmp_path):
             assert proc.returncode == 0, f"{name}:\n{proc.stderr[-4000:]}"
 
 
+@pytest.mark.extended  # as above
 @pytest.mark.skipif(build.nvcc() is None or shutil.which("g++") is None, reason="needs nvcc (CUDA headers) and g++")
 @pytest.mark.parametrize("name", [p.name for p in build.torch_sources()])
 def test_ops_cpp_compiles_against_torch_headers(tmp_path, name):

@@ -25,7 +25,7 @@ def no_compiler_env(**extra) -> dict:
     keep = [d for d in env.get("PATH", "").split(os.pathsep)
             if d and not any((Path(d) / exe).exists() for exe in ("nvcc", "ninja"))]
     env["PATH"] = os.pathsep.join(keep)
-    env["PYTHONPATH"] = str(ROOT)
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), *filter(None, [env.get("PYTHONPATH")])])  # keep site dirs
     env.update({k: str(v) for k, v in extra.items()})
     return env
 

@@ -27,7 +27,7 @@ class FakeCore:
     (fail_request) at its first step; one that starts with CRASH makes step() raise."""
     FAIL, CRASH = 7, 13
 
-    def __init__(self, config=None):
+    def __init__(self, config=None, log_level=None):
         self.vocab_size, self.max_model_len, self.eos_token_ids = 100, 64, (0,)
         self.blocks, self.scheduler = _Blocks(), _Scheduler()
         self.prompts: dict[str, list[int]] = {}
@@ -45,6 +45,9 @@ class FakeCore:
         self.prompts.pop(request_id, None)
         if request_id in self.scheduler.running:
             self.scheduler.running.remove(request_id)
+
+    def shutdown(self):
+        pass
 
     def fail_request(self, request_id, message):
         from engine.messages import RequestError

@@ -21,7 +21,7 @@ from tests.server.conftest import start_server, stop_server
 
 MAX_TOKENS, MAX_N = 3, 2
 SCALE = float(os.environ.get("DDTREE_TEST_SCHEMATHESIS_SCALE", "1"))
-EXAMPLES = round(30 * SCALE)  # per operation, both generation modes together
+EXAMPLES = round(20 * SCALE)  # per operation, both generation modes together
 TEMPLATE = ("<|im_start|>system\nschemathesis<|im_end|>\n{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
             "{{ m['content'] }}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 

@@ -151,6 +151,7 @@ def test_dflash_chain_mode_equals_plain(tiny_checkpoints, plain_outputs, random_
 
 
 @pytest.mark.slow
+@pytest.mark.extended  # the live-server tests compare n-gram DDTree with plain on this model; the GPU tests too
 def test_smollm2_ddtree_equals_plain():
     """The real embedded model: oracle and n-gram DDTree give plain greedy's tokens on chat prompts."""
     llm = LLM(None, dtype="fp32")

@@ -144,8 +144,12 @@ def test_plain_sampling_matches_exact_distribution_and_the_test_has_power(target
     assert chi_square_p(plain_samples, colder) < 1e-3  # a 15% temperature error is detected
 
 
-@pytest.mark.parametrize("kind, budget", [("ngram", 1), ("ngram", 4), ("ngram", 16), ("oracle", 1), ("oracle", 4),
-                                          ("oracle", 16), ("topk", 16)])
+EXTENDED = pytest.mark.extended  # budgets 1 and 4 of the oracle and 1 of the n-gram: ngram-4 covers small trees
+
+
+@pytest.mark.parametrize("kind, budget", [pytest.param("ngram", 1, marks=EXTENDED), ("ngram", 4), ("ngram", 16),
+                                          pytest.param("oracle", 1, marks=EXTENDED),
+                                          pytest.param("oracle", 4, marks=EXTENDED), ("oracle", 16), ("topk", 16)])
 def test_ddtree_sampling_matches_exact_distribution(target, plain_samples, kind, budget, monkeypatch):
     folder, hf = target
     from engine.speculative import speculator

@@ -80,6 +80,12 @@ def register() -> None:
     def _(x):
         return x.new_empty((x.shape[0], x.shape[1] // 2))
 
+    @fake("ddtree::quantize_fp8_blockwise")
+    def _(x, padded_rows, amax_floor):
+        cols = x.shape[1]
+        return (x.new_empty((padded_rows, cols), dtype=torch.float8_e4m3fn),
+                x.new_empty((cols // 128, padded_rows), dtype=torch.float32))
+
     @fake("ddtree::write_kv_pair")
     def _(k_cache, v_cache, k, v, slot_mapping):
         return None

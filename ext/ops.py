@@ -179,6 +179,18 @@ def rope_inplace(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch
     reference.rope_inplace(q, k, cos, sin)
 
 
+def quantize_fp8_blockwise(x: torch.Tensor, padded_rows: int, amax_floor: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [rows, cols] (cols % 128 == 0) -> (q [padded_rows, cols] float8_e4m3fn, zero past `rows`; scale_t
+    [cols / 128, padded_rows] fp32): per-row 128-column groups scaled to e4m3's range (ext/reference/quant.py)."""
+    ops = _cuda_ops(x)
+    if (ops is not None and x.dim() == 2 and x.dtype in _FLOATS and x.shape[1] % 128 == 0
+            and (x.stride(1) == 1 or x.shape[1] == 0) and padded_rows >= x.shape[0]):
+        _served("quantize_fp8_blockwise", ops)
+        return ops.quantize_fp8_blockwise(x, padded_rows, amax_floor)
+    _fallback("quantize_fp8_blockwise", x, ops)
+    return reference.quantize_fp8_blockwise(x, padded_rows, amax_floor)
+
+
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """x [..., 2I] (the fused gate_up projection) -> silu(x[..., :I]) * x[..., I:] [..., I]."""
     ops = _cuda_ops(x)

@@ -27,16 +27,15 @@ import logging
 from typing import Callable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from engine.model.fp8 import Fp8BlockWeights, dequantize_block_fp8, quantize_block_fp8
 from engine.model.weights import WeightSource
+from ext import ops
 
 logger = logging.getLogger("ddtree.engine")
 
 BLOCK = 128  # the only block size torch._scaled_mm's blockwise scaling takes (1x128 and 128x128)
-FP8_MAX = float(torch.finfo(torch.float8_e4m3fn).max)  # 448
 AMAX_FLOOR = 1e-10  # an all-zero group (padding rows) gets a tiny positive scale, not a division by zero
 # activation rows are padded to a multiple of this: cuBLASLt's 1x128 scales are M-major, and their leading
 # dimension (M floats) must be 16-byte aligned
@@ -49,14 +48,12 @@ MATRIX_READ = {"kv_b_proj": "read as a matrix by MLA's absorbed attention",
 Gemm = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.dtype], torch.Tensor]
 
 
-def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [M, K] (K % 128 == 0) -> (float8_e4m3fn [M, K], float32 scales [M, K / 128]): each token's 128-column
-    group scaled so its largest magnitude maps to 448; x ~= x_fp8 * scale, group by group."""
-    m, k = x.shape
-    groups = x.float().view(m, k // BLOCK, BLOCK)  # [M, K/128, 128]
-    scale = groups.abs().amax(dim=-1).clamp(min=AMAX_FLOOR) / FP8_MAX  # [M, K/128]
-    q = (groups / scale[..., None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
-    return q.view(m, k), scale
+def quantize_activations(x: torch.Tensor, padded_rows: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] (K % 128 == 0) -> (float8_e4m3fn [P, K], float32 scales [P, K / 128] with strides (1, P)), P =
+    padded_rows (default M; rows past M are zeros): each token's 128-column group scaled so its largest magnitude
+    maps to 448; x ~= x_fp8 * scale, group by group. One kernel on CUDA (ext.ops.quantize_fp8_blockwise)."""
+    q, scale_t = ops.quantize_fp8_blockwise(x, x.shape[0] if padded_rows is None else padded_rows, AMAX_FLOOR)
+    return q, scale_t.t()  # [P, K/128], outer-dim-major as torch._scaled_mm's 1x128 scales must be
 
 
 def scaled_mm_blockwise(x_fp8: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor,
@@ -65,7 +62,7 @@ def scaled_mm_blockwise(x_fp8: torch.Tensor, x_scale: torch.Tensor, weight: torc
     -> [M, N] in out_dtype. torch._scaled_mm wants mat2 [K, N] column-major (weight.t() is), the 1x128 scales
     outer-dim-major ([M, K/128] with strides (1, M)) and the 128x128 scales as [K/128, N/128] whose transpose is
     contiguous (scale_inv.t() is)."""
-    scale_a = x_scale.t().contiguous().t()  # [M, K/128], strides (1, M)
+    scale_a = x_scale.t().contiguous().t()  # [M, K/128], strides (1, M) (a no-op for quantize_activations')
     return torch._scaled_mm(x_fp8, weight.t(), scale_a=scale_a, scale_b=scale_inv.t(), out_dtype=out_dtype)
 
 
@@ -113,9 +110,8 @@ class Fp8BlockLinear(nn.Module):
     def _run(self, x: torch.Tensor, gemm: Gemm) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)  # [M, in]
         m = rows.shape[0]
-        if m % M_ALIGN:
-            rows = F.pad(rows, (0, 0, 0, M_ALIGN - m % M_ALIGN))  # zero rows: their outputs are dropped below
-        x_fp8, x_scale = quantize_activations(rows)
+        padded = -(-m // M_ALIGN) * M_ALIGN  # zero rows past M: their outputs are dropped below
+        x_fp8, x_scale = quantize_activations(rows, padded)
         out = gemm(x_fp8, x_scale, self.weight, self.weight_scale_inv, x.dtype)[:m]  # [M, out]
         if self.bias is not None:
             out = out + self.bias

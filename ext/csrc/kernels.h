@@ -127,6 +127,11 @@ cudaError_t rope_inplace(const RopeParams& p, DType dtype, cudaStream_t stream);
 cudaError_t silu_and_mul(const void* x, DType dtype, int64_t x_stride, void* out, int64_t rows, int inter,
                          cudaStream_t stream);
 
+// FP8 activations for the blockwise GEMM: x [rows, cols] (cols % 128 == 0, rows x_stride apart) -> q [padded_rows,
+// cols] float8_e4m3 (rows >= `rows` zero) and scale_t [cols / 128, padded_rows] fp32 (x ~= q * scale per group).
+cudaError_t quantize_fp8_blockwise(const void* x, DType dtype, int64_t x_stride, int64_t rows, int64_t padded_rows,
+                                   int64_t cols, float amax_floor, void* q, float* scale_t, cudaStream_t stream);
+
 // ---- cache ops --------------------------------------------------------------------------------------------
 cudaError_t write_kv(void* cache, DType cache_dtype, const void* rows, DType rows_dtype, int64_t rows_stride,
                      const int64_t* slot_mapping, int num_tokens, int64_t row_elems, cudaStream_t stream);

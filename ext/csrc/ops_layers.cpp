@@ -1,5 +1,6 @@
 // The torch side of the decoder-layer ops (kernels in layers.cu and cache.cu): RMSNorm with and without a fused
-// residual add, rope of q and k in place, SiLU-and-mul, and the K+V cache write in one launch. Their schemas are
+// residual add, rope of q and k in place, SiLU-and-mul, FP8 activation quantization (quant.cu), and the K+V cache
+// write in one launch. Their schemas are
 // a TORCH_LIBRARY_FRAGMENT of the `ddtree` namespace that ops.cpp defines; fakes in ext/fake.py. No op
 // synchronizes with the host (CUDA-graph safe); outputs are fresh contiguous tensors.
 #include <torch/library.h>
@@ -116,6 +117,23 @@ Tensor silu_and_mul(Tensor x) {
   return out;
 }
 
+std::tuple<Tensor, Tensor> quantize_fp8_blockwise(Tensor x, int64_t padded_rows, double amax_floor) {
+  CHECK_CUDA(x);
+  check_float(x, "x");
+  TORCH_CHECK(x.dim() == 2 && x.size(1) % 128 == 0 && (x.stride(1) == 1 || x.size(1) == 0),
+              "ddtree::quantize_fp8_blockwise: x must be [rows, cols] with cols % 128 == 0 and a unit last stride");
+  TORCH_CHECK(padded_rows >= x.size(0), "ddtree::quantize_fp8_blockwise: padded_rows < rows");
+  c10::cuda::CUDAGuard guard(x.device());
+  const int64_t cols = x.size(1);
+  Tensor q = at::empty({padded_rows, cols}, x.options().dtype(at::kFloat8_e4m3fn));
+  Tensor scale_t = at::empty({cols / 128, padded_rows}, x.options().dtype(at::kFloat));
+  check(ddtree::quantize_fp8_blockwise(x.data_ptr(), dtype_of(x), x.stride(0), x.size(0), padded_rows, cols,
+                                       static_cast<float>(amax_floor), q.data_ptr(), scale_t.data_ptr<float>(),
+                                       stream()),
+        "quantize_fp8_blockwise");
+  return {q, scale_t};
+}
+
 // rows [T, ...] of one cache row each -> (cache view, rows [T, elems] with a unit last stride)
 ddtree::KvRows kv_rows(const Tensor& cache, const Tensor& rows, int64_t T, Tensor& keep) {
   TORCH_CHECK(cache.dim() >= 2 && cache.is_contiguous(),
@@ -156,6 +174,7 @@ TORCH_LIBRARY_FRAGMENT(ddtree, m) {
   m.def("fused_add_rmsnorm(Tensor x, Tensor residual, Tensor weight, float eps) -> (Tensor, Tensor)");
   m.def("rope_inplace(Tensor(a!) q, Tensor(b!) k, Tensor cos, Tensor sin) -> ()");
   m.def("silu_and_mul(Tensor x) -> Tensor");
+  m.def("quantize_fp8_blockwise(Tensor x, int padded_rows, float amax_floor) -> (Tensor, Tensor)");
   m.def("write_kv_pair(Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor k, Tensor v, Tensor slot_mapping) -> ()");
 }
 
@@ -164,5 +183,6 @@ TORCH_LIBRARY_IMPL(ddtree, CUDA, m) {
   m.impl("fused_add_rmsnorm", &fused_add_rmsnorm);
   m.impl("rope_inplace", &rope_inplace);
   m.impl("silu_and_mul", &silu_and_mul);
+  m.impl("quantize_fp8_blockwise", &quantize_fp8_blockwise);
   m.impl("write_kv_pair", &write_kv_pair);
 }

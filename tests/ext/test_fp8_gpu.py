@@ -130,3 +130,24 @@ def test_fp8_checkpoint_runs_fp8_gemms_close_to_its_bf16_dequantization(pair, re
         h.remove()
     del llm, modules, hooks
     _release()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("rows,padded_rows,cols", [(1, 4, 128), (5, 8, 7168), (257, 260, 1536), (16, 16, 2048)])
+def test_quantize_kernel_equals_its_reference_bit_for_bit(dtype, rows, padded_rows, cols):
+    """ext.ops.quantize_fp8_blockwise on CUDA (one kernel) against ext/reference/quant.py on the CPU: the same
+    e4m3 bytes and the same scales, padding rows included; a zero group and a huge one on the way."""
+    from ext import ops, reference
+
+    if build.load_ops() is None:
+        pytest.fail(f"the CUDA extension does not load: {build.load_error()}")
+    g = torch.Generator().manual_seed(rows * cols)
+    x = (torch.randn(rows, cols, generator=g) * torch.logspace(-3, 3, cols)[None, :]).to(dtype)
+    x[0, :128] = 0
+    before = ops.cuda_calls().get("quantize_fp8_blockwise", 0)
+    q, scale_t = ops.quantize_fp8_blockwise(x.cuda(), padded_rows, 1e-10)
+    assert ops.cuda_calls().get("quantize_fp8_blockwise", 0) == before + 1
+    want_q, want_scale_t = reference.quantize_fp8_blockwise(x, padded_rows, 1e-10)
+    assert q.dtype == torch.float8_e4m3fn and q.shape == (padded_rows, cols)
+    assert torch.equal(q.cpu().view(torch.uint8), want_q.view(torch.uint8))
+    assert torch.equal(scale_t.cpu(), want_scale_t)

@@ -86,6 +86,10 @@ def register() -> None:
         return (x.new_empty((padded_rows, cols), dtype=torch.float8_e4m3fn),
                 x.new_empty((cols // 128, padded_rows), dtype=torch.float32))
 
+    @fake("ddtree::w4a16_gemm")
+    def _(x, packed, scale, group_size):
+        return x.new_empty((x.shape[0], packed.shape[0]))
+
     @fake("ddtree::write_kv_pair")
     def _(k_cache, v_cache, k, v, slot_mapping):
         return None

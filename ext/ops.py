@@ -191,6 +191,23 @@ def quantize_fp8_blockwise(x: torch.Tensor, padded_rows: int, amax_floor: float)
     return reference.quantize_fp8_blockwise(x, padded_rows, amax_floor)
 
 
+W4A16_MAX_ROWS = 8  # kernels.h kW4A16MaxRows
+
+
+def w4a16_gemm(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, group_size: int) -> torch.Tensor:
+    """x [rows, in] (rows <= W4A16_MAX_ROWS) @ W^T -> [rows, out] in x's dtype, W = the int4 weight packed [out,
+    in / 8] int32 (compressed-tensors pack-quantized) times scale [out, in / group_size] fp32, summed in fp32."""
+    ops = _cuda_ops(x)
+    if (ops is not None and x.dim() == 2 and x.dtype in _FLOATS and 0 < x.shape[0] <= W4A16_MAX_ROWS
+            and x.stride(1) == 1 and packed.dtype == torch.int32 and packed.is_contiguous()
+            and scale.dtype == torch.float32 and scale.is_contiguous() and group_size % 8 == 0
+            and x.shape[1] == packed.shape[1] * 8 and packed.device == x.device == scale.device):
+        _served("w4a16_gemm", ops)
+        return ops.w4a16_gemm(x, packed, scale, group_size)
+    _fallback("w4a16_gemm", x, ops)
+    return reference.w4a16_gemm(x, packed, scale, group_size)
+
+
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """x [..., 2I] (the fused gate_up projection) -> silu(x[..., :I]) * x[..., I:] [..., I]."""
     ops = _cuda_ops(x)

@@ -6,7 +6,7 @@ little-endian, stored as q + 8), `<name>.weight_scale` ([out, ceil(in / group)],
 unquantized.
 
 Loading dequantizes these weights to the model's dtype as they stream in (Int4PackedWeights wraps the checkpoint's
-WeightSource); the W4A16 GEMM is not implemented, so on CUDA the loader says so once.
+WeightSource), except on CUDA where engine/model/int4_linear.py keeps them packed for its W4A16 GEMM.
 """
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ import torch
 
 from engine.model.errors import CheckpointError, ConfigError
 from engine.model.weights import WeightSource
+from ext.reference import quant as reference_quant
 
 logger = logging.getLogger("ddtree.engine")
 
@@ -57,13 +58,6 @@ def int4_scheme(q: dict) -> Int4Scheme:
     return Int4Scheme(int(w["group_size"]))
 
 
-def unpack_int4(packed: torch.Tensor, num_cols: int) -> torch.Tensor:
-    """[out, words] int32 -> [out, num_cols] int8 in -8..7 (value i at bits 4i.. of the row, stored as q + 8)."""
-    nibbles = packed.contiguous().view(torch.uint8)  # little-endian bytes: low nibble first
-    values = torch.stack([nibbles & 0xF, nibbles >> 4], dim=-1).reshape(packed.shape[0], -1)
-    return (values[:, :num_cols].to(torch.int16) - 8).to(torch.int8)
-
-
 def dequantize_int4(packed: torch.Tensor, scale: torch.Tensor, shape: tuple[int, int],
                     scheme: Int4Scheme) -> torch.Tensor:
     out_dim, in_dim = shape
@@ -72,9 +66,8 @@ def dequantize_int4(packed: torch.Tensor, scale: torch.Tensor, shape: tuple[int,
     groups = 1 if scheme.group_size is None else -(-in_dim // scheme.group_size)
     if tuple(scale.shape) != (out_dim, groups):
         raise ValueError(f"scale shape {tuple(scale.shape)}, expected {(out_dim, groups)}")
-    q = unpack_int4(packed, in_dim).float()
-    width = in_dim if scheme.group_size is None else scheme.group_size
-    return q * scale.float().repeat_interleave(width, 1)[:, :in_dim]
+    return reference_quant.dequantize_int4(packed, scale, in_dim, in_dim if scheme.group_size is None
+                                           else scheme.group_size)
 
 
 class Int4PackedWeights(WeightSource):

@@ -31,14 +31,14 @@ class RMSNorm(nn.Module):
 
 def concat_linears(parts: list[nn.Module]) -> nn.Module | None:
     """One linear layer computing the parts' outputs side by side (fused projections), of the parts' kind:
-    nn.Linear, or FP8 (engine/model/fp8_linear.py). None when the parts are of mixed kinds: they stay separate."""
-    from engine.model.fp8_linear import Fp8BlockLinear
-
+    nn.Linear, FP8 (engine/model/fp8_linear.py) or INT4 (engine/model/int4_linear.py). None when the parts are of
+    mixed kinds (or quantized parts cannot stack): they stay separate."""
     kinds = {type(p) for p in parts}
-    if kinds == {Fp8BlockLinear}:
-        return Fp8BlockLinear.concat(parts)
-    if kinds != {nn.Linear}:
+    if len(kinds) != 1:
         return None
+    (kind,) = kinds
+    if kind is not nn.Linear:
+        return kind.concat(parts)
     first = parts[0]
     fused = nn.Linear(first.in_features, sum(p.out_features for p in parts), bias=first.bias is not None,
                       device=first.weight.device, dtype=first.weight.dtype)

@@ -3,8 +3,9 @@ block FP8 (engine/model/fp8.py) or compressed-tensors pack-quantized INT4 (engin
 refused by name before any weight is read.
 
 Block FP8 runs its dense linears as FP8 GEMMs where engine/model/fp8_linear.py can (CUDA sm_90, bf16, 128x128
-blocks); everywhere else, and for INT4 always (the W4A16 GEMM is not implemented), the weights are dequantized to
-the model's dtype as they stream in. The reason a load dequantizes is logged once (a warning on CUDA).
+blocks); INT4 runs its linears as W4A16 GEMMs where engine/model/int4_linear.py can (CUDA, bf16 / fp16, groups
+that are multiples of 8); everywhere else the weights are dequantized to the model's dtype as they stream in. The
+reason a load dequantizes is logged once (a warning on CUDA).
 """
 from __future__ import annotations
 
@@ -48,7 +49,12 @@ def dequantizing(cfg: dict, weights: WeightSource | None, dtype: torch.dtype, de
     dtype_name = str(dtype).removeprefix("torch.")
     log = logger.warning if torch.device(device).type == "cuda" else logger.info
     if kind[0] == "int4":
-        log("INT4 checkpoint: the W4A16 GEMM is not implemented; the weights are dequantized to %s on load",
+        from engine.model import int4_linear
+
+        reason = int4_linear.gemm_unavailable(kind[1], dtype, device)
+        if reason is None:
+            return int4_linear.Int4GemmWeights(weights, kind[1])
+        log("INT4 checkpoint: W4A16 GEMMs are off (%s); the weights are dequantized to %s on load", reason,
             dtype_name)
         return Int4PackedWeights(weights, kind[1])
     gemm, reason = fp8_linear.choose_gemm(kind[1], dtype, device)

@@ -132,6 +132,14 @@ cudaError_t silu_and_mul(const void* x, DType dtype, int64_t x_stride, void* out
 cudaError_t quantize_fp8_blockwise(const void* x, DType dtype, int64_t x_stride, int64_t rows, int64_t padded_rows,
                                    int64_t cols, float amax_floor, void* q, float* scale_t, cudaStream_t stream);
 
+// W4A16 (decode-sized batches): out [rows, n_out] = x [rows, 8 * words] . dequant(packed)^T, rows <= kW4A16MaxRows.
+// packed [n_out, words] holds 8 int4 per word (value k at bits 4(k % 8), stored as q + 8), scale [n_out, groups]
+// fp32 with one scale per group_words words (a group of 8 * group_words input columns).
+constexpr int kW4A16MaxRows = 8;
+cudaError_t w4a16_gemm(const void* x, DType dtype, int64_t x_stride, int rows, const void* packed, int64_t words,
+                       const float* scale, int64_t groups, int64_t group_words, int64_t n_out, void* out,
+                       cudaStream_t stream);
+
 // ---- cache ops --------------------------------------------------------------------------------------------
 cudaError_t write_kv(void* cache, DType cache_dtype, const void* rows, DType rows_dtype, int64_t rows_stride,
                      const int64_t* slot_mapping, int num_tokens, int64_t row_elems, cudaStream_t stream);

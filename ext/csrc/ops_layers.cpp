@@ -1,5 +1,5 @@
 // The torch side of the decoder-layer ops (kernels in layers.cu and cache.cu): RMSNorm with and without a fused
-// residual add, rope of q and k in place, SiLU-and-mul, FP8 activation quantization (quant.cu), and the K+V cache
+// residual add, rope of q and k in place, SiLU-and-mul, FP8 activation quantization and the W4A16 GEMM (quant.cu), and the K+V cache
 // write in one launch. Their schemas are
 // a TORCH_LIBRARY_FRAGMENT of the `ddtree` namespace that ops.cpp defines; fakes in ext/fake.py. No op
 // synchronizes with the host (CUDA-graph safe); outputs are fresh contiguous tensors.
@@ -134,6 +134,28 @@ std::tuple<Tensor, Tensor> quantize_fp8_blockwise(Tensor x, int64_t padded_rows,
   return {q, scale_t};
 }
 
+Tensor w4a16_gemm(Tensor x, Tensor packed, Tensor scale, int64_t group_size) {
+  CHECK_CUDA(x); CHECK_CUDA(packed); CHECK_CUDA(scale);
+  check_float(x, "x");
+  CHECK_TYPE(packed, at::kInt); CHECK_TYPE(scale, at::kFloat);
+  TORCH_CHECK(packed.dim() == 2 && packed.is_contiguous() && scale.dim() == 2 && scale.is_contiguous() &&
+              scale.size(0) == packed.size(0), "ddtree::w4a16_gemm: packed [n, words] and scale [n, groups], contiguous");
+  const int64_t words = packed.size(1), cols = words * 8;
+  TORCH_CHECK(x.dim() == 2 && x.size(1) == cols && (x.stride(1) == 1 || cols == 0),
+              "ddtree::w4a16_gemm: x must be [rows, 8 * words] with a unit last stride");
+  TORCH_CHECK(x.size(0) <= ddtree::kW4A16MaxRows, "ddtree::w4a16_gemm: at most ", ddtree::kW4A16MaxRows, " rows");
+  TORCH_CHECK(group_size > 0 && group_size % 8 == 0 && scale.size(1) == (cols + group_size - 1) / group_size,
+              "ddtree::w4a16_gemm: group_size must be a positive multiple of 8 with one scale per group");
+  TORCH_CHECK(x.device() == packed.device() && x.device() == scale.device(), "ddtree::w4a16_gemm: one device");
+  c10::cuda::CUDAGuard guard(x.device());
+  Tensor out = at::empty({x.size(0), packed.size(0)}, x.options());
+  check(ddtree::w4a16_gemm(x.data_ptr(), dtype_of(x), x.stride(0), static_cast<int>(x.size(0)), packed.data_ptr(),
+                           words, scale.data_ptr<float>(), scale.size(1), group_size / 8, packed.size(0),
+                           out.data_ptr(), stream()),
+        "w4a16_gemm");
+  return out;
+}
+
 // rows [T, ...] of one cache row each -> (cache view, rows [T, elems] with a unit last stride)
 ddtree::KvRows kv_rows(const Tensor& cache, const Tensor& rows, int64_t T, Tensor& keep) {
   TORCH_CHECK(cache.dim() >= 2 && cache.is_contiguous(),
@@ -175,6 +197,7 @@ TORCH_LIBRARY_FRAGMENT(ddtree, m) {
   m.def("rope_inplace(Tensor(a!) q, Tensor(b!) k, Tensor cos, Tensor sin) -> ()");
   m.def("silu_and_mul(Tensor x) -> Tensor");
   m.def("quantize_fp8_blockwise(Tensor x, int padded_rows, float amax_floor) -> (Tensor, Tensor)");
+  m.def("w4a16_gemm(Tensor x, Tensor packed, Tensor scale, int group_size) -> Tensor");
   m.def("write_kv_pair(Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor k, Tensor v, Tensor slot_mapping) -> ()");
 }
 
@@ -184,5 +207,6 @@ TORCH_LIBRARY_IMPL(ddtree, CUDA, m) {
   m.impl("rope_inplace", &rope_inplace);
   m.impl("silu_and_mul", &silu_and_mul);
   m.impl("quantize_fp8_blockwise", &quantize_fp8_blockwise);
+  m.impl("w4a16_gemm", &w4a16_gemm);
   m.impl("write_kv_pair", &write_kv_pair);
 }

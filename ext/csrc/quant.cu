@@ -1,4 +1,5 @@
-// FP8 activation quantization for the blockwise-scaled GEMM (engine/model/fp8_linear.py): each row's 128-column
+// Weight-quantized linear layers: the W4A16 GEMM for decode-sized batches (below), and FP8 activation quantization
+// for the blockwise-scaled GEMM (engine/model/fp8_linear.py): each row's 128-column
 // group is scaled so its largest magnitude maps to 448 (e4m3's maximum) and rounded to e4m3, in one launch. The
 // output is what torch._scaled_mm's 1x128 scaling takes: q [padded_rows, K] row-major (rows past `rows` are
 // zeros) and scales stored transposed, [K/128, padded_rows] contiguous (its .t() is outer-dim-major). The math is
@@ -66,6 +67,101 @@ cudaError_t quantize_fp8_blockwise(const void* x, DType dtype, int64_t x_stride,
     case kFloat16: return quantize_typed<__half>(x, x_stride, rows, padded_rows, cols, amax_floor, q, scale_t, stream);
     case kBFloat16:
       return quantize_typed<__nv_bfloat16>(x, x_stride, rows, padded_rows, cols, amax_floor, q, scale_t, stream);
+  }
+  return cudaErrorInvalidValue;
+}
+
+}  // namespace ddtree
+
+// ---- W4A16: int4 weights (compressed-tensors pack-quantized), 16-bit activations ----------------------------------
+namespace ddtree {
+
+namespace {
+
+constexpr int kW4Rows = 2;      // output rows per warp (each reuses its x loads across them)
+constexpr int kW4Warps = 8;     // warps per block
+
+// out[m, n] = sum_k x[m, k] * (q[n, k] * scale[n, k / group]) for m < rows <= M: q in -8..7, value k of row n at bits
+// 4(k % 8).. of packed[n, k / 8] (stored as q + 8); each product is the reference's fp32 q * scale, summed in fp32.
+template <typename T, int M>
+__global__ void __launch_bounds__(kW4Warps * 32) w4a16_kernel(const T* __restrict__ x, int64_t x_stride, int rows,
+                                                             const uint32_t* __restrict__ packed, int64_t words,
+                                                             const float* __restrict__ scale, int64_t groups,
+                                                             int64_t group_words, int64_t n_out, T* __restrict__ out) {
+  const int lane = threadIdx.x % 32;
+  const int64_t n0 = (static_cast<int64_t>(blockIdx.x) * kW4Warps + threadIdx.x / 32) * kW4Rows;
+  if (n0 >= n_out) return;
+  float acc[M][kW4Rows];
+#pragma unroll
+  for (int m = 0; m < M; ++m)
+#pragma unroll
+    for (int r = 0; r < kW4Rows; ++r) acc[m][r] = 0.0f;
+  for (int64_t w = lane; w < words; w += 32) {
+    float xv[M][8];
+#pragma unroll
+    for (int m = 0; m < M; ++m)
+#pragma unroll
+      for (int j = 0; j < 8; ++j) xv[m][j] = m < rows ? Num<T>::to_f(x[m * x_stride + w * 8 + j]) : 0.0f;
+    const int64_t g = w / group_words;
+#pragma unroll
+    for (int r = 0; r < kW4Rows; ++r) {
+      const int64_t n = n0 + r;
+      if (n >= n_out) break;
+      const uint32_t word = packed[n * words + w];
+      const float s = scale[n * groups + g];
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+        const float wv = __fmul_rn(static_cast<float>(static_cast<int>((word >> (4 * j)) & 0xFu) - 8), s);
+#pragma unroll
+        for (int m = 0; m < M; ++m) acc[m][r] = fmaf(wv, xv[m][j], acc[m][r]);
+      }
+    }
+  }
+#pragma unroll
+  for (int m = 0; m < M; ++m)
+#pragma unroll
+    for (int r = 0; r < kW4Rows; ++r) {
+      float v = acc[m][r];
+#pragma unroll
+      for (int offset = 16; offset > 0; offset /= 2) v += __shfl_xor_sync(0xffffffffu, v, offset);
+      if (lane == 0 && m < rows && n0 + r < n_out) out[m * n_out + n0 + r] = Num<T>::from_f(v);
+    }
+}
+
+template <typename T, int M>
+cudaError_t w4a16_launch(const void* x, int64_t x_stride, int rows, const void* packed, int64_t words,
+                         const float* scale, int64_t groups, int64_t group_words, int64_t n_out, void* out,
+                         cudaStream_t stream) {
+  const int64_t warps = (n_out + kW4Rows - 1) / kW4Rows;
+  const int64_t blocks = (warps + kW4Warps - 1) / kW4Warps;
+  w4a16_kernel<T, M><<<static_cast<unsigned>(blocks), kW4Warps * 32, 0, stream>>>(
+      static_cast<const T*>(x), x_stride, rows, static_cast<const uint32_t*>(packed), words, scale, groups,
+      group_words, n_out, static_cast<T*>(out));
+  return cudaGetLastError();
+}
+
+template <typename T>
+cudaError_t w4a16_typed(const void* x, int64_t x_stride, int rows, const void* packed, int64_t words,
+                        const float* scale, int64_t groups, int64_t group_words, int64_t n_out, void* out,
+                        cudaStream_t stream) {
+  if (rows <= 1) return w4a16_launch<T, 1>(x, x_stride, rows, packed, words, scale, groups, group_words, n_out, out, stream);
+  if (rows <= 2) return w4a16_launch<T, 2>(x, x_stride, rows, packed, words, scale, groups, group_words, n_out, out, stream);
+  if (rows <= 4) return w4a16_launch<T, 4>(x, x_stride, rows, packed, words, scale, groups, group_words, n_out, out, stream);
+  return w4a16_launch<T, 8>(x, x_stride, rows, packed, words, scale, groups, group_words, n_out, out, stream);
+}
+
+}  // namespace
+
+cudaError_t w4a16_gemm(const void* x, DType dtype, int64_t x_stride, int rows, const void* packed, int64_t words,
+                       const float* scale, int64_t groups, int64_t group_words, int64_t n_out, void* out,
+                       cudaStream_t stream) {
+  if (rows == 0 || n_out == 0) return cudaSuccess;
+  if (rows > kW4A16MaxRows) return cudaErrorInvalidValue;
+  switch (dtype) {
+    case kFloat32: return w4a16_typed<float>(x, x_stride, rows, packed, words, scale, groups, group_words, n_out, out, stream);
+    case kFloat16: return w4a16_typed<__half>(x, x_stride, rows, packed, words, scale, groups, group_words, n_out, out, stream);
+    case kBFloat16:
+      return w4a16_typed<__nv_bfloat16>(x, x_stride, rows, packed, words, scale, groups, group_words, n_out, out, stream);
   }
   return cudaErrorInvalidValue;
 }

@@ -1,4 +1,5 @@
-"""Pure-PyTorch twin of the FP8 activation quantization (ext/csrc/quant.cu), also its implementation off CUDA."""
+"""Pure-PyTorch twins of the weight-quantization ops (ext/csrc/quant.cu): FP8 activation quantization and the
+W4A16 GEMM with the int4 unpacking it rests on; also their implementation off CUDA."""
 from __future__ import annotations
 
 import torch
@@ -20,3 +21,23 @@ def quantize_fp8_blockwise(x: torch.Tensor, padded_rows: int, amax_floor: float
     scale = groups.abs().amax(dim=-1).clamp(min=amax_floor) / FP8_MAX  # [padded_rows, cols / 128]
     q = (groups / scale[..., None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
     return q.view(padded_rows, cols), scale.t().contiguous()
+
+
+def unpack_int4(packed: torch.Tensor, num_cols: int) -> torch.Tensor:
+    """[rows, words] int32 -> [rows, num_cols] int8 in -8..7: compressed-tensors pack-quantized, value i of a row
+    at bits 4i..4i+3 of the row's little-endian words, stored as q + 8."""
+    nibbles = packed.contiguous().view(torch.uint8)  # little-endian bytes: low nibble first
+    values = torch.stack([nibbles & 0xF, nibbles >> 4], dim=-1).reshape(packed.shape[0], -1)
+    return (values[:, :num_cols].to(torch.int16) - 8).to(torch.int8)
+
+
+def dequantize_int4(packed: torch.Tensor, scale: torch.Tensor, num_cols: int, group_size: int) -> torch.Tensor:
+    """packed [rows, words] int32 + scale [rows, ceil(num_cols / group_size)] -> [rows, num_cols] fp32, q * scale."""
+    q = unpack_int4(packed, num_cols).float()
+    return q * scale.float().repeat_interleave(group_size, 1)[:, :num_cols]
+
+
+def w4a16_gemm(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, group_size: int) -> torch.Tensor:
+    """x [rows, 8 * words] @ dequantize_int4(packed, scale)^T in fp32 -> [rows, out] in x's dtype."""
+    weight = dequantize_int4(packed, scale, x.shape[1], group_size)  # [out, in] fp32
+    return (x.float() @ weight.t()).to(x.dtype)

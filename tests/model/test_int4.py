@@ -13,7 +13,7 @@ from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
 from compressed_tensors.quantization import QuantizationArgs
 from compressed_tensors.quantization.lifecycle.forward import dequantize, quantize
 
-from engine import LLM
+from engine import LLM, SamplingParams
 from engine.model.errors import ConfigError
 from tests.model.test_fp8 import quantized_pair, run
 
@@ -76,3 +76,47 @@ def test_unsupported_int4_schemes_fail_clearly(int4_pair, tmp_path, change, matc
         json.dump(cfg, f)
     with pytest.raises(ConfigError, match=match):
         LLM(folder, dtype="fp32")
+
+
+# ---- the W4A16 path (engine/model/int4_linear.py): packed weights kept, ext.ops.w4a16_gemm's twin on CPU -------
+
+@pytest.mark.parametrize("rows", [1, 3, 8, 9, 40])  # the kernel's sizes, then the dequantize-and-matmul path
+@pytest.mark.parametrize("group", [8, 32, None])
+def test_int4_linear_equals_the_dequantized_linear(rows, group):
+    from engine.model.int4_linear import Int4Linear
+    from ext.reference.quant import dequantize_int4
+
+    out_dim, in_dim = 24, 64
+    width = in_dim if group is None else group
+    g = torch.Generator().manual_seed(rows)
+    layer = Int4Linear(in_dim, out_dim, width, bias=True)
+    with torch.no_grad():
+        q = torch.randint(-8, 8, (out_dim, in_dim), generator=g, dtype=torch.int8)
+        layer.weight_packed.copy_(pack_to_int32(q, 4))
+        layer.weight_scale.copy_(torch.rand(out_dim, in_dim // width, generator=g) * 0.1)
+        layer.bias.copy_(torch.randn(out_dim, generator=g))
+    weight = dequantize_int4(layer.weight_packed, layer.weight_scale, in_dim, width)
+    assert torch.equal(weight, q.float() * layer.weight_scale.repeat_interleave(width, 1))
+    x = torch.randn(rows, in_dim, generator=g)
+    assert torch.allclose(layer(x), torch.nn.functional.linear(x, weight, layer.bias), atol=1e-5, rtol=1e-5)
+
+
+def test_int4_checkpoint_through_w4a16_linears_equals_the_reference(int4_pair, monkeypatch, caplog):
+    """The CUDA loading path forced on CPU (the op's PyTorch twin serves the GEMM): every projection but the
+    routed experts and kv_b_proj becomes an Int4Linear holding the packed weights, and the output is unchanged."""
+    from engine.model import int4_linear
+
+    int4_folder, ref_folder, _ = int4_pair
+    monkeypatch.setattr(int4_linear, "gemm_unavailable", lambda scheme, dtype, device: None)
+    llm = LLM(int4_folder, dtype="fp32")
+    modules = int4_linear.int4_modules(llm.engine.model)
+    assert len(modules) >= 8 and all(m.weight_packed.dtype == torch.int32 for m in modules)
+    names = {n for n, m in llm.engine.model.named_modules() if isinstance(m, int4_linear.Int4Linear)}
+    assert not any(".experts." in n or n.endswith("kv_b_proj") for n in names)
+    assert any(n.endswith("qkv_proj") or n.endswith("gate_up_proj") or n.endswith("q_a_proj") for n in names)
+    sp = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=3)
+    got = llm.generate([[1, 5, 9, 13, 2, 7]], sp)[0]
+    want = run(ref_folder)
+    assert got.token_ids == want.token_ids
+    for (lp_a, _), (lp_b, _) in zip(got.logprobs, want.logprobs):
+        assert lp_a == pytest.approx(lp_b, abs=1e-4)

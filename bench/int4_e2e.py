@@ -107,6 +107,7 @@ def main() -> None:
     emit(bench="device", name=torch.cuda.get_device_name(), torch=torch.__version__, cuda=torch.version.cuda)
     layers(args)
     folder = args.folder or tempfile.mkdtemp(prefix="qwen3-8b-int4-")
+    os.makedirs(folder, exist_ok=True)
     if not os.path.isfile(os.path.join(folder, "model.safetensors")):
         write_checkpoint(folder)
     dense = tempfile.mkdtemp(prefix="qwen3-8b-bf16-")

@@ -90,6 +90,10 @@ def register() -> None:
     def _(x, packed, scale, group_size):
         return x.new_empty((x.shape[0], packed.shape[0]))
 
+    @fake("ddtree::int4_dequantize")
+    def _(packed, scale, group_size, dtype):
+        return packed.new_empty((packed.shape[0], packed.shape[1] * 8), dtype=dtype)
+
     @fake("ddtree::write_kv_pair")
     def _(k_cache, v_cache, k, v, slot_mapping):
         return None

@@ -208,6 +208,19 @@ def w4a16_gemm(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, group
     return reference.w4a16_gemm(x, packed, scale, group_size)
 
 
+def int4_dequantize(packed: torch.Tensor, scale: torch.Tensor, group_size: int, dtype: torch.dtype) -> torch.Tensor:
+    """The int4 weight [out, in] in `dtype` (packed [out, in / 8] int32 times scale [out, in / group_size] fp32,
+    each product rounded as the reference rounds it), for batches above W4A16_MAX_ROWS."""
+    ops = _cuda_ops(packed)
+    if (ops is not None and dtype in _FLOATS and packed.dtype == torch.int32 and packed.is_contiguous()
+            and scale.dtype == torch.float32 and scale.is_contiguous() and group_size % 8 == 0
+            and packed.device == scale.device):
+        _served("int4_dequantize", ops)
+        return ops.int4_dequantize(packed, scale, group_size, dtype)
+    _fallback("int4_dequantize", packed, ops)
+    return reference.int4_dequantize(packed, scale, group_size, dtype)
+
+
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """x [..., 2I] (the fused gate_up projection) -> silu(x[..., :I]) * x[..., I:] [..., I]."""
     ops = _cuda_ops(x)

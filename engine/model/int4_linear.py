@@ -6,7 +6,7 @@ Int4Linear keeps `weight_packed` [out, in / 8] int32 and `weight_scale` [out, gr
 scales widen exactly) and never materialises the bf16 weight for decode-sized batches: up to
 ext.ops.W4A16_MAX_ROWS rows run ext.ops.w4a16_gemm (one kernel that reads a quarter of the bf16 bytes,
 dequantizes in registers and sums in fp32). Larger batches (prefill chunks, wide verify steps) dequantize the
-weight for that call and run a dense matmul: correct, and no faster than bf16.
+weight for that call (ext.ops.int4_dequantize, one kernel) and run a dense matmul: slower than bf16 by that pass.
 
 Which linears (`int4_linear_plan`): those stored packed, except routed MoE experts (their grouped GEMM takes
 stacked bf16 weights), MLA's kv_b_proj (read as a matrix), and shapes the kernel does not take (in_features % 8,
@@ -25,7 +25,6 @@ from torch import nn
 from engine.model.int4 import Int4PackedWeights, Int4Scheme
 from engine.model.weights import WeightSource
 from ext import ops
-from ext.reference import quant as reference_quant
 
 logger = logging.getLogger("ddtree.engine")
 
@@ -60,9 +59,8 @@ class Int4Linear(nn.Module):
         if 0 < rows.shape[0] <= ops.W4A16_MAX_ROWS:
             out = ops.w4a16_gemm(rows, self.weight_packed, self.weight_scale, self.group_size)
         else:
-            weight = reference_quant.dequantize_int4(self.weight_packed, self.weight_scale, self.in_features,
-                                                     self.group_size)  # [out, in] fp32
-            out = F.linear(rows, weight.to(x.dtype))
+            weight = ops.int4_dequantize(self.weight_packed, self.weight_scale, self.group_size, x.dtype)
+            out = F.linear(rows, weight)  # [M, out]; weight [out, in], one kernel, freed after the call
         if self.bias is not None:
             out = out + self.bias
         return out.reshape(*x.shape[:-1], self.out_features)

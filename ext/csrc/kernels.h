@@ -139,6 +139,9 @@ constexpr int kW4A16MaxRows = 8;
 cudaError_t w4a16_gemm(const void* x, DType dtype, int64_t x_stride, int rows, const void* packed, int64_t words,
                        const float* scale, int64_t groups, int64_t group_words, int64_t n_out, void* out,
                        cudaStream_t stream);
+// out [n_out, 8 * words] in `dtype` = the int4 weight (layout as above) times its scales (for larger batches).
+cudaError_t int4_dequantize(const void* packed, int64_t n_out, int64_t words, const float* scale, int64_t groups,
+                            int64_t group_words, void* out, DType dtype, cudaStream_t stream);
 
 // ---- cache ops --------------------------------------------------------------------------------------------
 cudaError_t write_kv(void* cache, DType cache_dtype, const void* rows, DType rows_dtype, int64_t rows_stride,

@@ -156,6 +156,24 @@ Tensor w4a16_gemm(Tensor x, Tensor packed, Tensor scale, int64_t group_size) {
   return out;
 }
 
+Tensor int4_dequantize(Tensor packed, Tensor scale, int64_t group_size, at::ScalarType dtype) {
+  CHECK_CUDA(packed); CHECK_CUDA(scale);
+  CHECK_TYPE(packed, at::kInt); CHECK_TYPE(scale, at::kFloat);
+  TORCH_CHECK(packed.dim() == 2 && packed.is_contiguous() && scale.dim() == 2 && scale.is_contiguous() &&
+              scale.size(0) == packed.size(0), "ddtree::int4_dequantize: packed [n, words] and scale [n, groups]");
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kHalf || dtype == at::kBFloat16,
+              "ddtree::int4_dequantize: dtype must be fp32, fp16 or bf16");
+  const int64_t words = packed.size(1), cols = words * 8;
+  TORCH_CHECK(group_size > 0 && group_size % 8 == 0 && scale.size(1) == (cols + group_size - 1) / group_size,
+              "ddtree::int4_dequantize: group_size must be a positive multiple of 8 with one scale per group");
+  c10::cuda::CUDAGuard guard(packed.device());
+  Tensor out = at::empty({packed.size(0), cols}, packed.options().dtype(dtype));
+  check(ddtree::int4_dequantize(packed.data_ptr(), packed.size(0), words, scale.data_ptr<float>(), scale.size(1),
+                                group_size / 8, out.data_ptr(), dtype_of(out), stream()),
+        "int4_dequantize");
+  return out;
+}
+
 // rows [T, ...] of one cache row each -> (cache view, rows [T, elems] with a unit last stride)
 ddtree::KvRows kv_rows(const Tensor& cache, const Tensor& rows, int64_t T, Tensor& keep) {
   TORCH_CHECK(cache.dim() >= 2 && cache.is_contiguous(),
@@ -198,6 +216,7 @@ TORCH_LIBRARY_FRAGMENT(ddtree, m) {
   m.def("silu_and_mul(Tensor x) -> Tensor");
   m.def("quantize_fp8_blockwise(Tensor x, int padded_rows, float amax_floor) -> (Tensor, Tensor)");
   m.def("w4a16_gemm(Tensor x, Tensor packed, Tensor scale, int group_size) -> Tensor");
+  m.def("int4_dequantize(Tensor packed, Tensor scale, int group_size, ScalarType dtype) -> Tensor");
   m.def("write_kv_pair(Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor k, Tensor v, Tensor slot_mapping) -> ()");
 }
 
@@ -208,5 +227,6 @@ TORCH_LIBRARY_IMPL(ddtree, CUDA, m) {
   m.impl("silu_and_mul", &silu_and_mul);
   m.impl("quantize_fp8_blockwise", &quantize_fp8_blockwise);
   m.impl("w4a16_gemm", &w4a16_gemm);
+  m.impl("int4_dequantize", &int4_dequantize);
   m.impl("write_kv_pair", &write_kv_pair);
 }

@@ -128,10 +128,110 @@ __global__ void __launch_bounds__(kW4Warps * 32) w4a16_kernel(const T* __restric
     }
 }
 
+// nibble (stored q + 8) -> q as float, exactly: 2^23 + nibble as a float bit pattern, minus 2^23 + 8
+__device__ __forceinline__ float int4_value(uint32_t word, int j) {
+  return __int_as_float(0x4B000000u | ((word >> (4 * j)) & 0xFu)) - 8388616.0f;
+}
+
+constexpr int kW4VecRows = 4;  // output rows per warp in the vectorized kernel
+
+template <typename T> __device__ __forceinline__ void load8(const T* p, float (&out)[8]) {
+  struct alignas(sizeof(T) * 8) P { T v[8]; };
+  const P v = *reinterpret_cast<const P*>(p);
+#pragma unroll
+  for (int j = 0; j < 8; ++j) out[j] = Num<T>::to_f(v.v[j]);
+}
+
+// The same product for rows of 32-column multiples, 16-byte aligned: each lane reads 4 words (32 weights) per output
+// row per step with one 16-byte load, 4 rows per warp (16 loads in flight per lane), x 8 values at a time; per word
+// the 8 products are summed, then scaled once: sum_j (q_j s) x_j == s sum_j q_j x_j up to fp32 rounding.
+template <typename T, int M>
+__global__ void __launch_bounds__(kW4Warps * 32) w4a16_vec_kernel(const T* __restrict__ x, int64_t x_stride, int rows,
+                                                                 const uint4* __restrict__ packed, int64_t vecs,
+                                                                 const float* __restrict__ scale, int64_t groups,
+                                                                 int64_t group_words, int64_t n_out,
+                                                                 T* __restrict__ out) {
+  const int lane = threadIdx.x % 32;
+  const int64_t n0 = (static_cast<int64_t>(blockIdx.x) * kW4Warps + threadIdx.x / 32) * kW4VecRows;
+  if (n0 >= n_out) return;
+  float acc[M][kW4VecRows];
+#pragma unroll
+  for (int m = 0; m < M; ++m)
+#pragma unroll
+    for (int r = 0; r < kW4VecRows; ++r) acc[m][r] = 0.0f;
+  for (int64_t v = lane; v < vecs; v += 32) {
+    uint4 w[kW4VecRows];
+#pragma unroll
+    for (int r = 0; r < kW4VecRows; ++r)
+      w[r] = n0 + r < n_out ? packed[(n0 + r) * vecs + v] : make_uint4(0x88888888u, 0x88888888u, 0x88888888u, 0x88888888u);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const int64_t word = v * 4 + i;
+      float wf[kW4VecRows][8], s[kW4VecRows];
+#pragma unroll
+      for (int r = 0; r < kW4VecRows; ++r) {
+        const uint32_t u = i == 0 ? w[r].x : i == 1 ? w[r].y : i == 2 ? w[r].z : w[r].w;
+        s[r] = n0 + r < n_out ? scale[(n0 + r) * groups + word / group_words] : 0.0f;
+#pragma unroll
+        for (int j = 0; j < 8; ++j) wf[r][j] = int4_value(u, j);
+      }
+#pragma unroll
+      for (int m = 0; m < M; ++m) {
+        if (m >= rows) break;
+        float xv[8];
+        load8<T>(x + m * x_stride + word * 8, xv);
+#pragma unroll
+        for (int r = 0; r < kW4VecRows; ++r) {
+          float d = 0.0f;
+#pragma unroll
+          for (int j = 0; j < 8; ++j) d = fmaf(wf[r][j], xv[j], d);
+          acc[m][r] = fmaf(s[r], d, acc[m][r]);
+        }
+      }
+    }
+  }
+#pragma unroll
+  for (int m = 0; m < M; ++m)
+#pragma unroll
+    for (int r = 0; r < kW4VecRows; ++r) {
+      float v = acc[m][r];
+#pragma unroll
+      for (int offset = 16; offset > 0; offset /= 2) v += __shfl_xor_sync(0xffffffffu, v, offset);
+      if (lane == 0 && m < rows && n0 + r < n_out) out[m * n_out + n0 + r] = Num<T>::from_f(v);
+    }
+}
+
+// out [n_out, 8 * words] = q * scale in T (each product fp32-rounded, then rounded to T: the reference's steps)
+template <typename T>
+__global__ void __launch_bounds__(256) int4_dequant_kernel(const uint32_t* __restrict__ packed, int64_t words,
+                                                           const float* __restrict__ scale, int64_t groups,
+                                                           int64_t group_words, int64_t total, T* __restrict__ out) {
+  for (int64_t idx = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; idx < total;
+       idx += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t n = idx / words, w = idx % words;
+    const uint32_t u = packed[idx];
+    const float s = scale[n * groups + w / group_words];
+    struct alignas(sizeof(T) * 8) P { T v[8]; } o;
+#pragma unroll
+    for (int j = 0; j < 8; ++j) o.v[j] = Num<T>::from_f(__fmul_rn(int4_value(u, j), s));
+    *reinterpret_cast<P*>(out + idx * 8) = o;
+  }
+}
+
 template <typename T, int M>
 cudaError_t w4a16_launch(const void* x, int64_t x_stride, int rows, const void* packed, int64_t words,
                          const float* scale, int64_t groups, int64_t group_words, int64_t n_out, void* out,
                          cudaStream_t stream) {
+  const bool vec = words % 4 == 0 && x_stride % 8 == 0 && reinterpret_cast<uintptr_t>(x) % (8 * sizeof(T)) == 0 &&
+                   reinterpret_cast<uintptr_t>(packed) % 16 == 0;
+  if (vec) {
+    const int64_t warps = (n_out + kW4VecRows - 1) / kW4VecRows;
+    const int64_t blocks = (warps + kW4Warps - 1) / kW4Warps;
+    w4a16_vec_kernel<T, M><<<static_cast<unsigned>(blocks), kW4Warps * 32, 0, stream>>>(
+        static_cast<const T*>(x), x_stride, rows, static_cast<const uint4*>(packed), words / 4, scale, groups,
+        group_words, n_out, static_cast<T*>(out));
+    return cudaGetLastError();
+  }
   const int64_t warps = (n_out + kW4Rows - 1) / kW4Rows;
   const int64_t blocks = (warps + kW4Warps - 1) / kW4Warps;
   w4a16_kernel<T, M><<<static_cast<unsigned>(blocks), kW4Warps * 32, 0, stream>>>(
@@ -164,6 +264,29 @@ cudaError_t w4a16_gemm(const void* x, DType dtype, int64_t x_stride, int rows, c
       return w4a16_typed<__nv_bfloat16>(x, x_stride, rows, packed, words, scale, groups, group_words, n_out, out, stream);
   }
   return cudaErrorInvalidValue;
+}
+
+cudaError_t int4_dequantize(const void* packed, int64_t n_out, int64_t words, const float* scale, int64_t groups,
+                            int64_t group_words, void* out, DType dtype, cudaStream_t stream) {
+  const int64_t total = n_out * words;
+  if (total == 0) return cudaSuccess;
+  const int64_t blocks = (total + 255) / 256;
+  const unsigned grid = static_cast<unsigned>(blocks < 65536 ? blocks : 65536);
+  const uint32_t* p = static_cast<const uint32_t*>(packed);
+  switch (dtype) {
+    case kFloat32:
+      int4_dequant_kernel<float><<<grid, 256, 0, stream>>>(p, words, scale, groups, group_words, total, static_cast<float*>(out));
+      break;
+    case kFloat16:
+      int4_dequant_kernel<__half><<<grid, 256, 0, stream>>>(p, words, scale, groups, group_words, total, static_cast<__half*>(out));
+      break;
+    case kBFloat16:
+      int4_dequant_kernel<__nv_bfloat16><<<grid, 256, 0, stream>>>(p, words, scale, groups, group_words, total,
+                                                                  static_cast<__nv_bfloat16*>(out));
+      break;
+    default: return cudaErrorInvalidValue;
+  }
+  return cudaGetLastError();
 }
 
 }  // namespace ddtree

@@ -41,3 +41,8 @@ def w4a16_gemm(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, group
     """x [rows, 8 * words] @ dequantize_int4(packed, scale)^T in fp32 -> [rows, out] in x's dtype."""
     weight = dequantize_int4(packed, scale, x.shape[1], group_size)  # [out, in] fp32
     return (x.float() @ weight.t()).to(x.dtype)
+
+
+def int4_dequantize(packed: torch.Tensor, scale: torch.Tensor, group_size: int, dtype: torch.dtype) -> torch.Tensor:
+    """dequantize_int4 over every packed column, rounded to `dtype` (ext.ops.int4_dequantize's twin)."""
+    return dequantize_int4(packed, scale, packed.shape[1] * 8, group_size).to(dtype)

@@ -93,3 +93,11 @@ def test_int4_checkpoint_runs_w4a16_close_to_its_bf16_dequantization(pair, enfor
     assert not ops.reference_fallbacks().get("w4a16_gemm")
     del llm, modules
     _release()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("out_dim,in_dim,group", [(7, 264, 8), (1000, 2048, 32), (24, 1536, 1536)])
+def test_int4_dequantize_kernel_equals_its_reference_bit_for_bit(dtype, out_dim, in_dim, group):
+    packed, scale = _packed(out_dim, in_dim, group, seed=in_dim)
+    got = ops.int4_dequantize(packed.cuda(), scale.cuda(), group, dtype).cpu()
+    assert got.dtype == dtype and torch.equal(got, reference.int4_dequantize(packed, scale, group, dtype))

@@ -142,24 +142,26 @@ template <typename T> __device__ __forceinline__ void load8(const T* p, float (&
   for (int j = 0; j < 8; ++j) out[j] = Num<T>::to_f(v.v[j]);
 }
 
-// The same product for rows of 32-column multiples, 16-byte aligned: each lane reads 4 words (32 weights) per output
-// row per step with one 16-byte load, 4 rows per warp (16 loads in flight per lane), x 8 values at a time; per word
-// the 8 products are summed, then scaled once: sum_j (q_j s) x_j == s sum_j q_j x_j up to fp32 rounding.
+// The same product for rows of 32-column multiples, 16-byte aligned: a block computes 4 output rows, its 8 warps
+// splitting the row length (split-K inside the block, summed through shared memory), so even a few thousand output
+// rows keep every SM busy. Each lane reads 4 words (32 weights) per row per step with one 16-byte load (16 loads in
+// flight), x 8 values at a time; per word the 8 products are summed, then scaled once: sum_j (q_j s) x_j ==
+// s sum_j q_j x_j up to fp32 rounding.
 template <typename T, int M>
 __global__ void __launch_bounds__(kW4Warps * 32) w4a16_vec_kernel(const T* __restrict__ x, int64_t x_stride, int rows,
                                                                  const uint4* __restrict__ packed, int64_t vecs,
                                                                  const float* __restrict__ scale, int64_t groups,
                                                                  int64_t group_words, int64_t n_out,
                                                                  T* __restrict__ out) {
-  const int lane = threadIdx.x % 32;
-  const int64_t n0 = (static_cast<int64_t>(blockIdx.x) * kW4Warps + threadIdx.x / 32) * kW4VecRows;
-  if (n0 >= n_out) return;
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  const int64_t n0 = static_cast<int64_t>(blockIdx.x) * kW4VecRows;
+  __shared__ float partial[kW4Warps][M][kW4VecRows];
   float acc[M][kW4VecRows];
 #pragma unroll
   for (int m = 0; m < M; ++m)
 #pragma unroll
     for (int r = 0; r < kW4VecRows; ++r) acc[m][r] = 0.0f;
-  for (int64_t v = lane; v < vecs; v += 32) {
+  for (int64_t v = threadIdx.x; v < vecs; v += kW4Warps * 32) {
     uint4 w[kW4VecRows];
 #pragma unroll
     for (int r = 0; r < kW4VecRows; ++r)
@@ -197,8 +199,16 @@ __global__ void __launch_bounds__(kW4Warps * 32) w4a16_vec_kernel(const T* __res
       float v = acc[m][r];
 #pragma unroll
       for (int offset = 16; offset > 0; offset /= 2) v += __shfl_xor_sync(0xffffffffu, v, offset);
-      if (lane == 0 && m < rows && n0 + r < n_out) out[m * n_out + n0 + r] = Num<T>::from_f(v);
+      if (lane == 0) partial[warp][m][r] = v;
     }
+  __syncthreads();
+  if (threadIdx.x < M * kW4VecRows) {
+    const int m = threadIdx.x / kW4VecRows, r = threadIdx.x % kW4VecRows;
+    float v = 0.0f;
+#pragma unroll
+    for (int w = 0; w < kW4Warps; ++w) v += partial[w][m][r];
+    if (m < rows && n0 + r < n_out) out[m * n_out + n0 + r] = Num<T>::from_f(v);
+  }
 }
 
 // out [n_out, 8 * words] = q * scale in T (each product fp32-rounded, then rounded to T: the reference's steps)
@@ -225,8 +235,7 @@ cudaError_t w4a16_launch(const void* x, int64_t x_stride, int rows, const void* 
   const bool vec = words % 4 == 0 && x_stride % 8 == 0 && reinterpret_cast<uintptr_t>(x) % (8 * sizeof(T)) == 0 &&
                    reinterpret_cast<uintptr_t>(packed) % 16 == 0;
   if (vec) {
-    const int64_t warps = (n_out + kW4VecRows - 1) / kW4VecRows;
-    const int64_t blocks = (warps + kW4Warps - 1) / kW4Warps;
+    const int64_t blocks = (n_out + kW4VecRows - 1) / kW4VecRows;
     w4a16_vec_kernel<T, M><<<static_cast<unsigned>(blocks), kW4Warps * 32, 0, stream>>>(
         static_cast<const T*>(x), x_stride, rows, static_cast<const uint4*>(packed), words / 4, scale, groups,
         group_words, n_out, static_cast<T*>(out));

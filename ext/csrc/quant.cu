@@ -134,6 +134,7 @@ __device__ __forceinline__ float int4_value(uint32_t word, int j) {
 }
 
 constexpr int kW4VecRows = 4;  // output rows per warp in the vectorized kernel
+constexpr int64_t kW4SplitBelow = 3072;  // output rows below which the vectorized kernel splits the row length
 
 template <typename T> __device__ __forceinline__ void load8(const T* p, float (&out)[8]) {
   struct alignas(sizeof(T) * 8) P { T v[8]; };
@@ -142,26 +143,27 @@ template <typename T> __device__ __forceinline__ void load8(const T* p, float (&
   for (int j = 0; j < 8; ++j) out[j] = Num<T>::to_f(v.v[j]);
 }
 
-// The same product for rows of 32-column multiples, 16-byte aligned: a block computes 4 output rows, its 8 warps
-// splitting the row length (split-K inside the block, summed through shared memory), so even a few thousand output
-// rows keep every SM busy. Each lane reads 4 words (32 weights) per row per step with one 16-byte load (16 loads in
+// The same product for rows of 32-column multiples, 16-byte aligned: a warp computes 4 output rows; with SPLIT > 1,
+// SPLIT warps of a block share those 4 rows' length (split-K inside the block, summed through shared memory), so
+// narrow layers still keep every SM busy. Each lane reads 4 words (32 weights) per row per step with one 16-byte load (16 loads in
 // flight), x 8 values at a time; per word the 8 products are summed, then scaled once: sum_j (q_j s) x_j ==
 // s sum_j q_j x_j up to fp32 rounding.
-template <typename T, int M>
+template <typename T, int M, int SPLIT>
 __global__ void __launch_bounds__(kW4Warps * 32) w4a16_vec_kernel(const T* __restrict__ x, int64_t x_stride, int rows,
                                                                  const uint4* __restrict__ packed, int64_t vecs,
                                                                  const float* __restrict__ scale, int64_t groups,
                                                                  int64_t group_words, int64_t n_out,
                                                                  T* __restrict__ out) {
+  constexpr int kGroups = kW4Warps / SPLIT;  // row groups per block; SPLIT warps share each one's row length
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-  const int64_t n0 = static_cast<int64_t>(blockIdx.x) * kW4VecRows;
+  const int64_t n0 = (static_cast<int64_t>(blockIdx.x) * kGroups + warp / SPLIT) * kW4VecRows;
   __shared__ float partial[kW4Warps][M][kW4VecRows];
   float acc[M][kW4VecRows];
 #pragma unroll
   for (int m = 0; m < M; ++m)
 #pragma unroll
     for (int r = 0; r < kW4VecRows; ++r) acc[m][r] = 0.0f;
-  for (int64_t v = threadIdx.x; v < vecs; v += kW4Warps * 32) {
+  for (int64_t v = (warp % SPLIT) * 32 + lane; v < vecs; v += SPLIT * 32) {
     uint4 w[kW4VecRows];
 #pragma unroll
     for (int r = 0; r < kW4VecRows; ++r)
@@ -202,12 +204,13 @@ __global__ void __launch_bounds__(kW4Warps * 32) w4a16_vec_kernel(const T* __res
       if (lane == 0) partial[warp][m][r] = v;
     }
   __syncthreads();
-  if (threadIdx.x < M * kW4VecRows) {
-    const int m = threadIdx.x / kW4VecRows, r = threadIdx.x % kW4VecRows;
+  for (int idx = threadIdx.x; idx < kGroups * M * kW4VecRows; idx += kW4Warps * 32) {
+    const int group = idx / (M * kW4VecRows), m = idx / kW4VecRows % M, r = idx % kW4VecRows;
+    const int64_t n = (static_cast<int64_t>(blockIdx.x) * kGroups + group) * kW4VecRows + r;
     float v = 0.0f;
 #pragma unroll
-    for (int w = 0; w < kW4Warps; ++w) v += partial[w][m][r];
-    if (m < rows && n0 + r < n_out) out[m * n_out + n0 + r] = Num<T>::from_f(v);
+    for (int w = 0; w < SPLIT; ++w) v += partial[group * SPLIT + w][m][r];
+    if (m < rows && n < n_out) out[m * n_out + n] = Num<T>::from_f(v);
   }
 }
 
@@ -235,10 +238,18 @@ cudaError_t w4a16_launch(const void* x, int64_t x_stride, int rows, const void* 
   const bool vec = words % 4 == 0 && x_stride % 8 == 0 && reinterpret_cast<uintptr_t>(x) % (8 * sizeof(T)) == 0 &&
                    reinterpret_cast<uintptr_t>(packed) % 16 == 0;
   if (vec) {
-    const int64_t blocks = (n_out + kW4VecRows - 1) / kW4VecRows;
-    w4a16_vec_kernel<T, M><<<static_cast<unsigned>(blocks), kW4Warps * 32, 0, stream>>>(
-        static_cast<const T*>(x), x_stride, rows, static_cast<const uint4*>(packed), words / 4, scale, groups,
-        group_words, n_out, static_cast<T*>(out));
+    // measured on the H200: a warp per 4 rows over the whole row length wins from ~4k output rows; below, too few
+    // warps are in flight, and 8 warps split each 4 rows' length (split-K)
+    const int64_t groups_of_rows = (n_out + kW4VecRows - 1) / kW4VecRows;
+    const uint4* p = static_cast<const uint4*>(packed);
+    if (n_out < kW4SplitBelow) {
+      w4a16_vec_kernel<T, M, kW4Warps><<<static_cast<unsigned>(groups_of_rows), kW4Warps * 32, 0, stream>>>(
+          static_cast<const T*>(x), x_stride, rows, p, words / 4, scale, groups, group_words, n_out, static_cast<T*>(out));
+    } else {
+      const int64_t blocks = (groups_of_rows + kW4Warps - 1) / kW4Warps;
+      w4a16_vec_kernel<T, M, 1><<<static_cast<unsigned>(blocks), kW4Warps * 32, 0, stream>>>(
+          static_cast<const T*>(x), x_stride, rows, p, words / 4, scale, groups, group_words, n_out, static_cast<T*>(out));
+    }
     return cudaGetLastError();
   }
   const int64_t warps = (n_out + kW4Rows - 1) / kW4Rows;

@@ -157,7 +157,7 @@ __global__ void __launch_bounds__(kW4Warps * 32) w4a16_vec_kernel(const T* __res
   constexpr int kGroups = kW4Warps / SPLIT;  // row groups per block; SPLIT warps share each one's row length
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   const int64_t n0 = (static_cast<int64_t>(blockIdx.x) * kGroups + warp / SPLIT) * kW4VecRows;
-  __shared__ float partial[kW4Warps][M][kW4VecRows];
+  if (SPLIT == 1 && n0 >= n_out) return;  // no block-wide sync below without split-K
   float acc[M][kW4VecRows];
 #pragma unroll
   for (int m = 0; m < M; ++m)
@@ -194,23 +194,36 @@ __global__ void __launch_bounds__(kW4Warps * 32) w4a16_vec_kernel(const T* __res
       }
     }
   }
+  if constexpr (SPLIT == 1) {
 #pragma unroll
-  for (int m = 0; m < M; ++m)
+    for (int m = 0; m < M; ++m)
 #pragma unroll
-    for (int r = 0; r < kW4VecRows; ++r) {
-      float v = acc[m][r];
+      for (int r = 0; r < kW4VecRows; ++r) {
+        float v = acc[m][r];
 #pragma unroll
-      for (int offset = 16; offset > 0; offset /= 2) v += __shfl_xor_sync(0xffffffffu, v, offset);
-      if (lane == 0) partial[warp][m][r] = v;
+        for (int offset = 16; offset > 0; offset /= 2) v += __shfl_xor_sync(0xffffffffu, v, offset);
+        if (lane == 0 && m < rows && n0 + r < n_out) out[m * n_out + n0 + r] = Num<T>::from_f(v);
+      }
+  } else {
+    __shared__ float partial[kW4Warps][M][kW4VecRows];
+#pragma unroll
+    for (int m = 0; m < M; ++m)
+#pragma unroll
+      for (int r = 0; r < kW4VecRows; ++r) {
+        float v = acc[m][r];
+#pragma unroll
+        for (int offset = 16; offset > 0; offset /= 2) v += __shfl_xor_sync(0xffffffffu, v, offset);
+        if (lane == 0) partial[warp][m][r] = v;
+      }
+    __syncthreads();
+    for (int idx = threadIdx.x; idx < kGroups * M * kW4VecRows; idx += kW4Warps * 32) {
+      const int group = idx / (M * kW4VecRows), m = idx / kW4VecRows % M, r = idx % kW4VecRows;
+      const int64_t n = (static_cast<int64_t>(blockIdx.x) * kGroups + group) * kW4VecRows + r;
+      float v = 0.0f;
+#pragma unroll
+      for (int w = 0; w < SPLIT; ++w) v += partial[group * SPLIT + w][m][r];
+      if (m < rows && n < n_out) out[m * n_out + n] = Num<T>::from_f(v);
     }
-  __syncthreads();
-  for (int idx = threadIdx.x; idx < kGroups * M * kW4VecRows; idx += kW4Warps * 32) {
-    const int group = idx / (M * kW4VecRows), m = idx / kW4VecRows % M, r = idx % kW4VecRows;
-    const int64_t n = (static_cast<int64_t>(blockIdx.x) * kGroups + group) * kW4VecRows + r;
-    float v = 0.0f;
-#pragma unroll
-    for (int w = 0; w < SPLIT; ++w) v += partial[group * SPLIT + w][m][r];
-    if (m < rows && n < n_out) out[m * n_out + n] = Num<T>::from_f(v);
   }
 }
 

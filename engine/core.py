@@ -276,6 +276,12 @@ class EngineCore:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
+    def check_ranks(self) -> None:
+        """A tensor-parallel leader: raises if another rank has exited (the engine loop calls it while idle too,
+        so a dead rank turns /health to 503 without waiting for the next request)."""
+        if self.followers is not None:
+            self.followers.check()
+
     def shutdown(self) -> None:
         """Stops a tensor-parallel leader's followers (nothing to do otherwise); the core is unusable after."""
         if self.followers is not None:

@@ -36,6 +36,8 @@ class TPGroup:
 
     def __init__(self, rank: int, world_size: int, device: torch.device, store):
         self.rank, self.world_size, self.device = rank, world_size, torch.device(device)
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)  # NCCL binds this rank's communicator to the current device
         self._store = store  # kept alive: the groups use it
         self.cpu = dist.ProcessGroupGloo(dist.PrefixStore("gloo", store), rank, world_size, IDLE_TIMEOUT)
         if self.device.type == "cuda":

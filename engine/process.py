@@ -87,6 +87,7 @@ def serve_core(core, inbox, outbox, parent: int | None = None) -> None:
             msg = None
         if parent is not None and os.getppid() != parent:  # the server died without a Shutdown
             return
+        core.check_ranks()  # tensor parallel: a dead rank ends the engine now, not at the next request
         alive, changed = True, False
         while msg is not None and alive:
             changed = changed or isinstance(msg, AbortRequest)

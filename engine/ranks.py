@@ -66,6 +66,13 @@ class Followers:
         self.tp = TPGroup.join(0, rendezvous, rank_config(config, 0).device, store)
         logger.info("tensor parallel: %d ranks (followers: pids %s)", n, ", ".join(str(p.pid) for p in self.processes))
 
+    def check(self) -> None:
+        """Raises when a follower has exited: the group cannot run another collective (the leader's engine dies
+        with this reason, as after any engine death)."""
+        for rank, p in enumerate(self.processes, start=1):
+            if p.poll() is not None:
+                raise RuntimeError(f"tensor-parallel rank {rank} (pid {p.pid}) exited with status {p.returncode}")
+
     def stop(self) -> None:
         """Tells the followers to exit (they may be gone already) and reaps them."""
         try:

@@ -83,3 +83,18 @@ def test_shards_partition_every_split_parameter(tiny_checkpoints):
     t = torch.arange(24.0).view(4, 6)
     spec0, spec1 = specs[0]["layers.0.self_attn.o_proj.weight"], specs[1]["layers.0.self_attn.o_proj.weight"]
     assert torch.equal(torch.cat([spec0.take(t), spec1.take(t)], dim=spec0.dim), t)
+
+
+def test_a_dead_rank_is_noticed_without_a_request(tiny_checkpoints):
+    """The engine loop polls its ranks while idle (engine/process.py): a killed rank is reported by name."""
+    import os
+    import signal
+
+    folder, _ = tiny_checkpoints("llama")
+    with LLM(folder, tensor_parallel_size=2) as llm:
+        llm.engine.check_ranks()  # all alive
+        (follower,) = llm.engine.followers.processes
+        os.kill(follower.pid, signal.SIGKILL)
+        follower.wait(10)
+        with pytest.raises(RuntimeError, match=r"tensor-parallel rank 1 \(pid \d+\) exited with status -9"):
+            llm.engine.check_ranks()

@@ -49,6 +49,9 @@ class FakeCore:
     def shutdown(self):
         pass
 
+    def check_ranks(self):
+        pass
+
     def fail_request(self, request_id, message):
         from engine.messages import RequestError
 

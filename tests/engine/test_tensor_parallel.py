@@ -98,3 +98,15 @@ def test_a_dead_rank_is_noticed_without_a_request(tiny_checkpoints):
         follower.wait(10)
         with pytest.raises(RuntimeError, match=r"tensor-parallel rank 1 \(pid \d+\) exited with status -9"):
             llm.engine.check_ranks()
+
+
+def test_more_ranks_than_gpus_and_a_pinned_device_are_refused():
+    from engine.config import EngineConfig
+    from engine.ranks import check_devices
+
+    found = torch.cuda.device_count()
+    with pytest.raises(ValueError, match=f"--tensor-parallel-size {found + 1} needs that many CUDA devices; "
+                                         f"{found} visible"):
+        check_devices(EngineConfig(device="cuda", tensor_parallel_size=found + 1))
+    with pytest.raises(ValueError, match="use --device cuda"):
+        check_devices(EngineConfig(device="cuda:1", tensor_parallel_size=2))

@@ -11,6 +11,9 @@ cache size), are taken from the leader and the smallest rank respectively (engin
 A follower is a plain subprocess (the engine process is a daemonic multiprocessing child, which may not start
 multiprocessing children), killed by the kernel when its leader dies (Linux); when a follower dies, the leader's
 next collective fails, the leader's step raises, and the server treats that like any engine death (503).
+Under torchrun (`torchrun --nproc-per-node N [--nnodes ...] -m server serve ... --tensor-parallel-size N`) every
+rank is started by torchrun instead: rank 0 runs the server and the leader, ranks > 0 only their engine
+(`follow_launched`), and the rendezvous is torchrun's store (MASTER_ADDR:MASTER_PORT), so ranks may span nodes.
 """
 from __future__ import annotations
 
@@ -22,7 +25,7 @@ import signal
 import subprocess
 import sys
 import time
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 from engine.config import EngineConfig
 
@@ -32,11 +35,49 @@ HOST = "127.0.0.1"  # one node: ranks rendezvous on the loopback interface
 STOP_WAIT_S = 10.0
 
 
+@dataclass(frozen=True)
+class Launch:
+    """This process's place in a group that torchrun (torch.distributed.run) started: its environment."""
+    rank: int
+    local_rank: int
+    world_size: int
+    host: str
+    port: int
+    agent_store: bool  # torchrun's agent hosts the store (every rank connects as a client)
+    restart: int
+
+
+def torchrun_launch() -> Launch | None:
+    """The torchrun environment of this process, or None when it was not started by torchrun."""
+    env = os.environ
+    if not all(k in env for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")):
+        return None
+    return Launch(int(env["RANK"]), int(env["LOCAL_RANK"]), int(env["WORLD_SIZE"]), env["MASTER_ADDR"],
+                  int(env["MASTER_PORT"]), env.get("TORCHELASTIC_USE_AGENT_STORE") == "True",
+                  int(env.get("TORCHELASTIC_RESTART_COUNT", "0")))
+
+
 def rank_config(config: EngineConfig, rank: int) -> EngineConfig:
-    """The config one rank runs: on CUDA each rank owns one device, cuda:rank."""
+    """The config one rank runs: on CUDA each rank owns one device, cuda:<its rank on this node>."""
     if config.tensor_parallel_size == 1 or not config.is_cuda:
         return config
-    return replace(config, device=f"cuda:{rank}")
+    launch = torchrun_launch()
+    return replace(config, device=f"cuda:{launch.local_rank if launch is not None else rank}")
+
+
+def join_launched(config: EngineConfig, launch: Launch):
+    """This rank's TPGroup in a torchrun-started group: the rendezvous is torchrun's store (MASTER_ADDR:PORT)."""
+    import torch.distributed as dist
+
+    from engine.distributed import RENDEZVOUS_TIMEOUT, TPGroup
+
+    if launch.world_size != config.tensor_parallel_size:
+        raise ValueError(f"torchrun started {launch.world_size} processes (WORLD_SIZE) but --tensor-parallel-size is "
+                         f"{config.tensor_parallel_size}: they must be equal")
+    store = dist.TCPStore(launch.host, launch.port, launch.world_size,
+                          is_master=launch.rank == 0 and not launch.agent_store, timeout=RENDEZVOUS_TIMEOUT)
+    store = dist.PrefixStore(f"ddtree/{launch.restart}", store)
+    return TPGroup(launch.rank, launch.world_size, rank_config(config, launch.rank).device, store)
 
 
 def check_devices(config: EngineConfig) -> None:
@@ -54,13 +95,20 @@ def check_devices(config: EngineConfig) -> None:
 
 
 class Followers:
-    """Rank 0's handle on ranks 1..N-1: started before the group forms, stopped with the leader's core."""
+    """Rank 0's handle on ranks 1..N-1: started here (subprocesses) before the group forms, or, under torchrun,
+    started by it (on this node or others); stopped with the leader's core."""
 
     def __init__(self, config: EngineConfig, log_level: int | str | None = None):
         from engine.distributed import TPGroup
 
-        check_devices(config)
         n = config.tensor_parallel_size
+        launch = torchrun_launch()
+        if launch is not None:  # torchrun started every rank; this one is rank 0
+            self.processes: list[subprocess.Popen] = []
+            self.tp = join_launched(config, launch)
+            logger.info("tensor parallel: %d ranks started by torchrun (store %s:%d)", n, launch.host, launch.port)
+            return
+        check_devices(config)
         store, rendezvous = TPGroup.open_store(HOST, n)
         self.processes = [_spawn(config, rank, rendezvous, log_level) for rank in range(1, n)]
         self.tp = TPGroup.join(0, rendezvous, rank_config(config, 0).device, store)
@@ -115,6 +163,22 @@ def follow(core) -> None:
             getattr(core, name)(*args)
         except ValueError as e:  # a bad request: the leader answers it
             logger.debug("rank %d: %s%r failed: %s", core.tp.rank, name, args[:0], e)
+
+
+def follow_launched(config: EngineConfig, launch: Launch, log_level: int | str | None = None) -> int:
+    """A torchrun-started rank > 0 (`ddtree serve` under torchrun): its engine follows rank 0's until shutdown."""
+    from engine.core import EngineCore
+    from engine.process import configure_logging
+
+    configure_logging(log_level)
+    tp = join_launched(config, launch)
+    core = EngineCore(config, tp=tp)
+    logger.info("tensor-parallel rank %d of %d (torchrun) ready", launch.rank, launch.world_size)
+    try:
+        follow(core)
+    finally:
+        tp.shutdown()
+    return 0
 
 
 def follower_main() -> None:

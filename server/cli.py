@@ -76,9 +76,16 @@ def cmd_generate(args) -> int:
 
 
 def cmd_serve(args) -> int:
+    from engine.ranks import torchrun_launch
     from server.serve import exit_now, serve
 
-    exit_now(serve(*serve_configs(args)))
+    server, engine = serve_configs(args)
+    launch = torchrun_launch()
+    if launch is not None and launch.rank > 0:  # torchrun's other ranks: an engine that follows rank 0's, no HTTP
+        from engine.ranks import follow_launched
+
+        return follow_launched(engine, launch, server.log_level.upper())
+    exit_now(serve(server, engine))
 
 
 def serve_configs(args):

@@ -110,3 +110,23 @@ def test_more_ranks_than_gpus_and_a_pinned_device_are_refused():
         check_devices(EngineConfig(device="cuda", tensor_parallel_size=found + 1))
     with pytest.raises(ValueError, match="use --device cuda"):
         check_devices(EngineConfig(device="cuda:1", tensor_parallel_size=2))
+
+
+def test_two_ranks_with_the_dflash_drafter_equal_one_rank(tiny_checkpoints, tmp_path):
+    """The DFlash drafter runs on every rank over the target's vocab-parallel embedding and gathered logits (its
+    collectives line up because every rank drafts the same requests at the same steps)."""
+    import json
+
+    from engine.speculative.dflash import save_random_dflash
+
+    folder, _ = tiny_checkpoints("qwen3")
+    with open(f"{folder}/config.json") as f:
+        save_random_dflash(str(tmp_path), json.load(f), num_layers=1, block_size=8, seed=1)
+    greedy = SamplingParams(max_tokens=24, temperature=0.0)
+    outs = {}
+    for tp in (1, 2):
+        with LLM(folder, drafter="dflash", draft_model=str(tmp_path), spec_budget=8, adaptive=False,
+                 tensor_parallel_size=tp) as llm:
+            outs[tp] = llm.generate(PROMPTS, greedy)
+    assert [o.token_ids for o in outs[2]] == [o.token_ids for o in outs[1]]
+    assert all(o.stats["spec"]["steps"] > 0 for o in outs[2])

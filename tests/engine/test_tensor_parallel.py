@@ -130,3 +130,30 @@ def test_two_ranks_with_the_dflash_drafter_equal_one_rank(tiny_checkpoints, tmp_
             outs[tp] = llm.generate(PROMPTS, greedy)
     assert [o.token_ids for o in outs[2]] == [o.token_ids for o in outs[1]]
     assert all(o.stats["spec"]["steps"] > 0 for o in outs[2])
+
+
+def test_refused_and_aborted_requests_keep_the_ranks_in_step(tiny_checkpoints):
+    """A request the engine refuses (on every rank alike) and one aborted mid-generation leave the ranks agreeing:
+    the surviving request's tokens equal the one-rank run of the same sequence of calls."""
+    folder, _ = tiny_checkpoints("llama")
+
+    def scenario(tp: int) -> list[int]:
+        with LLM(folder, drafter="ngram", spec_budget=8, adaptive=False, tensor_parallel_size=tp) as llm:
+            core = llm.engine
+            with pytest.raises(ValueError, match="outside the vocabulary"):
+                core.add_request([1, 2, 5000], SamplingParams(max_tokens=4))
+            keep = core.add_request(PROMPTS[0], SamplingParams(max_tokens=20, temperature=0.0), "keep")
+            core.add_request(PROMPTS[1], SamplingParams(max_tokens=20, temperature=0.0), "drop")
+            tokens = []
+            for step in range(40):
+                if step == 2:
+                    assert core.abort("drop")
+                for delta in core.step():
+                    if delta.request_id == keep:
+                        tokens += delta.new_token_ids
+                if not core.has_unfinished():
+                    break
+            return tokens
+
+    one, two = scenario(1), scenario(2)
+    assert len(one) == 20 and two == one

@@ -78,7 +78,7 @@ class EngineCore:
         try:
             self._start(config, loaded, drafter)
         except BaseException:
-            self.shutdown()  # a leader's followers would otherwise wait for it forever
+            self.shutdown(graceful=False)  # a leader's followers would otherwise wait for it forever
             raise
 
     def _start(self, config: EngineConfig, loaded, drafter) -> None:
@@ -282,10 +282,10 @@ class EngineCore:
         if self.followers is not None:
             self.followers.check()
 
-    def shutdown(self) -> None:
+    def shutdown(self, graceful: bool = True) -> None:
         """Stops a tensor-parallel leader's followers (nothing to do otherwise); the core is unusable after."""
         if self.followers is not None:
-            self.followers.stop()
+            self.followers.stop(graceful)
             self.followers = None
 
     # ---------------------------------------------------------------------------------------------- step

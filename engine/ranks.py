@@ -121,12 +121,17 @@ class Followers:
             if p.poll() is not None:
                 raise RuntimeError(f"tensor-parallel rank {rank} (pid {p.pid}) exited with status {p.returncode}")
 
-    def stop(self) -> None:
-        """Tells the followers to exit (they may be gone already) and reaps them."""
-        try:
-            self.tp.broadcast_object(("shutdown", ()))
-        except Exception:
-            pass
+    def stop(self, graceful: bool = True) -> None:
+        """Tells the followers to exit (they may be gone already) and reaps them. graceful=False (the leader failed
+        while starting, when a follower may be inside a collective the leader will never join): kills them."""
+        if graceful:
+            try:
+                self.tp.broadcast_object(("shutdown", ()))
+            except Exception:
+                pass
+        else:
+            for p in self.processes:
+                p.kill()
         deadline = time.monotonic() + STOP_WAIT_S
         for p in self.processes:
             try:

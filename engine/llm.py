@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+import weakref
 from dataclasses import dataclass, field
 
 from engine.config import EngineConfig, SpecConfig
@@ -48,10 +49,12 @@ class LLM:
         self.config = config
         self.engine = EngineCore(self.config, drafter=drafter_obj)
         self.tokenizer = self.engine.tokenizer
+        # tensor parallel: the other ranks stop when this object goes (or at exit) even without shutdown()
+        self._stop = weakref.finalize(self, self.engine.shutdown)
 
     def shutdown(self) -> None:
         """Stops the engine's other tensor-parallel ranks (a no-op for one rank)."""
-        self.engine.shutdown()
+        self._stop()
 
     def __enter__(self) -> "LLM":
         return self

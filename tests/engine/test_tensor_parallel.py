@@ -157,3 +157,14 @@ def test_refused_and_aborted_requests_keep_the_ranks_in_step(tiny_checkpoints):
 
     one, two = scenario(1), scenario(2)
     assert len(one) == 20 and two == one
+
+
+def test_dropping_the_llm_stops_its_ranks(tiny_checkpoints):
+    import gc
+
+    folder, _ = tiny_checkpoints("llama")
+    llm = LLM(folder, tensor_parallel_size=2)
+    (follower,) = llm.engine.followers.processes
+    del llm
+    gc.collect()
+    assert follower.wait(timeout=30) == 0

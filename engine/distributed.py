@@ -22,6 +22,7 @@ import torch.distributed as dist
 # the server is idle; a dead peer fails the collective at once (its connection closes), not after this
 IDLE_TIMEOUT = timedelta(days=7)
 RENDEZVOUS_TIMEOUT = timedelta(seconds=300)
+LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
 
 @dataclass(frozen=True)
@@ -34,12 +35,14 @@ class Rendezvous:
 class TPGroup:
     """One rank's handle on the tensor-parallel group."""
 
-    def __init__(self, rank: int, world_size: int, device: torch.device, store):
+    def __init__(self, rank: int, world_size: int, device: torch.device, store, loopback: bool = False):
+        """loopback: every rank is on this machine, so gloo talks over 127.0.0.1 (its default device resolves the
+        hostname, which containers do not always map to a usable address; GLOO_SOCKET_IFNAME picks it otherwise)."""
         self.rank, self.world_size, self.device = rank, world_size, torch.device(device)
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)  # NCCL binds this rank's communicator to the current device
         self._store = store  # kept alive: the groups use it
-        self.cpu = dist.ProcessGroupGloo(dist.PrefixStore("gloo", store), rank, world_size, IDLE_TIMEOUT)
+        self.cpu = _gloo(dist.PrefixStore("gloo", store), rank, world_size, loopback)
         if self.device.type == "cuda":
             options = dist.ProcessGroupNCCL.Options()
             self.dev = dist.ProcessGroupNCCL(dist.PrefixStore("nccl", store), rank, world_size, options)
@@ -59,7 +62,7 @@ class TPGroup:
         if store is None:
             store = dist.TCPStore(rendezvous.host, rendezvous.port, rendezvous.world_size, is_master=False,
                                   timeout=RENDEZVOUS_TIMEOUT)
-        return cls(rank, rendezvous.world_size, device, store)
+        return cls(rank, rendezvous.world_size, device, store, loopback=rendezvous.host in LOOPBACK)
 
     @property
     def is_leader(self) -> bool:
@@ -111,6 +114,15 @@ class TPGroup:
                 group.shutdown()
             except Exception:  # a peer already gone: nothing left to tear down cleanly
                 pass
+
+
+def _gloo(store, rank: int, world_size: int, loopback: bool):
+    if not loopback:
+        return dist.ProcessGroupGloo(store, rank, world_size, IDLE_TIMEOUT)
+    options = dist.ProcessGroupGloo._Options()
+    options._timeout = IDLE_TIMEOUT
+    options._devices = [dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")]
+    return dist.ProcessGroupGloo(store, rank, world_size, options)
 
 
 def _min_options():

@@ -69,7 +69,7 @@ def join_launched(config: EngineConfig, launch: Launch):
     """This rank's TPGroup in a torchrun-started group: the rendezvous is torchrun's store (MASTER_ADDR:PORT)."""
     import torch.distributed as dist
 
-    from engine.distributed import RENDEZVOUS_TIMEOUT, TPGroup
+    from engine.distributed import LOOPBACK, RENDEZVOUS_TIMEOUT, TPGroup
 
     if launch.world_size != config.tensor_parallel_size:
         raise ValueError(f"torchrun started {launch.world_size} processes (WORLD_SIZE) but --tensor-parallel-size is "
@@ -77,7 +77,8 @@ def join_launched(config: EngineConfig, launch: Launch):
     store = dist.TCPStore(launch.host, launch.port, launch.world_size,
                           is_master=launch.rank == 0 and not launch.agent_store, timeout=RENDEZVOUS_TIMEOUT)
     store = dist.PrefixStore(f"ddtree/{launch.restart}", store)
-    return TPGroup(launch.rank, launch.world_size, rank_config(config, launch.rank).device, store)
+    return TPGroup(launch.rank, launch.world_size, rank_config(config, launch.rank).device, store,
+                   loopback=launch.host in LOOPBACK)
 
 
 def check_devices(config: EngineConfig) -> None:

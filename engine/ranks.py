@@ -168,7 +168,7 @@ def follow(core) -> None:
         try:
             getattr(core, name)(*args)
         except ValueError as e:  # a bad request: the leader answers it
-            logger.debug("rank %d: %s%r failed: %s", core.tp.rank, name, args[:0], e)
+            logger.debug("rank %d: %s failed: %s", core.tp.rank, name, e)
 
 
 def follow_launched(config: EngineConfig, launch: Launch, log_level: int | str | None = None) -> int:

@@ -127,3 +127,20 @@ def test_torchrun_starts_the_ranks_and_rank_0_serves(tiny_llama, tmp_path):
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
+
+
+def test_structured_output_on_two_ranks_equals_one_rank(tiny_llama):
+    """Each rank compiles the request's grammar and builds the same grammar-aware DDTree trees on its host."""
+    from engine import LLM, SamplingParams
+    from engine.grammar import json_schema_grammar
+
+    schema = {"type": "object", "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 99},
+                                               "b": {"type": "string", "maxLength": 5}},
+              "required": ["a", "b"], "additionalProperties": False}
+    sp = SamplingParams(max_tokens=40, temperature=0, grammar=json_schema_grammar(schema))
+    texts = {}
+    for tp in (1, 2):
+        with LLM(tiny_llama, drafter="ngram", spec_budget=8, tensor_parallel_size=tp) as llm:
+            texts[tp] = [o.text for o in llm.generate([[5, 17, 300], [9, 9, 9, 12]], sp)]
+    assert texts[2] == texts[1]
+    assert all(set(json.loads(t)) == {"a", "b"} for t in texts[2])

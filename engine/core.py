@@ -18,7 +18,7 @@ from engine.memory import measure_cuda_peak, plan_kv_cache
 from engine.messages import Delta, RequestError, StepStats
 from engine.model.loader import default_sampling, load_model, resolve_dtype
 from engine.plan import ScheduledSeq, StepPlan
-from engine.request import Request, SamplingParams
+from engine.request import Request, SamplingParams, next_request_id
 from engine.runner import ModelRunner
 from engine.sampler import RequestFault, Sampler
 from engine.scheduler import Scheduler
@@ -212,7 +212,7 @@ class EngineCore:
 
     def add_request(self, prompt_token_ids: list[int], sampling: SamplingParams, request_id: str | None = None) -> str:
         if self.tp is not None:
-            request_id = request_id if request_id is not None else Request([0], sampling).request_id
+            request_id = request_id if request_id is not None else next_request_id()  # the same id on every rank
             self._mirror("add_request", list(prompt_token_ids), sampling, request_id)
         sampling.validate(self.vocab_size)
         if not prompt_token_ids:

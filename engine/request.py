@@ -74,12 +74,17 @@ class Status(enum.Enum):
 _ids = itertools.count()
 
 
+def next_request_id() -> str:
+    """A process-unique id for a request that did not bring one."""
+    return f"req-{next(_ids)}"
+
+
 @dataclass(eq=False)  # identity: the scheduler's list.remove() must not compare every field
 class Request:
     prompt_token_ids: list[int]
     sampling: SamplingParams
     eos_token_ids: tuple[int, ...] = ()
-    request_id: str = field(default_factory=lambda: f"req-{next(_ids)}")
+    request_id: str = field(default_factory=next_request_id)
     output_token_ids: list[int] = field(default_factory=list)
     # per generated token: (chosen token's logprob, [(token_id, logprob), ...] top-n); only when logprobs is set
     output_logprobs: list[tuple[float, list[tuple[int, float]]]] = field(default_factory=list)

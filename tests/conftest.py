@@ -51,26 +51,21 @@ def tiny_hf_config(family: str):
                                  num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=8,
                                  num_experts_per_tok=2, moe_intermediate_size=32, mlp_only_layers=[0],
                                  norm_topk_prob=True, max_position_embeddings=512)
-    if family == "deepseek_v3":
-        return tf.DeepseekV3Config(
-            vocab_size=1000, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=2,
-            num_attention_heads=4, num_key_value_heads=4, q_lora_rank=32, kv_lora_rank=32, qk_rope_head_dim=16,
-            qk_nope_head_dim=16, v_head_dim=16, n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2,
-            first_k_dense_replace=1, n_group=2, topk_group=1, routed_scaling_factor=2.5, norm_topk_prob=True,
-            max_position_embeddings=512,
-            rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
-                             "original_max_position_embeddings": 128, "beta_fast": 32, "beta_slow": 1,
-                             "mscale": 1.0, "mscale_all_dim": 1.0})
-    if family == "deepseek_v3_fp8":  # the FP8 GEMMs' shapes: every FP8 linear's in % 512 and out % 128 are 0
-        return tf.DeepseekV3Config(
-            vocab_size=1000, hidden_size=512, intermediate_size=512, moe_intermediate_size=128, num_hidden_layers=2,
-            num_attention_heads=4, num_key_value_heads=4, q_lora_rank=512, kv_lora_rank=512, qk_rope_head_dim=64,
-            qk_nope_head_dim=128, v_head_dim=128, n_routed_experts=8, n_shared_experts=4, num_experts_per_tok=2,
-            first_k_dense_replace=1, n_group=2, topk_group=1, routed_scaling_factor=2.5, norm_topk_prob=True,
-            max_position_embeddings=512,
-            rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
-                             "original_max_position_embeddings": 128, "beta_fast": 32, "beta_slow": 1,
-                             "mscale": 1.0, "mscale_all_dim": 1.0})
+    if family in ("deepseek_v3", "deepseek_v3_fp8"):
+        shared = dict(vocab_size=1000, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
+                      n_routed_experts=8, num_experts_per_tok=2, first_k_dense_replace=1, n_group=2, topk_group=1,
+                      routed_scaling_factor=2.5, norm_topk_prob=True, max_position_embeddings=512,
+                      rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                                       "original_max_position_embeddings": 128, "beta_fast": 32, "beta_slow": 1,
+                                       "mscale": 1.0, "mscale_all_dim": 1.0})
+        if family == "deepseek_v3":
+            return tf.DeepseekV3Config(hidden_size=64, intermediate_size=128, moe_intermediate_size=32, q_lora_rank=32,
+                                       kv_lora_rank=32, qk_rope_head_dim=16, qk_nope_head_dim=16, v_head_dim=16,
+                                       n_shared_experts=1, **shared)
+        # the FP8 GEMMs' shapes: every FP8 linear's in % 512 and out % 128 are 0
+        return tf.DeepseekV3Config(hidden_size=512, intermediate_size=512, moe_intermediate_size=128,
+                                   q_lora_rank=512, kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=128,
+                                   v_head_dim=128, n_shared_experts=4, **shared)
     raise KeyError(family)
 
 

@@ -148,7 +148,7 @@ def _plan(model, source: WeightSource, where: str) -> dict[str, list[tuple[str, 
 
 
 def _full_shape(model, name: str, shape: tuple[int, ...]) -> tuple[int, ...]:
-    spec = getattr(model, "shard_specs", {}).get(name)
+    spec = model.shard_specs.get(name)
     return shape if spec is None else spec.full_shape(shape)
 
 
@@ -209,7 +209,7 @@ def fill_dummy_weights(model, dtype: torch.dtype, device, seed: int = DUMMY_SEED
     with torch.no_grad():
         for name, p in tqdm(params, desc="dummy weights", unit="tensor", disable=None, leave=False):
             keep_fp32 = any(name.endswith(s) for s in fp32_names)
-            spec = model.shard_specs.get(name) if hasattr(model, "shard_specs") else None
+            spec = model.shard_specs.get(name)
             shape = tuple(p.shape) if spec is None else spec.full_shape(tuple(p.shape))
             value = torch.empty(shape, dtype=torch.float32 if keep_fp32 else dtype, device=device)
             if name.endswith("bias"):

@@ -18,7 +18,7 @@ from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
 from engine import LLM, SamplingParams
 from engine.model.int4_linear import int4_modules
 from ext import build, ops, reference
-from tests.model.test_fp8 import SEQUENCE, greedy_paths, quantized_pair
+from tests.model.test_fp8 import SEQUENCE, assert_close_to_reference, greedy_paths, quantized_pair
 from tests.model.test_int4 import QUANT, _int4_one
 
 pytestmark = pytest.mark.gpu
@@ -30,34 +30,7 @@ MIN_TOP1_AGREEMENT, MEAN_LOGPROB_TOL, MAX_LOGPROB_TOL = 0.75, 0.02, 0.1
 
 
 def assert_close(got, want) -> int:
-    """The positions whose context both runs share (each path up to its first differing token): the top token
-    agrees at most of them, and the reference's top-5 tokens keep their logprobs within the tolerances (which the
-    reference's top-20 spread exceeds, so the check can fail). Returns the number of positions compared."""
-    positions = []
-    for path_g, path_w in zip(got, want):
-        for g, w in zip(path_g, path_w):
-            positions.append((g, w))
-            if g[0] != w[0]:
-                break
-    agree, diffs = 0, []
-    for (tok_g, top_g), (tok_w, top_w) in positions:
-        agree += tok_g == tok_w
-        assert max(top_w.values()) - min(top_w.values()) > 4 * MEAN_LOGPROB_TOL
-        for t in sorted(top_w, key=top_w.get, reverse=True)[:5]:
-            assert t in top_g, (t, top_g)
-            diffs.append(abs(top_g[t] - top_w[t]))
-    mean, worst = sum(diffs) / len(diffs), max(diffs)
-    print(f"top-1 agreement {agree}/{len(positions)}, |logprob diff| mean {mean:.4f} max {worst:.4f}")
-    assert agree >= MIN_TOP1_AGREEMENT * len(positions)
-    assert mean <= MEAN_LOGPROB_TOL and worst <= MAX_LOGPROB_TOL
-    return len(positions)
-
-
-def _packed(out_dim: int, in_dim: int, group: int, seed: int):
-    g = torch.Generator().manual_seed(seed)
-    q = torch.randint(-8, 8, (out_dim, in_dim), generator=g, dtype=torch.int8)
-    scale = torch.rand(out_dim, -(-in_dim // group), generator=g) * 0.02 + 1e-3
-    return pack_to_int32(q, 4), scale
+    return assert_close_to_reference(got, want, MIN_TOP1_AGREEMENT, MEAN_LOGPROB_TOL, MAX_LOGPROB_TOL)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])

@@ -1,4 +1,5 @@
-"""End-to-end decode speed on one device, everything measured in the same run: our plain decoding, DFlash-style
+"""End-to-end decode speed on one device, everything measured in the same run: our plain decoding (with and without
+asynchronous scheduling), DFlash-style
 chain verification (the drafter's top-1 path, B = depth) and DDTree (oracle drafter at a controlled acceptance),
 at several batch sizes, beside transformers' static-cache `generate` (compiled by transformers) on a model of the
 same shapes, and the weight-read floor (weight bytes over the device-to-device copy bandwidth measured here).
@@ -67,6 +68,7 @@ def run_ours(args, model_path: str, load_format: str) -> None:
     common = dict(device=args.device, load_format=load_format, max_num_seqs=max(args.batch),
                   max_num_batched_tokens=max(2048, max(args.batch) * (args.budget + 1)), max_model_len=4096)
     plain = LLM(model_path, **common)
+    sync = LLM(model_path, async_scheduling=False, **common)  # the same engine, each step waiting for its results
     vocab = plain.engine.vocab_size
     floor_s = weight_bytes(plain.engine.model) / copy_bandwidth(args.device)
     emit(bench="floor", weight_gb=round(weight_bytes(plain.engine.model) / 1e9, 3), floor_ms=round(floor_s * 1e3, 3),
@@ -79,7 +81,11 @@ def run_ours(args, model_path: str, load_format: str) -> None:
         emit(bench="ours", mode="plain", batch=batch, tok_s=round(tokens / elapsed, 1),
              ms_per_step=round(elapsed / args.new_tokens * 1e3, 3))
         golden.update({tuple(p): p + o.token_ids for p, o in zip(ps, outs)})
-    del plain
+        elapsed, sync_outs = timed(sync, ps, args.new_tokens)
+        assert [o.token_ids for o in sync_outs] == [o.token_ids for o in outs]
+        emit(bench="ours", mode="plain, synchronous steps", batch=batch, tok_s=round(tokens / elapsed, 1),
+             ms_per_step=round(elapsed / args.new_tokens * 1e3, 3))
+    del plain, sync
     oracle = OracleDrafter(lambda r: golden.get(tuple(r.token_ids[:args.prompt_len])), vocab, horizon=args.depth)
     for mode, kwargs in (("chain", dict(chain=True)), ("ddtree", dict(spec_budget=args.budget))):
         llm = LLM(model_path, drafter=oracle, **kwargs, **common)

@@ -81,6 +81,9 @@ class EngineConfig:
     enable_prefix_caching: bool = opt(True, "reuse the KV of shared prompt prefixes")
     enforce_eager: bool = opt(False, "run every step eagerly: no CUDA graphs (they are captured at startup on "
                                      "CUDA for decode-only steps)")
+    async_scheduling: bool = opt(True, "on CUDA, launch a plain decoding step before the previous step's "
+                                       "results reach the host, so the host's bookkeeping overlaps the GPU's "
+                                       "work (steps with trees, grammars or penalties wait for their results)")
     reference_kernels: bool = opt(False, "on CUDA, run ext's PyTorch references when the CUDA extension cannot "
                                          "be loaded (slow; for debugging) instead of failing at startup")
     spec: SpecConfig = opt(None, "speculative decoding", factory=SpecConfig, cli=False)

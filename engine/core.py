@@ -6,7 +6,7 @@ from __future__ import annotations
 import logging
 import random
 import time
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -19,8 +19,8 @@ from engine.messages import Delta, RequestError, StepStats
 from engine.model.loader import default_sampling, load_model, resolve_dtype
 from engine.plan import ScheduledSeq, StepPlan
 from engine.request import Request, SamplingParams, next_request_id
-from engine.runner import ModelRunner
-from engine.sampler import RequestFault, Sampler
+from engine.runner import ModelRunner, PendingStep
+from engine.sampler import RequestFault, Sampler, needs_penalty
 from engine.scheduler import Scheduler
 from engine.speculative.adaptive import BudgetController
 from engine.speculative.drafter import make_drafter
@@ -60,6 +60,17 @@ def check_extension(config: EngineConfig) -> None:
                            f"or pass --reference-kernels to run the slow PyTorch references on the GPU")
     logger.warning("the CUDA extension cannot be loaded (%s): running ext's PyTorch references on the GPU "
                    "(--reference-kernels); every step will be slow", reason)
+
+
+@dataclass
+class _Launched:
+    """A step on its way: its plan, the runner's pending step, and what its statistics need."""
+
+    plan: StepPlan
+    step: PendingStep
+    schedule_time: float
+    preemptions_before: int
+    t_launch: float
 
 
 class EngineCore:
@@ -128,6 +139,11 @@ class EngineCore:
         self.last_stats: StepStats | None = None
         self._grammar_tokenizer = None  # llguidance's view of the tokenizer, built for the first grammar
         self.num_constrained_requests = 0
+        # asynchronous scheduling: on CUDA (one rank), unless --no-async-scheduling; tests may switch it on
+        self.overlap = config.async_scheduling and config.is_cuda and tp is None
+        self.budgets.pipelined = self.overlap
+        self.inflight: _Launched | None = None  # a step launched ahead, its results not yet read
+        self._last_ready = 0.0  # when the last step's results reached the host (perf_counter)
 
     def make_speculator(self, drafter) -> Speculator | None:
         """The DDTree half of the runner, or None for plain decoding. `drafter` overrides the configured one
@@ -293,34 +309,88 @@ class EngineCore:
     def step(self) -> list[Delta]:
         """One engine step; returns a Delta for every request that produced tokens or finished. A failure tied
         to one request (RequestFault) fails that request only: nothing of the step was committed, so the
-        others simply run again next step. Any other exception propagates (the engine process dies)."""
+        others simply run again next step. Any other exception propagates (the engine process dies).
+
+        Asynchronous scheduling (`overlap`): before waiting for a step's results the next step is launched
+        when it can be planned without them (engine.scheduler.schedule_ahead), so the host's bookkeeping of
+        step k runs while the device computes step k+1; step() then returns step k's deltas and keeps step k+1
+        in flight for the next call."""
         self._mirror("step")
+        current, self.inflight = self.inflight, None
+        if current is None:
+            current = self._launch_scheduled()
+            if current is None:
+                return []
+        if self.overlap:
+            self.inflight = self._launch_ahead(current)
+        return self._complete(current)
+
+    def _launch_scheduled(self) -> "_Launched | None":
+        """schedule() and launch; None when nothing runs (or the step failed one request)."""
         t0 = time.perf_counter()
         preemptions_before = self.scheduler.num_preemptions
         plan = self.scheduler.schedule()
         if not plan.seqs:
             self.last_stats = None
-            return []
+            return None
         now = time.monotonic()
         for s in plan.seqs:
             s.request.first_scheduled_time = s.request.first_scheduled_time or now
         schedule_time = time.perf_counter() - t0
-        before = {s.request.request_id: len(s.request.output_token_ids) for s in plan.seqs}
-        t_exec = time.perf_counter()
+        t_launch = time.perf_counter()
         try:
-            result = self.runner.execute(plan)
+            step = self.runner.launch(plan)
         except RequestFault as fault:
             logger.error("request %s failed: %s", fault.request_id, fault, exc_info=fault.__cause__)
             self.fail_request(fault.request_id, str(fault))
             self.last_stats = None
-            return []
-        result.timings["schedule"] = schedule_time
-        self._observe_budgets(plan, result, time.perf_counter() - t_exec)
+            return None
+        return _Launched(plan, step, schedule_time, preemptions_before, t_launch)
+
+    def _launch_ahead(self, current: "_Launched") -> "_Launched | None":
+        """The step after `current`, launched before `current`'s results are read, when it can be planned
+        without them: plain decoding of the same requests, none constrained by a grammar or penalized (their
+        sampling state needs the newest token on the host), none wanting a tree or a draft this step."""
+        seqs = current.plan.seqs
+        if any(s.request.constraint is not None or needs_penalty(s.request) for s in seqs):
+            return None
+        if self.speculator is not None and self.budgets.enabled:
+            ids = [s.request.request_id for s in seqs if not s.request.finished]
+            if any(self.budgets.budget(i, dry=True) or self.budgets.should_draft(i, dry=True) for i in ids):
+                return None
+        t0 = time.perf_counter()
+        plan = self.scheduler.schedule_ahead(current.plan)
+        if plan is None:
+            return None
+        if self.speculator is not None and self.budgets.enabled:
+            for s in plan.seqs:  # this step counts for the adaptive budget as a plain one at budget 0
+                self.budgets.budget(s.request.request_id)
+                self.budgets.should_draft(s.request.request_id)
+        t_launch = time.perf_counter()
+        try:
+            step = self.runner.launch(plan, after=current.step)
+        except RequestFault:
+            return None  # the next step, scheduled as usual, meets the fault again and fails its request
+        return _Launched(plan, step, t_launch - t0, self.scheduler.num_preemptions, t_launch)
+
+    def _complete(self, launched: "_Launched") -> list[Delta]:
+        """Waits for a launched step's results and applies them: the scheduler's update and the deltas."""
+        plan = launched.plan
+        result = self.runner.collect(launched.step)
+        ready = time.perf_counter()
+        # the step's cost: from its launch, or from the previous step's results when it was queued behind them
+        seconds = ready - max(launched.t_launch, self._last_ready)
+        self._last_ready = ready
+        result.timings["schedule"] = launched.schedule_time
+        live = [s for s in plan.seqs if not s.request.finished]  # finished while the step ran: nothing to emit
+        before = {s.request.request_id: len(s.request.output_token_ids) for s in live}
+        self._observe_budgets(plan, result, seconds)
         self.scheduler.update(plan, result)
         for req in plan.preempted:
             self.runner.release(req.request_id)
-        deltas = [d for d in (self._delta(s.request, before[s.request.request_id], now) for s in plan.seqs) if d]
-        self.last_stats = self._stats(plan, result, preemptions_before)
+        now = time.monotonic()
+        deltas = [d for d in (self._delta(s.request, before[s.request.request_id], now) for s in live) if d]
+        self.last_stats = self._stats(plan, result, launched.preemptions_before)
         return deltas
 
     def _delta(self, req: Request, num_before: int, now: float) -> Delta | None:

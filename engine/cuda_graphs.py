@@ -80,6 +80,10 @@ class CudaGraphs:
         self.seq_lens = torch.zeros(seqs, **i32)
         self.block_tables = torch.zeros(seqs, max(max_blocks, len(scratch_blocks)), **i32)
         self.tree_masks = {w: torch.zeros(rows, w, dtype=torch.bool, device=device) for w in self.widths if w > 1}
+        # the scratch blocks and their slots, on the device once (a host list copied every step would synchronize)
+        self.scratch = torch.tensor(scratch_blocks, dtype=torch.int32, device=device)
+        self.scratch_slots = (self.scratch.long()[:, None] * block_size
+                              + torch.arange(block_size, device=device)).reshape(-1)
         self.graphs: dict[tuple[int, int], _Captured] = {}
         self.pool = None
         self.emulate = emulate
@@ -171,9 +175,7 @@ class CudaGraphs:
     def _fill_padding(self, first: int, n: int, w: int, width: int | None = None) -> None:
         """Padding: requests first..n-1 become w-row sequences over the scratch blocks, and each real request's
         rows width..w-1 write into scratch slots (never into a request's blocks)."""
-        scratch = torch.tensor(self.scratch_blocks, dtype=torch.int32, device=self.device)
-        slots = scratch.long()[:, None] * self.block_size + torch.arange(self.block_size, device=self.device)
-        slots = slots.reshape(-1)[:w]  # one scratch slot per row position
+        scratch, slots = self.scratch, self.scratch_slots[:w]  # one scratch slot per row position
         if width is not None and width < w and first > 0:
             extra = (torch.arange(first, device=self.device)[:, None] * w
                      + torch.arange(width, w, device=self.device)).reshape(-1)

@@ -1,6 +1,7 @@
 """One step's model inputs: the flat token rows, their rope positions, cache slots and the attention metadata,
-for plain sequences (prefill chunks and decodes, laid out first, from host lists) followed by the DDTree
-verify rows (N requests x W rows, taken from the device-resident trees without a host sync)."""
+for plain sequences (prefill chunks and decodes, laid out first, from host lists; a decode scheduled ahead gets
+a placeholder id the runner replaces on the device) followed by the DDTree verify rows (N requests x W rows,
+taken from the device-resident trees without a host sync)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -32,8 +33,9 @@ def prepare_inputs(plain: list[ScheduledSeq], batch: TreeBatch | None, block_siz
     ids, positions, slots, offsets = [], [], [], []  # offsets: row index inside its sequence (causal mask)
     query_lens, seq_lens, tables, rows = [], [], [], []
     for s in plain:
-        req, start = s.request, s.request.num_computed_tokens
-        new_ids = req.all_token_ids[start:start + s.num_new_tokens]
+        req, start = s.request, s.request.num_computed_tokens + s.num_ahead
+        # a request scheduled ahead feeds a token the previous step samples: the runner puts it in on the device
+        new_ids = [0] * s.num_new_tokens if s.num_ahead else req.all_token_ids[start:start + s.num_new_tokens]
         n = len(new_ids)
         rows.append((len(ids), n))
         ids.extend(new_ids)

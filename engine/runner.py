@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
@@ -60,7 +61,16 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> StepResult:
-        self.staging.reset()  # the previous step's results came back: its host-to-device copies are done
+        """Runs one step and waits for its results."""
+        return self.collect(self.launch(plan))
+
+    @torch.inference_mode()
+    def launch(self, plan: StepPlan, after: "PendingStep | None" = None) -> "PendingStep":
+        """Queues the step's device work and the copy of its results to the host, without waiting for them.
+        after: the launched step whose results this plan's requests feed (a plan scheduled ahead: each request
+        decodes the token `after` samples for it, still on the device)."""
+        self.staging.reset()  # the buffers of the step before the previous one: its results came back
+        input_ids = after.sampled_tokens([s.request for s in plan.seqs], self.staging) if after else None
         spec = self.speculator
         is_tree = [spec is not None and s.spec_budget > 0 for s in plan.seqs]
         if self.uniform_trees and any(is_tree) and all(_decoding(s) for s in plan.seqs):
@@ -73,24 +83,34 @@ class ModelRunner:
         # committed tokens only, features are recorded and tokens returned only at the end
         batch = spec.draft(tree_seqs, drafted) if tree_seqs else None
         # decoding requests at budget 0 still draft (no verify rows): their curves tell the adaptive budget
-        # when a tree would pay again
-        watch = [s for s in plain if _decoding(s) and self.watch(s.request.request_id)] \
+        # when a tree would pay again (never for requests scheduled ahead: their last token is not known)
+        watch = [s for s in plain if _decoding(s) and not s.num_ahead and self.watch(s.request.request_id)] \
             if spec is not None and self.watch is not None else []
         watched = (watch, *spec.curves(watch)) if watch else None
-        return self._run(plain, batch, watched)
+        return self._launch(plain, batch, watched, input_ids)
 
-    def _run(self, plain: list[ScheduledSeq], batch: TreeBatch | None,
-             watched: tuple | None = None) -> StepResult:
+    def _launch(self, plain: list[ScheduledSeq], batch: TreeBatch | None, watched: tuple | None,
+                ahead_ids: torch.Tensor | None) -> "PendingStep":
         t1 = time.perf_counter()
         inputs = prepare_inputs(plain, batch, self.block_size, self.device, self.staging)
+        if ahead_ids is not None:
+            inputs.input_ids = ahead_ids
         hidden, captured, graph_mode = self._forward(plain, batch, inputs)
         features = torch.cat(captured, dim=-1) if captured else None  # [num_tokens, num_layers * hidden]
         t2 = time.perf_counter()
         sampling = [(s.request, r0 + n - 1) for s, (r0, n) in zip(plain, inputs.plain_rows) if s.sample]
-        out, walk = self._sample(hidden, inputs, sampling, batch)
+        ahead = [s.num_ahead for s in plain if s.sample]
+        out, walk = self._sample(hidden, inputs, sampling, batch, ahead)
         curves = [c for c in (batch.curve if batch is not None else None, watched[1] if watched else None)
                   if c is not None]
-        host = _fetch(out, walk, len(sampling), torch.cat(curves) if curves else None)
+        copy = _ResultCopy(out, walk, len(sampling), torch.cat(curves) if curves else None)
+        return PendingStep(plain, batch, watched, inputs, sampling, out, walk, features, graph_mode, copy, t1, t2)
+
+    def collect(self, step: "PendingStep") -> StepResult:
+        """Waits for a launched step's results and turns them into the StepResult."""
+        plain, batch, watched, inputs, sampling, features = (step.plain, step.batch, step.watched, step.inputs,
+                                                             step.sampling, step.features)
+        host = step.copy.wait()
         t3 = time.perf_counter()
         result = StepResult()
         for i, (req, _) in enumerate(sampling):
@@ -101,7 +121,7 @@ class ModelRunner:
             for s, (r0, n) in zip(plain, inputs.plain_rows):
                 self.speculator.record_hidden(s.request.request_id,
                                               features[r0:r0 + n] if features is not None else None)
-        result.cuda_graph = graph_mode
+        result.cuda_graph = step.graph_mode
         if watched:
             first = batch.num_requests if batch is not None else 0
             for j, s in enumerate(watched[0]):
@@ -112,10 +132,10 @@ class ModelRunner:
         if batch is not None:
             result.num_grammar_pruned = batch.num_pruned
             self._tree_results(batch, inputs, host, len(sampling), features, result)
-            result.timings.update(draft=batch.draft_s, tree_build=batch.tree_build_s, verify=t2 - t1,
-                                  accept=time.perf_counter() - t2)
+            result.timings.update(draft=batch.draft_s, tree_build=batch.tree_build_s, verify=step.t2 - step.t1,
+                                  accept=time.perf_counter() - step.t2)
         else:
-            result.timings.update(forward=t2 - t1, sample=t3 - t2)
+            result.timings.update(forward=step.t2 - step.t1, sample=t3 - step.t2)
         return result
 
     def _forward(self, plain: list[ScheduledSeq], batch: TreeBatch | None, inputs: StepInputs
@@ -133,12 +153,14 @@ class ModelRunner:
         hidden, captured = self.model(inputs.input_ids, inputs.meta, self.kv_caches, capture_layer_ids=capture)
         return hidden, captured, mode
 
-    def _sample(self, hidden: torch.Tensor, inputs: StepInputs, sampling: list, batch: TreeBatch | None
-                ) -> tuple[SampleOutput, Walk | None]:
-        """Logits of every sampled row -> tokens (and, for the trees, the walk and the KV compaction)."""
+    def _sample(self, hidden: torch.Tensor, inputs: StepInputs, sampling: list, batch: TreeBatch | None,
+                ahead: list[int]) -> tuple[SampleOutput, Walk | None]:
+        """Logits of every sampled row -> tokens (and, for the trees, the walk and the KV compaction). ahead: per
+        sampled plain row, tokens its request runs past its committed output (its row's depth)."""
         rows = self.staging([r for _, r in sampling])
         requests, num_rows = [req for req, _ in sampling], [1] * len(sampling)
-        depths = tree_tokens = tree_vis = None
+        depths = self.staging(ahead) if any(ahead) else None
+        tree_tokens = tree_vis = None
         if batch is not None:
             width = batch.width
             tree_rows = torch.arange(inputs.tree_row0, inputs.tree_row0 + batch.num_requests * width,
@@ -146,8 +168,9 @@ class ModelRunner:
             rows = torch.cat([rows, tree_rows])
             requests += [s.request for s in batch.seqs]
             num_rows += [width] * batch.num_requests
-            depths = torch.cat([torch.zeros(len(sampling), dtype=torch.int64, device=self.device),
-                                batch.tree.depths.reshape(-1)])
+            plain_depths = depths if depths is not None else \
+                torch.zeros(len(sampling), dtype=torch.int64, device=self.device)
+            depths = torch.cat([plain_depths, batch.tree.depths.reshape(-1)])
             tree_tokens, tree_vis = batch.tree.node_token_ids, batch.tree.visibility
         if not requests:
             return SampleOutput(torch.empty(0, dtype=torch.int64, device=self.device), [], None, None, None), None
@@ -251,16 +274,55 @@ class _HostResults:
         return self._chosen[k], list(zip(self._top_ids[k][:num_top], self._top_vals[k][:num_top]))
 
 
-def _fetch(out: SampleOutput, walk: Walk | None, num_plain: int, curve: torch.Tensor | None) -> _HostResults:
-    """Everything the host needs from the step, in one device-to-host copy."""
-    parts = [out.tokens[:num_plain]]
-    if walk is not None:
-        parts += [walk.accept_len, walk.accepted_nodes, walk.emitted]
-    if curve is not None:
-        parts.append(curve)
-    if out.logprob_rows:
-        parts.append(out.chosen_logprobs)
-        if out.top_ids is not None:
-            parts += [out.top_logprobs, out.top_ids]
-    packed = torch.cat([p.reshape(-1).to(torch.float64) for p in parts])
-    return _HostResults(packed.cpu().tolist(), num_plain, walk, out, curve)
+class _ResultCopy:
+    """Everything the host needs from a step, packed on the device and copied to the host in one copy: on CUDA
+    a non-blocking copy into pinned memory and an event, so the host can launch the next step before waiting."""
+
+    def __init__(self, out: SampleOutput, walk: Walk | None, num_plain: int, curve: torch.Tensor | None):
+        self.out, self.walk, self.num_plain, self.curve = out, walk, num_plain, curve
+        parts = [out.tokens[:num_plain]]
+        if walk is not None:
+            parts += [walk.accept_len, walk.accepted_nodes, walk.emitted]
+        if curve is not None:
+            parts.append(curve)
+        if out.logprob_rows:
+            parts.append(out.chosen_logprobs)
+            if out.top_ids is not None:
+                parts += [out.top_logprobs, out.top_ids]
+        packed = torch.cat([p.reshape(-1).to(torch.float64) for p in parts])
+        self.event = None
+        if packed.is_cuda:
+            self.host = packed.to("cpu", non_blocking=True)  # into pinned memory
+            self.event = torch.cuda.Event()
+            self.event.record()
+        else:
+            self.host = packed
+
+    def wait(self) -> _HostResults:
+        if self.event is not None:
+            self.event.synchronize()
+        return _HostResults(self.host.tolist(), self.num_plain, self.walk, self.out, self.curve)
+
+
+@dataclass
+class PendingStep:
+    """A launched step: what collect() needs once its results reach the host."""
+
+    plain: list[ScheduledSeq]
+    batch: TreeBatch | None
+    watched: tuple | None
+    inputs: StepInputs
+    sampling: list  # (request, row) per sampled plain row
+    out: SampleOutput
+    walk: Walk | None
+    features: torch.Tensor | None
+    graph_mode: str
+    copy: _ResultCopy
+    t1: float
+    t2: float
+
+    def sampled_tokens(self, requests: list, stage: Staging) -> torch.Tensor:
+        """[len(requests)] int64 on the device: the token this step samples for each of these requests (plain
+        rows only), for a step scheduled ahead of this one's results."""
+        where = {id(req): i for i, (req, _) in enumerate(self.sampling)}
+        return self.out.tokens.index_select(0, stage([where[id(r)] for r in requests]))

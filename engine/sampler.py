@@ -101,7 +101,7 @@ class _PenaltyState:
             self.num_counted += len(new)
 
 
-def _needs_penalty(request: Request) -> bool:
+def needs_penalty(request: Request) -> bool:
     sp = request.sampling
     return sp.repetition_penalty != 1.0 or sp.presence_penalty != 0.0 or sp.frequency_penalty != 0.0
 
@@ -276,7 +276,7 @@ class _RowPlan:
                 self.bias_rows.append(r)
                 self.bias_tokens.append(int(token))
                 self.bias_values.append(float(value))
-        if _needs_penalty(req):
+        if needs_penalty(req):
             state = len(self.penalized)
             self.penalized.append(m)
             for j, r in enumerate(rows):

@@ -120,6 +120,31 @@ class Scheduler:
             budget -= n + lookahead
         return plan
 
+    def schedule_ahead(self, previous: StepPlan) -> StepPlan | None:
+        """Asynchronous scheduling: the next step, planned before `previous`'s results reach the host. Only when
+        `previous` plainly decoded every running request and nothing waits for admission: each request then
+        decodes the token `previous` samples for it (num_ahead = 1; that token is fed from the device).
+        Requests that certainly finish with that token (max_tokens, the context length) are left out. None
+        when this does not apply or blocks run out: the next step is then scheduled after the results."""
+        if self.waiting or not previous.seqs:
+            return None
+        decoding = {id(s.request) for s in previous.seqs if s.sample and s.num_new_tokens == 1 and not s.spec_budget}
+        if any(id(r) not in decoding for r in self.running):
+            return None
+        plan = StepPlan()
+        for s in previous.seqs:
+            req = s.request
+            if req.finished:
+                continue
+            in_flight_output = len(req.output_token_ids) + 1  # with the token `previous` samples
+            if in_flight_output >= req.sampling.max_tokens or req.num_tokens + 1 >= self.max_model_len:
+                continue
+            if not self.blocks.allocate(req, req.num_tokens + 1):  # KV for the in-flight token
+                return None
+            plan.seqs.append(ScheduledSeq(req, 1, True, 0, num_ahead=1))
+        plan.spec_budgets = [0] * len(plan.seqs)
+        return plan if plan.seqs else None
+
     def update(self, plan: StepPlan, result: StepResult) -> list[Request]:
         """Applies a step's result; returns the requests that finished this step. Tokens are appended before
         the prefix cache registers the blocks they fill (a verify step's accepted tokens included)."""

@@ -2,9 +2,10 @@
 parameters): on CUDA each array is written into a pinned host buffer and copied with a non-blocking copy, so
 the host never waits on the device to hand over a step's inputs.
 
-Invariant: a region of the pinned buffer is reused only in a later step, after that step's device-to-host copy
-of its results has synchronized (so every earlier host-to-device copy has completed): `reset()` is called at the
-start of each step by the runner, never inside one.
+Invariant: the buffers come in two generations that alternate at each `reset()` (called by the runner at the
+start of each step, never inside one), so a region is reused two steps later. With asynchronous scheduling the
+runner launches step k+1 before step k's results have come back, but step k-1's have (its device-to-host copy
+synchronized after every earlier host-to-device copy), so the generation step k+1 rewrites is free.
 """
 from __future__ import annotations
 
@@ -15,11 +16,14 @@ class Staging:
     def __init__(self, device, capacity: int = 1 << 16):
         self.device = torch.device(device)
         self.pinned = self.device.type == "cuda"
-        self._buffers: dict[torch.dtype, torch.Tensor] = {}
+        self._generations: list[dict[torch.dtype, torch.Tensor]] = [{}, {}]
+        self._buffers = self._generations[0]
         self._offsets: dict[torch.dtype, int] = {}
         self._capacity = capacity
 
     def reset(self) -> None:
+        """A new step: switch to the other generation of buffers and fill it from the start."""
+        self._buffers = self._generations[1] if self._buffers is self._generations[0] else self._generations[0]
         self._offsets = {}
 
     def __call__(self, values, dtype: torch.dtype = torch.int64) -> torch.Tensor:

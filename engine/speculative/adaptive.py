@@ -74,6 +74,7 @@ class BudgetController:
         self.draft_s = self.drafted = 0.0  # decayed sums: drafter seconds, requests drafted
         self.draft_calls = 0
         self.accepted = self.predicted = 0.0  # decayed sums over every request: a new request's calibration
+        self.pipelined = False  # the engine schedules steps ahead of their predecessors' results
 
     def release(self, request_id: str) -> None:
         self.requests.pop(request_id, None)
@@ -131,8 +132,10 @@ class BudgetController:
             t_row = self.prior_row_share * self.last_seconds / max(1, self.last_rows)
         return max(MIN_GAIN, t_row * self.last_tokens / self.last_seconds)
 
-    def budget(self, request_id: str) -> int:
-        """This step's tree budget for the request (before the scheduler's caps)."""
+    def budget(self, request_id: str, dry: bool = False) -> int:
+        """This step's tree budget for the request (before the scheduler's caps). dry: what it would be, without
+        counting the step (asynchronous scheduling asks before it decides whether the next step can run
+        ahead)."""
         if not self.enabled or self.max_budget == 0:
             return self.max_budget
         stats = self.requests.get(request_id)
@@ -146,11 +149,13 @@ class BudgetController:
         if chosen == 0 and _nodes_above(stats.curve[:self.max_budget], 1.0, theta):
             # the drafter is confident but this request's record says it is wrong: verify a small tree now
             # and then, in case it has become right
-            stats.steps_at_zero += 1
-            if stats.steps_at_zero >= PROBE_EVERY:
-                stats.steps_at_zero = 0
+            if stats.steps_at_zero + 1 >= PROBE_EVERY:
+                if not dry:
+                    stats.steps_at_zero = 0
                 return min(PROBE_BUDGET, self.max_budget)
-        elif chosen:
+            if not dry:
+                stats.steps_at_zero += 1
+        elif chosen and not dry:
             stats.steps_at_zero = 0
             stats.draft_interval = PROBE_EVERY
         return chosen
@@ -164,14 +169,19 @@ class BudgetController:
             predicted += PRIOR_WEIGHT
         return accepted / predicted if predicted > 0 else 1.0
 
-    def should_draft(self, request_id: str) -> bool:
-        """Whether a decoding request at budget 0 drafts this step (curve only, no verify rows)."""
+    def should_draft(self, request_id: str, dry: bool = False) -> bool:
+        """Whether a decoding request at budget 0 drafts this step (curve only, no verify rows). dry: as budget().
+        Under asynchronous scheduling (`pipelined`) a draft is never cheap: it needs the request's newest token
+        on the host, so the step cannot run ahead of the previous one's results."""
         stats = self.requests.get(request_id)
-        if stats is None or not stats.curve or self.draft_tokens() <= CHEAP_DRAFT:
+        if stats is None or not stats.curve or (self.draft_tokens() <= CHEAP_DRAFT and not self.pipelined):
             return True
-        stats.steps_undrafted += 1
-        if stats.steps_undrafted < stats.draft_interval:
+        if stats.steps_undrafted + 1 < stats.draft_interval:
+            if not dry:
+                stats.steps_undrafted += 1
             return False
+        if dry:
+            return True
         stats.steps_undrafted = 0
         stats.draft_interval = min(2 * stats.draft_interval, MAX_PROBE_INTERVAL)  # reset when a tree is chosen
         return True

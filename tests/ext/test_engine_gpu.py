@@ -114,6 +114,42 @@ def test_cuda_graphs_equal_eager_for_plain_and_ddtree(tiny_checkpoints, family, 
     assert [o.token_ids for o in spec.generate(ps, sp)] == ref
 
 
+@pytest.mark.parametrize("batch", [1, 3, 17])
+def test_async_scheduling_on_cuda_equals_synchronous_steps(tiny_checkpoints, batch):
+    """Graph replays launched ahead of the previous step's results (its tokens fed from the device) emit what
+    synchronous steps emit: greedy with staggered max_tokens and a stop token met mid-output, and seeded sampling
+    at T = 0.8 with top-p, min_tokens and logprobs."""
+    folder, _ = tiny_checkpoints("qwen3")
+    ps = graph_prompts(batch)
+    common = dict(dtype="fp32", device="cuda", max_num_seqs=64)
+    sync = LLM(folder, async_scheduling=False, **common)
+    greedy_ref = [o.token_ids for o in sync.generate(ps, SamplingParams(max_tokens=MAX_TOKENS, temperature=0,
+                                                                        ignore_eos=True))]
+    params = [SamplingParams(max_tokens=MAX_TOKENS - i % 7, temperature=0, ignore_eos=True) for i in range(batch)]
+    params += [SamplingParams(max_tokens=MAX_TOKENS, temperature=0, stop_token_ids=[r[len(r) // 2]])
+               for r in greedy_ref]
+    params += [SamplingParams(max_tokens=MAX_TOKENS, temperature=0.8, top_p=0.9, seed=i, min_tokens=5, logprobs=2,
+                              ignore_eos=False) for i in range(batch)]
+    prompts3 = ps * 3
+    want = sync.generate(prompts3, params)
+    fast = LLM(folder, **common)
+    core = fast.engine
+    assert core.overlap and core.runner.graphs is not None and not sync.engine.overlap
+    ids = [core.add_request(p, sp) for p, sp in zip(prompts3, params)]
+    out, logprobs, ahead, modes = {i: [] for i in ids}, {i: [] for i in ids}, 0, set()
+    while core.has_unfinished():
+        for d in core.step():
+            out[d.request_id].extend(d.new_token_ids)
+            logprobs[d.request_id].extend(d.new_logprobs or [])
+        ahead += core.inflight is not None
+        modes.add(core.last_stats.cuda_graph if core.last_stats else None)
+    assert [out[i] for i in ids] == [o.token_ids for o in want]
+    assert ahead >= MAX_TOKENS - 8 and "replay" in modes
+    for i, o in zip(ids, want):
+        assert [lp[0] for lp in logprobs[i]] == pytest.approx([lp[0] for lp in o.logprobs or []], abs=1e-4)
+    assert core.blocks.num_free_blocks == core.blocks.num_blocks
+
+
 def test_graph_replay_follows_changed_block_tables(tiny_checkpoints):
     """Capture once, then replay a decode step whose request's KV moved to other blocks: the replay reads the
     new block table (static buffers written in place), and equals the eager forward each time."""

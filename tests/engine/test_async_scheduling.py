@@ -1,0 +1,149 @@
+"""Asynchronous scheduling (EngineCore.overlap): a plain decoding step launched before the previous step's results
+reach the host, its input token fed from the device. On the CPU every launch runs synchronously, so these tests
+switch it on to check the bookkeeping: output identical to stepping synchronously (greedy, seeded sampling with
+min_tokens and logprobs, stop tokens and max_tokens finishing requests while a step runs ahead of them), aborts
+and arrivals while a step is in flight, requests whose sampling needs the newest token on the host (penalties,
+grammars) never run ahead, and the adaptive budget's probes still happen. The GPU test replays real graphs
+(tests/ext/test_engine_gpu.py)."""
+from __future__ import annotations
+
+import pytest
+
+from engine import LLM, SamplingParams
+from engine.config import EngineConfig
+from engine.speculative.adaptive import BudgetController
+from tests.engine.test_cuda_graphs import prompts
+
+MAX_TOKENS = 20
+
+
+def run(core, ps, params) -> tuple[list[list[int]], list[list], int]:
+    """Steps the core to the end; (tokens, logprobs per request, steps that launched a step ahead)."""
+    params = params if isinstance(params, list) else [params] * len(ps)
+    ids = [core.add_request(p, sp) for p, sp in zip(ps, params)]
+    tokens, logprobs, finished = {i: [] for i in ids}, {i: [] for i in ids}, set()
+    ahead = 0
+    while core.has_unfinished():
+        for d in core.step():
+            assert d.request_id not in finished  # nothing after a request's final delta
+            tokens[d.request_id].extend(d.new_token_ids)
+            logprobs[d.request_id].extend(d.new_logprobs or [])
+            if d.finished:
+                finished.add(d.request_id)
+        ahead += core.inflight is not None
+    assert finished == set(ids)
+    return [tokens[i] for i in ids], [logprobs[i] for i in ids], ahead
+
+
+def engine(folder, overlap: bool, graphs: bool = False, **kwargs) -> LLM:
+    llm = LLM(folder, dtype="fp32" if folder else None, max_num_seqs=32, **kwargs)
+    if graphs:
+        llm.engine.enable_graphs(emulate=True)
+    llm.engine.overlap = llm.engine.budgets.pipelined = overlap
+    return llm
+
+
+def test_async_scheduling_is_a_cuda_feature(tiny_checkpoints):
+    folder, _ = tiny_checkpoints("llama")
+    assert EngineConfig().async_scheduling
+    assert not LLM(folder, dtype="fp32").engine.overlap  # CPU: launches are synchronous, nothing to overlap
+
+
+@pytest.mark.parametrize("batch,graphs", [(1, False), (3, True), (17, True)])
+def test_greedy_output_equals_synchronous_steps(tiny_checkpoints, batch, graphs):
+    folder, _ = tiny_checkpoints("qwen3")
+    ps = prompts(batch)
+    # different lengths: requests finish while the step after their last one is already in flight
+    params = [SamplingParams(max_tokens=MAX_TOKENS - i % 5, temperature=0, ignore_eos=True) for i in range(batch)]
+    ref, _, ahead_off = run(engine(folder, False, graphs).engine, ps, params)
+    out, _, ahead = run(engine(folder, True, graphs).engine, ps, params)
+    assert out == ref and ahead_off == 0
+    assert ahead >= MAX_TOKENS - 6  # nearly every decoding step ran ahead of its predecessor's results
+    assert [len(o) for o in out] == [p.max_tokens for p in params]
+
+
+def test_stop_tokens_and_seeded_sampling_equal_synchronous_steps(tiny_checkpoints):
+    folder, _ = tiny_checkpoints("llama")
+    ps = prompts(4)
+    greedy = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
+    ref, _, _ = run(engine(folder, False).engine, ps, greedy)
+    # a stop token met in the middle of each output: the step already launched after it is discarded
+    stops = [SamplingParams(max_tokens=MAX_TOKENS, temperature=0, stop_token_ids=[r[len(r) // 2]]) for r in ref]
+    sampled = [SamplingParams(max_tokens=MAX_TOKENS, temperature=0.9, top_p=0.9, top_k=40, min_p=0.01, seed=s,
+                              min_tokens=6, logprobs=3, ignore_eos=False) for s in range(4)]
+    params = stops + sampled
+    want_tokens, want_logprobs, _ = run(engine(folder, False).engine, ps + ps, params)
+    got_tokens, got_logprobs, ahead = run(engine(folder, True).engine, ps + ps, params)
+    assert got_tokens == want_tokens and ahead > 0
+    for r, out in zip(ref, got_tokens[:4]):
+        assert out == r[:r.index(r[len(r) // 2]) + 1]
+    for want, got in zip(want_logprobs, got_logprobs):
+        assert [(round(c, 4), [t for t, _ in top]) for c, top in got] == \
+               [(round(c, 4), [t for t, _ in top]) for c, top in want]
+
+
+def test_abort_and_arrival_while_a_step_is_in_flight(tiny_checkpoints):
+    folder, _ = tiny_checkpoints("llama")
+    ps = prompts(3)
+    sp = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
+    ref, _, _ = run(engine(folder, False).engine, ps, sp)
+    core = engine(folder, True).engine
+    ids = [core.add_request(p, sp) for p in ps[:2]]
+    out = {i: [] for i in ids}
+    for _ in range(6):
+        for d in core.step():
+            out[d.request_id].extend(d.new_token_ids)
+    assert core.inflight is not None
+    assert core.abort(ids[1])  # its in-flight token is dropped
+    late = core.add_request(ps[2], sp)  # admitted after the in-flight step: no step runs ahead while it waits
+    out[late] = []
+    aborted_after = len(out[ids[1]])
+    while core.has_unfinished():
+        for d in core.step():
+            out[d.request_id].extend(d.new_token_ids)
+    assert out[ids[0]] == ref[0] and out[late] == ref[2]
+    assert len(out[ids[1]]) == aborted_after and out[ids[1]] == ref[1][:aborted_after]
+    assert core.blocks.num_free_blocks == core.blocks.num_blocks  # every block came back, in-flight ones too
+
+
+@pytest.mark.parametrize("kind", ["penalty", "grammar"])
+def test_requests_needing_their_newest_token_never_run_ahead(tiny_checkpoints, kind):
+    folder = tiny_checkpoints("llama")[0] if kind == "penalty" else None  # a grammar needs a tokenizer: SmolLM2
+    ps = prompts(2)
+    if kind == "penalty":
+        sp = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, repetition_penalty=1.3,
+                            frequency_penalty=0.5, detokenize=False)
+    else:
+        from engine.grammar import json_object_grammar
+
+        sp = SamplingParams(max_tokens=8, temperature=0, grammar=json_object_grammar())
+    want, _, _ = run(engine(folder, False).engine, ps, sp)
+    got, _, ahead = run(engine(folder, True).engine, ps, sp)
+    assert got == want and ahead == 0
+
+
+def test_ngram_speculation_with_async_scheduling_equals_plain(tiny_checkpoints):
+    folder, _ = tiny_checkpoints("llama")
+    ps = [p * 3 for p in prompts(3)]  # repeated text: the n-gram drafter proposes
+    sp = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    ref, _, _ = run(engine(folder, False).engine, ps, sp)
+    llm = engine(folder, True, graphs=True, drafter="ngram", spec_budget=8)
+    out, _, ahead = run(llm.engine, ps, sp)
+    assert out == ref
+    assert ahead > 0
+
+
+def test_dry_budget_questions_change_nothing():
+    controller = BudgetController(8)
+    controller.pipelined = True
+    controller.observe_step(8, 0.01, 8)
+    controller.observe_request("r", 0, 0, [0.01] * 8)  # a drafter that is never confident: budget 0
+    answers = []
+    for _ in range(40):
+        dry = (controller.budget("r", dry=True), controller.should_draft("r", dry=True))
+        assert dry == (controller.budget("r", dry=True), controller.should_draft("r", dry=True))
+        answers.append(dry)
+        assert (controller.budget("r"), controller.should_draft("r")) == dry
+    # pipelined: a request at budget 0 drafts only every PROBE_EVERY steps (then less often), never every step
+    drafts = [i for i, (_, d) in enumerate(answers) if d]
+    assert drafts and len(drafts) <= 3 and all(b == 0 for b, _ in answers)

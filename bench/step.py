@@ -65,9 +65,9 @@ def sync() -> None:
         torch.cuda.synchronize()
 
 
-def gpu_busy(fn, top_ops: int = 0) -> tuple[float, int]:
+def gpu_busy(fn, top_ops: int = 0, top_kernels: int = 0, steps: int = 1) -> tuple[float, int]:
     """Runs fn under the profiler -> (seconds some kernel, copy or memset was running, number of them); prints
-    the top_ops host operators by self CPU time."""
+    the top_ops host operators by self CPU time and the top_kernels device kernels by time (per step)."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
@@ -81,6 +81,14 @@ def gpu_busy(fn, top_ops: int = 0) -> tuple[float, int]:
             events = json.load(g)["traceEvents"]
     spans = sorted((e["ts"], e["ts"] + e.get("dur", 0)) for e in events
                    if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset"))
+    if top_kernels:
+        per_name: dict[str, list[float]] = {}
+        for e in events:
+            if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset"):
+                per_name.setdefault(e["name"][:90], []).append(e.get("dur", 0))
+        ranked = sorted(per_name.items(), key=lambda kv: -sum(kv[1]))[:top_kernels]
+        for name, durs in ranked:
+            print(f"  {sum(durs) / steps:8.1f} us/step  {len(durs) / steps:6.1f}/step  {name}", flush=True)
     busy, end = 0.0, float("-inf")
     for s, e in spans:  # union of intervals (us)
         if e > end:
@@ -89,7 +97,7 @@ def gpu_busy(fn, top_ops: int = 0) -> tuple[float, int]:
     return busy / 1e6, len(spans)
 
 
-def measure(llm: LLM, length: int, steps: int, warmup: int, top_ops: int = 0) -> dict:
+def measure(llm: LLM, length: int, steps: int, warmup: int, top_ops: int = 0, top_kernels: int = 0) -> dict:
     """One request with an L-token random prompt: prefill, `warmup` steps, then `steps` timed steps (wall) and
     `steps` profiled steps (GPU busy)."""
     engine = llm.engine
@@ -114,7 +122,7 @@ def measure(llm: LLM, length: int, steps: int, warmup: int, top_ops: int = 0) ->
     sync()
     wall = (time.perf_counter() - t0) / steps
     tau = (len(req.output_token_ids) - tokens0) / steps
-    busy, kernels = gpu_busy(lambda: [engine.step() for _ in range(steps)], top_ops)
+    busy, kernels = gpu_busy(lambda: [engine.step() for _ in range(steps)], top_ops, top_kernels, steps)
     engine.abort(rid)
     engine.step()
     return dict(wall_ms=wall * 1e3, gpu_busy_ms=busy / steps * 1e3, gpu_idle_ms=(wall - busy / steps) * 1e3,
@@ -146,6 +154,7 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=8)
     p.add_argument("--enforce-eager", action="store_true")
     p.add_argument("--top-ops", type=int, default=0, help="print the N host operators with most self CPU time")
+    p.add_argument("--top-kernels", type=int, default=0, help="print the N device kernels with most time per step")
     args = p.parse_args()
 
     model, load_format = args.model, "auto"
@@ -181,7 +190,8 @@ def main() -> None:
             r = dict(bench="step", shape=("qwen3-8b" if args.qwen3_8b else "smollm2" if args.smollm2 else
                                           args.dummy_config or model), eager=args.enforce_eager, async_scheduling=overlap,
                      drafter=(args.drafter + (" chain" if args.chain else "")) if budget else "none", L=length, B=budget,
-                     **measure(llm, length, args.steps, args.warmup, args.top_ops if budget else 0))
+                     **measure(llm, length, args.steps, args.warmup, args.top_ops if budget else 0,
+                                 args.top_kernels if overlap else 0))
             rows.append(r)
             print(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in r.items()}), flush=True)
         del llm

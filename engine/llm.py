@@ -69,14 +69,19 @@ class LLM:
         """SamplingParams with the checkpoint's generation_config.json defaults (temperature, top_p, ...)."""
         return SamplingParams(**self.engine.default_sampling)
 
-    def generate(self, prompts, sampling: SamplingParams | None = None, chat: bool = False) -> list[GenerationOutput]:
-        """prompts: a string, a list of strings, a list of token ids, or a list of token-id lists. Without
-        `sampling`, the checkpoint's generation_config.json defaults apply."""
+    def generate(self, prompts, sampling: SamplingParams | list[SamplingParams] | None = None,
+                 chat: bool = False) -> list[GenerationOutput]:
+        """prompts: a string, a list of strings, a list of token ids, or a list of token-id lists. sampling: one
+        SamplingParams for every prompt or a list of one per prompt; without it, the checkpoint's
+        generation_config.json defaults apply."""
         sampling = sampling or self.default_sampling_params()
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         token_lists = [p if isinstance(p, list) else self.encode(p, chat) for p in prompts]
-        ids = [self.engine.add_request(t, SamplingParams(**vars(sampling))) for t in token_lists]
+        per_prompt = sampling if isinstance(sampling, list) else [sampling] * len(token_lists)
+        if len(per_prompt) != len(token_lists):
+            raise ValueError(f"{len(per_prompt)} sampling parameters for {len(token_lists)} prompts")
+        ids = [self.engine.add_request(t, SamplingParams(**vars(sp))) for t, sp in zip(token_lists, per_prompt)]
         tokens = {rid: [] for rid in ids}
         texts = {rid: [] for rid in ids}
         logprobs = {rid: [] for rid in ids}
@@ -95,14 +100,14 @@ class LLM:
             steps += 1
         elapsed = time.perf_counter() - start
         results = []
-        detokenized = sampling.detokenize and self.tokenizer is not None
-        for rid, prompt_ids in zip(ids, token_lists):
+        for rid, prompt_ids, sp in zip(ids, token_lists, per_prompt):
+            detokenized = sp.detokenize and self.tokenizer is not None
             out = done[rid]
             stats = {"elapsed_s": elapsed, "steps": steps}
             if out.accept_lengths:
                 stats["spec"] = spec_summary(out.accept_lengths)
             results.append(GenerationOutput(prompt_ids, tokens[rid], "".join(texts[rid]) if detokenized else None,
-                                            out.finish_reason, logprobs[rid] if sampling.logprobs is not None else None,
+                                            out.finish_reason, logprobs[rid] if sp.logprobs is not None else None,
                                             stats, out.stop_reason))
         return results
 

@@ -122,3 +122,15 @@ def test_prefix_cache_after_speculative_request_hits_generated_blocks(reference)
     cold = LLM(folder, dtype="fp32", enable_prefix_caching=False).generate(
         [follow_up], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))[0]
     assert out == cold.token_ids
+
+
+def test_generate_takes_one_sampling_params_per_prompt(reference):
+    folder, ref = reference
+    llm = LLM(folder, dtype="fp32")
+    ps = prompts()[:2]
+    params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True, logprobs=lp) for n, lp in ((3, None), (5, 1))]
+    first, second = llm.generate(ps, params)
+    assert first.token_ids == ref[0][:3] and second.token_ids == ref[1][:5]
+    assert first.logprobs is None and len(second.logprobs) == 5
+    with pytest.raises(ValueError, match="2 sampling parameters for 3 prompts"):
+        llm.generate(prompts()[:3], params)

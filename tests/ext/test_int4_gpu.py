@@ -33,6 +33,14 @@ def assert_close(got, want) -> int:
     return assert_close_to_reference(got, want, MIN_TOP1_AGREEMENT, MEAN_LOGPROB_TOL, MAX_LOGPROB_TOL)
 
 
+def _packed(out_dim: int, in_dim: int, group: int, seed: int):
+    """Random int4 values packed by compressed-tensors, and random positive group scales."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randint(-8, 8, (out_dim, in_dim), generator=g, dtype=torch.int8)
+    scale = torch.rand(out_dim, -(-in_dim // group), generator=g) * 0.02 + 1e-3
+    return pack_to_int32(q, 4), scale
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("rows", [1, 2, 3, 5, 8])
 @pytest.mark.parametrize("out_dim,in_dim,group", [(7, 264, 8), (4096, 4096, 128), (1000, 2048, 32),

@@ -7,6 +7,7 @@ Prints one JSON line per run; not a test.
 
     python bench/e2e.py --model SmolLM2.gguf --batch 1 8 32 64
     python bench/e2e.py --qwen3-8b --batch 1 16          # Qwen3-8B shape, dummy bf16 weights
+    python bench/e2e.py --smollm2-shape --batch 1 64     # SmolLM2-135M shape, dummy bf16 weights
 """
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch  # noqa: E402
 
-from bench.gpu_serving import QWEN3_8B  # noqa: E402
+from bench.gpu_serving import QWEN3_8B, SMOLLM2_135M  # noqa: E402
 from engine import LLM, SamplingParams  # noqa: E402
 from engine.speculative.oracle import OracleDrafter  # noqa: E402
 
@@ -124,6 +125,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default=None, help="HF folder or GGUF (ours and transformers)")
     p.add_argument("--qwen3-8b", action="store_true", help="a Qwen3-8B-shaped model with dummy bf16 weights")
+    p.add_argument("--smollm2-shape", action="store_true", help="a SmolLM2-135M-shaped model with dummy bf16 weights")
     p.add_argument("--device", default="cuda")
     p.add_argument("--batch", type=int, nargs="+", default=[1, 8, 32, 64])
     p.add_argument("--prompt-len", type=int, default=512)
@@ -134,12 +136,14 @@ def main() -> None:
     args = p.parse_args()
     import transformers
 
-    if args.qwen3_8b:
-        folder = tempfile.mkdtemp(prefix="qwen3-8b-shape-")
+    shape = QWEN3_8B if args.qwen3_8b else SMOLLM2_135M if args.smollm2_shape else None
+    if shape is not None:
+        folder = tempfile.mkdtemp(prefix="dummy-shape-")
         with open(os.path.join(folder, "config.json"), "w") as f:
-            json.dump(QWEN3_8B, f)
+            json.dump(shape, f)
         run_ours(args, folder, "dummy")
-        config = transformers.Qwen3Config(**{k: v for k, v in QWEN3_8B.items() if k not in ("architectures",)})
+        fields = {k: v for k, v in shape.items() if k not in ("architectures", "model_type")}
+        config = transformers.AutoConfig.for_model(shape["model_type"], **fields)
         hf_source = lambda: transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)  # noqa: E731
     else:
         run_ours(args, args.model, "auto")

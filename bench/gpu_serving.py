@@ -24,6 +24,11 @@ QWEN3_8B = {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "hidde
             "intermediate_size": 12288, "num_hidden_layers": 36, "num_attention_heads": 32, "num_key_value_heads": 8,
             "head_dim": 128, "vocab_size": 151936, "max_position_embeddings": 40960, "rope_theta": 1000000.0,
             "rms_norm_eps": 1e-6, "tie_word_embeddings": False, "hidden_act": "silu", "torch_dtype": "bfloat16"}
+SMOLLM2_135M = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 576,
+                "intermediate_size": 1536, "num_hidden_layers": 30, "num_attention_heads": 9,
+                "num_key_value_heads": 3, "head_dim": 64, "hidden_act": "silu", "rms_norm_eps": 1e-05,
+                "max_position_embeddings": 65536, "vocab_size": 49152, "tie_word_embeddings": True,
+                "rope_theta": 100000.0, "torch_dtype": "bfloat16"}
 COPY_PROMPT = ("Repeat this list exactly, twice: apple, banana, cherry, date, elderberry, fig, grape, honeydew, "
                "kiwi, lemon, mango, nectarine, orange, papaya, quince, raspberry, strawberry, tangerine.")
 

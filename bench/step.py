@@ -26,15 +26,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch  # noqa: E402
 
-from bench.gpu_serving import QWEN3_8B  # noqa: E402
+from bench.gpu_serving import QWEN3_8B, SMOLLM2_135M  # noqa: E402
 from engine import LLM, SamplingParams  # noqa: E402
-
-SMOLLM2_135M = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 576,
-                "intermediate_size": 1536, "num_hidden_layers": 30, "num_attention_heads": 9,
-                "num_key_value_heads": 3, "head_dim": 64, "hidden_act": "silu", "rms_norm_eps": 1e-05,
-                "max_position_embeddings": 65536, "vocab_size": 49152, "tie_word_embeddings": True,
-                "rope_theta": 100000.0, "torch_dtype": "bfloat16"}
-
 
 class FixedTreeDrafter:
     """Proposes the same K random tokens per depth every step, from tensors made once per batch size: a full
@@ -190,7 +183,7 @@ def main() -> None:
             r = dict(bench="step", shape=("qwen3-8b" if args.qwen3_8b else "smollm2" if args.smollm2 else
                                           args.dummy_config or model), eager=args.enforce_eager, async_scheduling=overlap,
                      drafter=(args.drafter + (" chain" if args.chain else "")) if budget else "none", L=length, B=budget,
-                     **measure(llm, length, args.steps, args.warmup, args.top_ops if budget else 0,
+                     **measure(llm, length, args.steps, args.warmup, args.top_ops if overlap else 0,
                                  args.top_kernels if overlap else 0))
             rows.append(r)
             print(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in r.items()}), flush=True)

@@ -84,6 +84,10 @@ class CudaGraphs:
         self.scratch = torch.tensor(scratch_blocks, dtype=torch.int32, device=device)
         self.scratch_slots = (self.scratch.long()[:, None] * block_size
                               + torch.arange(block_size, device=device)).reshape(-1)
+        # each width's request offsets (i * w), on the device once
+        self._starts = {w: torch.arange(seqs + 1, device=device) * w for w in {1, *self.widths}}
+        self._columns = torch.arange(max(self.widths), device=device)  # a row's index inside its request
+        self._layout: tuple | None = None  # (num_seqs, n, w, width) of the last replay: its padding is in place
         self.graphs: dict[tuple[int, int], _Captured] = {}
         self.pool = None
         self.emulate = emulate
@@ -119,6 +123,7 @@ class CudaGraphs:
                                               capture_layer_ids=self.capture_layer_ids)
             self.pool = graph.pool()
             self.graphs[n, w] = _Captured(graph, hidden, captured)
+        self._layout = None  # capture wrote every bucket's padding
         torch.cuda.synchronize(self.device)
         logger.info("captured %d CUDA graphs (batch sizes %s, verify widths %s) in %.1f s", len(self.graphs),
                     self.batch_sizes, self.widths, time.perf_counter() - t0)
@@ -132,22 +137,31 @@ class CudaGraphs:
     def run(self, input_ids: torch.Tensor, meta: AttentionMetadata, num_seqs: int, width: int
             ) -> tuple[torch.Tensor, list[torch.Tensor]] | None:
         """Replays the bucket for a step of num_seqs requests x width rows (inputs laid out request-major, as
-        engine.inputs builds them); returns the first num_seqs * width rows of hidden and captured layers, or
-        None when no bucket fits."""
+        engine.inputs builds them); returns the first num_seqs * width rows of hidden and captured layers (for
+        plain decoding, views of the graph's output buffers, valid until the next replay), or None when no bucket
+        fits."""
         key = self.bucket(num_seqs, width)
         if key is None:
             return None
         n, w = key
-        rows = torch.arange(num_seqs, device=self.device)[:, None] * w + torch.arange(width, device=self.device)
-        rows = rows.reshape(-1)  # where the step's rows go in the padded layout
-        self._fill_padding(num_seqs, n, w, width)
-        self.input_ids.index_copy_(0, rows, input_ids)
-        self.positions.index_copy_(0, rows, meta.positions)
-        self.slot_mapping.index_copy_(0, rows, meta.slot_mapping)
-        self.query_start_loc[:num_seqs + 1].copy_(torch.arange(num_seqs + 1, device=self.device) * w)
-        self.seq_lens[:num_seqs].copy_(meta.seq_lens + (w - width))
-        self.block_tables[:num_seqs].zero_()
-        self.block_tables[:num_seqs, :meta.block_tables.shape[1]].copy_(meta.block_tables)
+        layout = (num_seqs, n, w, width)
+        if layout != self._layout:  # padding rows and request offsets stay in place while the layout repeats
+            self._fill_padding(num_seqs, n, w, width)
+            self.query_start_loc[:num_seqs + 1].copy_(self._starts[w][:num_seqs + 1])
+            self._layout = layout
+        if w == 1:  # plain decoding: the step's rows are the first num_seqs rows
+            rows = None
+            self.input_ids[:num_seqs].copy_(input_ids)
+            self.positions[:num_seqs].copy_(meta.positions)
+            self.slot_mapping[:num_seqs].copy_(meta.slot_mapping)
+        else:
+            rows = (self._starts[w][:num_seqs, None] + self._columns[:width]).reshape(-1)  # rows in the layout
+            self.input_ids.index_copy_(0, rows, input_ids)
+            self.positions.index_copy_(0, rows, meta.positions)
+            self.slot_mapping.index_copy_(0, rows, meta.slot_mapping)
+        self.seq_lens[:num_seqs].copy_(meta.seq_lens if w == width else meta.seq_lens + (w - width))
+        self.block_tables[:num_seqs, :meta.block_tables.shape[1]].copy_(meta.block_tables)  # columns past a
+        # request's last block are never read (the kernels stop at its length)
         if w > 1:
             mask = self.tree_masks[w]
             mask[:num_seqs * w].copy_(self._padded_mask(meta, num_seqs, width, w))
@@ -157,10 +171,13 @@ class CudaGraphs:
             meta.seq_lens_host = self.seq_lens[:n].tolist()
             hidden, layers = self.model(self.input_ids[:n * w], meta, self.kv_caches,
                                         capture_layer_ids=self.capture_layer_ids)
-            return hidden.index_select(0, rows), [c.index_select(0, rows) for c in layers]
-        captured = self.graphs[key]
-        captured.graph.replay()
-        return captured.hidden.index_select(0, rows), [c.index_select(0, rows) for c in captured.captured]
+        else:
+            captured = self.graphs[key]
+            captured.graph.replay()
+            hidden, layers = captured.hidden, captured.captured
+        if rows is None:
+            return hidden[:num_seqs], [c[:num_seqs] for c in layers]
+        return hidden.index_select(0, rows), [c.index_select(0, rows) for c in layers]
 
     def _padded_mask(self, meta: AttentionMetadata, num_seqs: int, width: int, w: int) -> torch.Tensor:
         """The step's [num_seqs * width, width] visibility in the bucket's [num_seqs * w, w] layout: each request's

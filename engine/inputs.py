@@ -47,9 +47,9 @@ def prepare_inputs(plain: list[ScheduledSeq], batch: TreeBatch | None, block_siz
         tables.append(req.block_ids)
     tree_row0 = len(ids)
     tree_ids = tree_pos = tree_vis = tree_slots = None
+    starts, tree_slot_list = [], []
     if batch is not None:
-        width, starts = batch.width, []
-        tree_slot_list = []
+        width = batch.width
         for s in batch.seqs:
             req, start = s.request, s.request.num_computed_tokens
             starts.append(start)
@@ -57,17 +57,24 @@ def prepare_inputs(plain: list[ScheduledSeq], batch: TreeBatch | None, block_siz
             query_lens.append(width)
             seq_lens.append(start + width)
             tables.append(req.block_ids)
-        tree_ids, tree_pos, tree_vis = Speculator.verify_rows(batch, stage(starts))
-        tree_slots = stage(tree_slot_list).view(batch.num_requests, width)
-    input_ids = _concat(stage(ids), tree_ids)
+    num_cols = max((len(t) for t in tables), default=1) or 1
+    table = [b for t in tables for b in (*t, *[0] * (num_cols - len(t)))]
+    # two host-to-device copies for the whole step: the int64 arrays, then the int32 ones
+    ids_d, pos_d, slots_d, starts_d, tree_slots_d, offsets_d = stage.pack(
+        [ids, positions, slots, starts, tree_slot_list, offsets if batch is not None else []])
+    qsl_d, seq_lens_d, table_d = stage.pack([_cumulative(query_lens), seq_lens, table], torch.int32)
+    if batch is not None:
+        tree_ids, tree_pos, tree_vis = Speculator.verify_rows(batch, starts_d)
+        tree_slots = tree_slots_d.view(batch.num_requests, batch.width)
+    input_ids = _concat(ids_d, tree_ids)
     meta = AttentionMetadata(
-        positions=_concat(stage(positions), tree_pos),
-        slot_mapping=_concat(stage(slots), tree_slots.reshape(-1) if tree_slots is not None else None),
-        query_start_loc=stage(_cumulative(query_lens), torch.int32),
-        seq_lens=stage(seq_lens, torch.int32),
-        block_tables=stage(_block_table(tables), torch.int32),
+        positions=_concat(pos_d, tree_pos),
+        slot_mapping=_concat(slots_d, tree_slots.reshape(-1) if tree_slots is not None else None),
+        query_start_loc=qsl_d,
+        seq_lens=seq_lens_d,
+        block_tables=table_d.view(len(tables), num_cols),
         block_size=block_size,
-        tree_mask=_tree_mask(stage(offsets) if tree_vis is not None else None, tree_vis,
+        tree_mask=_tree_mask(offsets_d if tree_vis is not None else None, tree_vis,
                              max(query_lens, default=1), device),
         query_lens_host=query_lens,
         seq_lens_host=seq_lens,
@@ -84,15 +91,6 @@ def _cumulative(lengths: list[int]) -> list[int]:
     for n in lengths:
         out.append(out[-1] + n)
     return out
-
-
-def _block_table(tables: list[list[int]]) -> torch.Tensor:
-    width = max((len(t) for t in tables), default=1) or 1
-    table = torch.zeros(len(tables), width, dtype=torch.int32)
-    for i, blocks in enumerate(tables):
-        if blocks:
-            table[i, :len(blocks)] = torch.tensor(blocks, dtype=torch.int32)
-    return table
 
 
 def _tree_mask(offsets: torch.Tensor | None, tree_vis: torch.Tensor | None, max_q: int, device

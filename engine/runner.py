@@ -157,7 +157,10 @@ class ModelRunner:
                 ahead: list[int]) -> tuple[SampleOutput, Walk | None]:
         """Logits of every sampled row -> tokens (and, for the trees, the walk and the KV compaction). ahead: per
         sampled plain row, tokens its request runs past its committed output (its row's depth)."""
-        rows = self.staging([r for _, r in sampling])
+        row_ids = [r for _, r in sampling]
+        # plain decoding: the sampled rows are the first ones, a slice (no index tensor, no gather)
+        rows = slice(0, len(row_ids)) if batch is None and row_ids == list(range(len(row_ids))) \
+            else self.staging(row_ids)
         requests, num_rows = [req for req, _ in sampling], [1] * len(sampling)
         depths = self.staging(ahead) if any(ahead) else None
         tree_tokens = tree_vis = None
@@ -289,7 +292,9 @@ class _ResultCopy:
             parts.append(out.chosen_logprobs)
             if out.top_ids is not None:
                 parts += [out.top_logprobs, out.top_ids]
-        packed = torch.cat([p.reshape(-1).to(torch.float64) for p in parts])
+        # one part (plain decoding without logprobs): copied as it is; several: packed as float64 (exact for ids)
+        packed = parts[0].reshape(-1) if len(parts) == 1 else torch.cat([p.reshape(-1).to(torch.float64)
+                                                                          for p in parts])
         self.event = None
         if packed.is_cuda:
             self.host = packed.to("cpu", non_blocking=True)  # into pinned memory

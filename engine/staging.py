@@ -43,3 +43,14 @@ class Staging:
         region.copy_(host.reshape(-1))
         self._offsets[dtype] = offset + n
         return region.view(host.shape).to(self.device, non_blocking=True)
+
+    def pack(self, arrays: list[list], dtype: torch.dtype = torch.int64) -> list[torch.Tensor]:
+        """Device tensors holding each flat list of `arrays`, staged in one host-to-device copy (each a view of
+        it)."""
+        flat = [v for a in arrays for v in a]
+        device = self(flat, dtype)
+        out, pos = [], 0
+        for a in arrays:
+            out.append(device[pos:pos + len(a)])
+            pos += len(a)
+        return out

@@ -69,7 +69,9 @@ def test_emulated_graph_layout_equals_eager_for_ddtree(tiny_checkpoints, batch, 
     ref = greedy(LLM(folder, dtype="fp32"), ps)
     oracle = OracleDrafter(golden_lookup([(p + r, len(p)) for p, r in zip(ps, ref)]), 1000, horizon=7,
                            noise=0.3, noise_rank=2, seed=1)
-    llm = LLM(folder, dtype="fp32", drafter=oracle, spec_budget=budget, adaptive=False, max_num_seqs=32)
+    # one request a step (max_num_seqs 1) has fewer padded requests than a tree has rows
+    llm = LLM(folder, dtype="fp32", drafter=oracle, spec_budget=budget, adaptive=False,
+              max_num_seqs=1 if batch == 1 else 32)
     llm.engine.enable_graphs(emulate=True)
     walks = []
     walk = speculator.Speculator.walk

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
-from engine.speculative.adaptive import PROBE_BUDGET, BudgetController
+from engine.speculative.adaptive import MIN_GAIN, PROBE_BUDGET, BudgetController
 from engine.speculative.oracle import OracleDrafter
 from tests.speculative.test_ddtree_e2e import golden_lookup, prompts
 
@@ -47,9 +47,11 @@ def test_budget_falls_to_zero_for_a_drafter_that_never_matches(tiny_checkpoints)
 
 
 def test_budget_rises_for_a_drafter_that_always_matches(tiny_checkpoints, monkeypatch):
-    # the oracle's Python lookups can cost more than a tiny-model step on a busy host; drafting cost has its
-    # own tests below, this one is about acceptance
+    # the oracle's Python lookups can cost more than a tiny-model step on a busy host, and a verify row of a
+    # tiny model on two busy cores can cost about what a token is worth; drafting and row costs have their own
+    # tests below (test_controller_threshold_follows_the_measured_row_cost, ...), this one is about acceptance
     monkeypatch.setattr(BudgetController, "draft_tokens", lambda self: 0.0)
+    monkeypatch.setattr(BudgetController, "threshold", lambda self: MIN_GAIN)
     folder, _ = tiny_checkpoints("llama")
     ref = greedy(LLM(folder, dtype="fp32"))
     oracle = OracleDrafter(golden_lookup([(p + r, len(p)) for p, r in zip(prompts(), ref)]), 1000, horizon=7)

@@ -383,6 +383,9 @@ class EngineCore:
         self._last_ready = ready
         result.timings["schedule"] = launched.schedule_time
         live = [s for s in plan.seqs if not s.request.finished]  # finished while the step ran: nothing to emit
+        if not live:  # a step run ahead for requests that all finished before it: its work is dropped
+            self.last_stats = None
+            return []
         before = {s.request.request_id: len(s.request.output_token_ids) for s in live}
         self._observe_budgets(plan, result, seconds)
         self.scheduler.update(plan, result)

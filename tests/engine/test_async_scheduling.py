@@ -62,6 +62,19 @@ def test_greedy_output_equals_synchronous_steps(tiny_checkpoints, batch, graphs)
     assert [len(o) for o in out] == [p.max_tokens for p in params]
 
 
+def test_a_step_run_ahead_for_finished_requests_reports_nothing(tiny_checkpoints):
+    folder, _ = tiny_checkpoints("llama")
+    core = engine(folder, True).engine
+    rid = core.add_request(prompts(1)[0], SamplingParams(max_tokens=8, temperature=0, stop_token_ids=[0]))
+    while core.inflight is None:
+        core.step()
+    core.abort(rid)  # the step in flight was launched for it
+    assert not core.has_unfinished() and core.inflight is not None
+    core.add_request(prompts(2)[1], SamplingParams(max_tokens=2, temperature=0, ignore_eos=True))
+    assert core.step() == [] and core.last_stats is None  # the dropped step: no deltas, no step statistics
+    assert core.inflight is None
+
+
 def test_stop_tokens_and_seeded_sampling_equal_synchronous_steps(tiny_checkpoints):
     folder, _ = tiny_checkpoints("llama")
     ps = prompts(4)

@@ -62,7 +62,9 @@ def ask(client, model: str, what: str, schema: dict, temperature: float) -> tupl
     return out.choices[0].message.content, out.choices[0].finish_reason
 
 
-@pytest.mark.parametrize("which", ["server", "plain_server"])  # n-gram DDTree on / speculation off
+# n-gram DDTree on / speculation off (plain constrained decoding keeps its own default-run test beside the tree
+# builder's, tests/speculative/test_grammar_tree.py: the twenty schemas there run under `make test-all`)
+@pytest.mark.parametrize("which", ["server", pytest.param("plain_server", marks=pytest.mark.extended)])
 def test_twenty_schemas_always_valid(request, which, model_name):
     live = request.getfixturevalue(which)
     with openai.OpenAI(base_url=live.base_url + "/v1", api_key=live.api_key or "unused", max_retries=0,

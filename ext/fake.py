@@ -76,6 +76,10 @@ def register() -> None:
     def _(q, k, cos, sin):
         return None
 
+    @fake("ddtree::rope_write_kv")
+    def _(q, k, v, cos, sin, k_cache, v_cache, slot_mapping):
+        return None
+
     @fake("ddtree::silu_and_mul")
     def _(x):
         return x.new_empty((x.shape[0], x.shape[1] // 2))

@@ -221,6 +221,25 @@ def int4_dequantize(packed: torch.Tensor, scale: torch.Tensor, group_size: int, 
     return reference.int4_dequantize(packed, scale, group_size, dtype)
 
 
+def rope_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                  k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """rope_inplace(q, k, cos, sin) then write_kv_pair(k_cache, v_cache, k, v, slot_mapping) in one launch, for
+    caches [blocks, block_size, Hk, D] in q's dtype; other caches (another dtype) take the two ops."""
+    ops = _cuda_ops(q)
+    if (ops is not None and q.dim() == 3 and k.dim() == 3 and v.shape == k.shape and cos.dim() == 2
+            and q.dtype in _FLOATS and k.dtype == q.dtype and v.dtype == q.dtype and cos.dtype == q.dtype
+            and sin.dtype == q.dtype and k_cache.dtype == q.dtype and v_cache.dtype == q.dtype
+            and q.stride(-1) == 1 and k.stride(-1) == 1 and v.stride(-1) == 1 and q.shape[-1] % 2 == 0
+            and k_cache.dim() == 4 and k_cache.shape == v_cache.shape and k_cache.shape[2:] == k.shape[1:]
+            and k_cache.is_contiguous() and v_cache.is_contiguous() and slot_mapping.dtype == torch.int64
+            and all(t.device == q.device for t in (k, v, cos, sin, k_cache, v_cache, slot_mapping))):
+        _served("rope_write_kv", ops)
+        ops.rope_write_kv(q, k, v, _rows(cos), _rows(sin), k_cache, v_cache, slot_mapping.contiguous())
+        return
+    rope_inplace(q, k, cos, sin)
+    write_kv_pair(k_cache, v_cache, k, v, slot_mapping)
+
+
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """x [..., 2I] (the fused gate_up projection) -> silu(x[..., :I]) * x[..., I:] [..., I]."""
     ops = _cuda_ops(x)

@@ -66,7 +66,7 @@ class GQAttention(nn.Module):
         v = v.reshape(num_tokens, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        ops.rope_inplace(q, k, cos, sin)  # q/k are views of the projection's output (or the norms' fresh outputs)
-        ops.write_kv_pair(kv_cache[0], kv_cache[1], k, v, meta.slot_mapping)
+        # q/k are views of the projection's output (or the norms' fresh outputs): roped in place, k and v cached
+        ops.rope_write_kv(q, k, v, cos, sin, kv_cache[0], kv_cache[1], meta.slot_mapping)
         out = ops.paged_attention(q, kv_cache[0], kv_cache[1], meta, self.scale)
         return self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_dim))

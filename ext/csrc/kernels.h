@@ -120,6 +120,13 @@ struct RopeParams {
   const void* sin;
   int64_t cos_stride_t, sin_stride_t;
   int num_tokens, num_q_heads, num_k_heads, head_dim;
+  // optional (k_cache != nullptr): also write the roped k and v [T, Hk, D] into contiguous caches of the same
+  // dtype, [num_slots, Hk, D], at slots[t] (-1 skipped): rope and the K+V cache write in one launch
+  void* k_cache;
+  void* v_cache;
+  const void* v;
+  int64_t v_stride_t, v_stride_h;
+  const int64_t* slots;
 };
 cudaError_t rope_inplace(const RopeParams& p, DType dtype, cudaStream_t stream);
 

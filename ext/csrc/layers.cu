@@ -121,10 +121,15 @@ __global__ void __launch_bounds__(WARP_ROW ? 32 * kNormWarpRows : kNormMaxThread
   }
 }
 
+// A warp per row serves many rows; a decode step's few rows get a block each, one vector a thread, so all of a
+// row's loads are in flight at once (a lone warp looping over a SmolLM2 row of 576 took 4 us on the H200,
+// bench/step.py --top-kernels). Rows one warp covers in a single pass stay warp per row.
+constexpr int64_t kNormWarpRowMinRows = 132;
+
 template <typename T, typename W, int VEC>
 cudaError_t rms_norm_launch(const RmsNormParams& p, cudaStream_t stream) {
   const int nvec = p.hidden / VEC;
-  if (nvec <= 32 * kNormCached) {
+  if (nvec <= 32 * kNormCached && (nvec <= 32 || p.rows >= kNormWarpRowMinRows)) {
     const int64_t blocks = (p.rows + kNormWarpRows - 1) / kNormWarpRows;
     rms_norm_kernel<T, W, VEC, true><<<static_cast<unsigned>(blocks), 32 * kNormWarpRows, 0, stream>>>(p);
   } else {
@@ -157,13 +162,25 @@ cudaError_t rms_norm_weight(const RmsNormParams& p, DType wd, cudaStream_t strea
 // ---- rotary embedding ------------------------------------------------------------------------------------------
 // One block per token; items are (head of q or k, VEC pairs (i, i + half)). out_i = x_i*cos_i - x_{i+h}*sin_i,
 // out_{i+h} = x_{i+h}*cos_{i+h} + x_i*sin_{i+h}, each product and the sum rounded to T as the eager code does.
+// With a cache (p.k_cache): roped k rows are also stored at the token's slot, and further items copy v's VEC-wide
+// chunks there, so rope and the K+V cache write are one launch.
 template <typename T, int VEC>
 __global__ void __launch_bounds__(256) rope_kernel(RopeParams p) {
   const int64_t t = blockIdx.x;
-  const int half = p.head_dim / 2, chunks = half / VEC, items = (p.num_q_heads + p.num_k_heads) * chunks;
+  const int half = p.head_dim / 2, chunks = half / VEC, rope_items = (p.num_q_heads + p.num_k_heads) * chunks;
+  const int64_t slot = p.k_cache != nullptr ? p.slots[t] : -1;
+  const int items = rope_items + (slot >= 0 ? p.num_k_heads * 2 * chunks : 0);
+  const int64_t cache_row = slot * p.num_k_heads * p.head_dim;
   const T* cos = static_cast<const T*>(p.cos) + t * p.cos_stride_t;
   const T* sin = static_cast<const T*>(p.sin) + t * p.sin_stride_t;
   for (int it = threadIdx.x; it < items; it += blockDim.x) {
+    if (it >= rope_items) {  // a chunk of v into the cache
+      const int j = it - rope_items, h = j / (2 * chunks), c = (j % (2 * chunks)) * VEC;
+      const T* src = static_cast<const T*>(p.v) + t * p.v_stride_t + h * p.v_stride_h + c;
+      T* dst = static_cast<T*>(p.v_cache) + cache_row + h * p.head_dim + c;
+      *reinterpret_cast<Pack<T, VEC>*>(dst) = *reinterpret_cast<const Pack<T, VEC>*>(src);
+      continue;
+    }
     const int h = it / chunks, c = (it % chunks) * VEC;
     T* x = h < p.num_q_heads ? static_cast<T*>(p.q) + t * p.q_stride_t + h * p.q_stride_h
                              : static_cast<T*>(p.k) + t * p.k_stride_t + (h - p.num_q_heads) * p.k_stride_h;
@@ -181,6 +198,11 @@ __global__ void __launch_bounds__(256) rope_kernel(RopeParams p) {
     }
     store_f<T, VEC>(x + c, o1);
     store_f<T, VEC>(x + half + c, o2);
+    if (h >= p.num_q_heads && slot >= 0) {
+      T* dst = static_cast<T*>(p.k_cache) + cache_row + (h - p.num_q_heads) * p.head_dim;
+      store_f<T, VEC>(dst + c, o1);
+      store_f<T, VEC>(dst + half + c, o2);
+    }
   }
 }
 
@@ -188,10 +210,14 @@ template <typename T>
 cudaError_t rope_typed(const RopeParams& p, cudaStream_t stream) {
   constexpr int V = 16 / sizeof(T);
   const int half = p.head_dim / 2;
-  const bool vec = half % V == 0 && p.q_stride_t % V == 0 && p.q_stride_h % V == 0 && p.k_stride_t % V == 0 &&
-                   p.k_stride_h % V == 0 && p.cos_stride_t % V == 0 && p.sin_stride_t % V == 0 && aligned(p.q, 16) &&
-                   aligned(p.k, 16) && aligned(p.cos, 16) && aligned(p.sin, 16);
-  const int items = (p.num_q_heads + p.num_k_heads) * (vec ? half / V : half);
+  bool vec = half % V == 0 && p.q_stride_t % V == 0 && p.q_stride_h % V == 0 && p.k_stride_t % V == 0 &&
+             p.k_stride_h % V == 0 && p.cos_stride_t % V == 0 && p.sin_stride_t % V == 0 && aligned(p.q, 16) &&
+             aligned(p.k, 16) && aligned(p.cos, 16) && aligned(p.sin, 16);
+  if (p.k_cache != nullptr)
+    vec = vec && p.v_stride_t % V == 0 && p.v_stride_h % V == 0 && aligned(p.v, 16) && aligned(p.k_cache, 16) &&
+          aligned(p.v_cache, 16);
+  const int cache_items = p.k_cache != nullptr ? p.num_k_heads * p.head_dim : 0;  // v chunks, counted in pairs
+  const int items = (p.num_q_heads + p.num_k_heads) * (vec ? half / V : half) + (vec ? cache_items / V : cache_items);
   const int threads = items >= 256 ? 256 : (items + 31) / 32 * 32;
   if (vec) rope_kernel<T, V><<<p.num_tokens, threads, 0, stream>>>(p);
   else rope_kernel<T, 1><<<p.num_tokens, threads, 0, stream>>>(p);

@@ -74,24 +74,23 @@ std::tuple<Tensor, Tensor> fused_add_rmsnorm(Tensor x, Tensor residual, Tensor w
   return {out, new_residual};
 }
 
-void rope_inplace(Tensor q, Tensor k, Tensor cos, Tensor sin) {
+// Checks q [T, Hq, D], k [T, Hk, D], cos / sin [T, D] and fills the rope part of the parameters.
+ddtree::RopeParams rope_params(const Tensor& q, const Tensor& k, const Tensor& cos, const Tensor& sin, const char* op) {
   CHECK_CUDA(q); CHECK_CUDA(k); CHECK_CUDA(cos); CHECK_CUDA(sin);
   check_float(q, "q");
   TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && cos.dim() == 2 && sin.dim() == 2,
-              "ddtree::rope_inplace: q [T, Hq, D], k [T, Hk, D], cos and sin [T, D]");
+              "ddtree::", op, ": q [T, Hq, D], k [T, Hk, D], cos and sin [T, D]");
   const int64_t T = q.size(0), D = q.size(2);
   TORCH_CHECK(k.size(0) == T && cos.size(0) == T && sin.size(0) == T && k.size(2) == D && cos.size(1) == D &&
-              sin.size(1) == D && D % 2 == 0, "ddtree::rope_inplace: shapes do not match (or an odd head_dim)");
+              sin.size(1) == D && D % 2 == 0, "ddtree::", op, ": shapes do not match (or an odd head_dim)");
   TORCH_CHECK(k.scalar_type() == q.scalar_type() && cos.scalar_type() == q.scalar_type() &&
-              sin.scalar_type() == q.scalar_type(), "ddtree::rope_inplace: q, k, cos and sin must share a dtype");
+              sin.scalar_type() == q.scalar_type(), "ddtree::", op, ": q, k, cos and sin must share a dtype");
   TORCH_CHECK(k.device() == q.device() && cos.device() == q.device() && sin.device() == q.device(),
-              "ddtree::rope_inplace: all inputs must be on one device");
+              "ddtree::", op, ": all inputs must be on one device");
   TORCH_CHECK(q.stride(2) == 1 && k.stride(2) == 1 && cos.stride(1) == 1 && sin.stride(1) == 1,
-              "ddtree::rope_inplace: last dims must be contiguous");
+              "ddtree::", op, ": last dims must be contiguous");
   TORCH_CHECK(T < (int64_t{1} << 31) && q.size(1) + k.size(1) < (int64_t{1} << 20) && D < (int64_t{1} << 20),
-              "ddtree::rope_inplace: too many tokens or heads");
-  if (T == 0) return;
-  c10::cuda::CUDAGuard guard(q.device());
+              "ddtree::", op, ": too many tokens or heads");
   ddtree::RopeParams p{};
   p.q = q.data_ptr(); p.q_stride_t = q.stride(0); p.q_stride_h = q.stride(1);
   p.k = k.data_ptr(); p.k_stride_t = k.stride(0); p.k_stride_h = k.stride(1);
@@ -100,7 +99,39 @@ void rope_inplace(Tensor q, Tensor k, Tensor cos, Tensor sin) {
   p.num_q_heads = static_cast<int>(q.size(1));
   p.num_k_heads = static_cast<int>(k.size(1));
   p.head_dim = static_cast<int>(D);
+  return p;
+}
+
+void rope_inplace(Tensor q, Tensor k, Tensor cos, Tensor sin) {
+  ddtree::RopeParams p = rope_params(q, k, cos, sin, "rope_inplace");
+  if (p.num_tokens == 0) return;
+  c10::cuda::CUDAGuard guard(q.device());
   check(ddtree::rope_inplace(p, dtype_of(q), stream()), "rope_inplace");
+}
+
+// rope_inplace, then k and v [T, Hk, D] into k_cache / v_cache (contiguous [blocks, block_size, Hk, D], q's dtype)
+// at slot_mapping (-1 skipped): one launch.
+void rope_write_kv(Tensor q, Tensor k, Tensor v, Tensor cos, Tensor sin, Tensor k_cache, Tensor v_cache,
+                   Tensor slot_mapping) {
+  ddtree::RopeParams p = rope_params(q, k, cos, sin, "rope_write_kv");
+  CHECK_CUDA(v); CHECK_CUDA(k_cache); CHECK_CUDA(v_cache); CHECK_CUDA(slot_mapping);
+  CHECK_TYPE(slot_mapping, at::kLong);
+  TORCH_CHECK(v.sizes() == k.sizes() && v.scalar_type() == q.scalar_type() && v.stride(2) == 1,
+              "ddtree::rope_write_kv: v must match k (shape, dtype) with a unit last stride");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.sizes() == v_cache.sizes() &&
+              k_cache.dim() == 4 && k_cache.size(2) == k.size(1) && k_cache.size(3) == k.size(2) &&
+              k_cache.scalar_type() == q.scalar_type() && v_cache.scalar_type() == q.scalar_type(),
+              "ddtree::rope_write_kv: caches must be contiguous [blocks, block_size, Hk, D] in q's dtype");
+  TORCH_CHECK(slot_mapping.numel() == k.size(0) && slot_mapping.is_contiguous(),
+              "ddtree::rope_write_kv: one contiguous slot per token");
+  TORCH_CHECK(v.device() == q.device() && k_cache.device() == q.device() && v_cache.device() == q.device() &&
+              slot_mapping.device() == q.device(), "ddtree::rope_write_kv: all inputs must be on one device");
+  if (p.num_tokens == 0) return;
+  c10::cuda::CUDAGuard guard(q.device());
+  p.k_cache = k_cache.data_ptr(); p.v_cache = v_cache.data_ptr();
+  p.v = v.data_ptr(); p.v_stride_t = v.stride(0); p.v_stride_h = v.stride(1);
+  p.slots = slot_mapping.data_ptr<int64_t>();
+  check(ddtree::rope_inplace(p, dtype_of(q), stream()), "rope_write_kv");
 }
 
 Tensor silu_and_mul(Tensor x) {
@@ -213,6 +244,8 @@ TORCH_LIBRARY_FRAGMENT(ddtree, m) {
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("fused_add_rmsnorm(Tensor x, Tensor residual, Tensor weight, float eps) -> (Tensor, Tensor)");
   m.def("rope_inplace(Tensor(a!) q, Tensor(b!) k, Tensor cos, Tensor sin) -> ()");
+  m.def("rope_write_kv(Tensor(a!) q, Tensor(b!) k, Tensor v, Tensor cos, Tensor sin, Tensor(c!) k_cache, "
+        "Tensor(d!) v_cache, Tensor slot_mapping) -> ()");
   m.def("silu_and_mul(Tensor x) -> Tensor");
   m.def("quantize_fp8_blockwise(Tensor x, int padded_rows, float amax_floor) -> (Tensor, Tensor)");
   m.def("w4a16_gemm(Tensor x, Tensor packed, Tensor scale, int group_size) -> Tensor");
@@ -224,6 +257,7 @@ TORCH_LIBRARY_IMPL(ddtree, CUDA, m) {
   m.impl("rms_norm", &rms_norm);
   m.impl("fused_add_rmsnorm", &fused_add_rmsnorm);
   m.impl("rope_inplace", &rope_inplace);
+  m.impl("rope_write_kv", &rope_write_kv);
   m.impl("silu_and_mul", &silu_and_mul);
   m.impl("quantize_fp8_blockwise", &quantize_fp8_blockwise);
   m.impl("w4a16_gemm", &w4a16_gemm);

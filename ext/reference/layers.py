@@ -45,3 +45,10 @@ def write_kv_pair(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor,
     """write_kv of k into k_cache and of v into v_cache at the same slots (-1 skipped)."""
     write_kv(k_cache, k, slot_mapping)
     write_kv(v_cache, v, slot_mapping)
+
+
+def rope_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                  k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """rope_inplace of q and k, then write_kv_pair of the roped k and v (one CUDA launch does both)."""
+    rope_inplace(q, k, cos, sin)
+    write_kv_pair(k_cache, v_cache, k, v, slot_mapping)

@@ -71,6 +71,11 @@ def test_cpu_ops_are_the_twins():
     ops.write_kv_pair(kc, vc, k, k * 2, slots)
     assert torch.equal(kc.view(-1, 2, 16)[slots[slots >= 0]], k[slots >= 0])
     assert torch.equal(vc.view(-1, 2, 16)[slots[slots >= 0]], 2 * k[slots >= 0])
+    q3, k3, kc3, vc3 = q2.clone(), k2.clone(), torch.zeros_like(kc), torch.zeros_like(vc)
+    ops.rope_write_kv(q3, k3, k * 2, cos, sin, kc3, vc3, slots)
+    reference.rope_inplace(q2, k2, cos, sin)
+    reference.write_kv_pair(kc, vc, k2, k * 2, slots)
+    assert torch.equal(q3, q2) and torch.equal(k3, k2) and torch.equal(kc3, kc) and torch.equal(vc3, vc)
     assert ops.take_reference_fallbacks() == {} and ops.cuda_calls() == before
 
 
@@ -96,8 +101,12 @@ def test_layer_op_fallbacks_are_counted(monkeypatch, caplog):
         ops.rope_inplace(x.view(4, 2, 16), x.clone().view(4, 2, 16), torch.ones(4, 16), torch.zeros(4, 16))
         ops.silu_and_mul(x)
         ops.write_kv_pair(torch.zeros(2, 4, 32), torch.zeros(2, 4, 32), x, x, torch.tensor([0, 1, -1, 7]))
-    assert ops.take_reference_fallbacks() == {"fused_add_rmsnorm": 2, "rope_inplace": 1, "silu_and_mul": 1,
-                                              "write_kv_pair": 1}
+        # the fused rope + cache write without the extension: its two reference halves, each counted
+        ops.rope_write_kv(x.view(4, 2, 16), x.clone().view(4, 2, 16), x.view(4, 2, 16), torch.ones(4, 16),
+                          torch.zeros(4, 16), torch.zeros(2, 4, 2, 16), torch.zeros(2, 4, 2, 16),
+                          torch.tensor([0, 1, -1, 7]))
+    assert ops.take_reference_fallbacks() == {"fused_add_rmsnorm": 2, "rope_inplace": 2, "silu_and_mul": 1,
+                                              "write_kv_pair": 2}
     assert len([r for r in caplog.records if r.name == "ddtree.ext"]) == 4
 
 

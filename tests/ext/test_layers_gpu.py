@@ -15,7 +15,7 @@ from tests.ext.layer_cases import SMOLLM2_135M, old_forward, step_inputs, tiny_m
 
 pytestmark = pytest.mark.gpu
 DEV = "cuda"
-LAYER_OPS = ("fused_add_rmsnorm", "rope_inplace", "silu_and_mul", "write_kv_pair")
+LAYER_OPS = ("fused_add_rmsnorm", "rope_write_kv", "silu_and_mul")  # what a GQA decoder layer calls
 
 
 from tests.ext.gpu_util import cuda_ops, rng  # noqa: F401 (cuda_ops: an autouse fixture)
@@ -58,8 +58,9 @@ def served(name: str, fn):
 # ---- fused_add_rmsnorm ---------------------------------------------------------------------------------------
 
 NORM_CASES = [  # (x dtype, weight dtype, rows, hidden)
-    (torch.bfloat16, torch.bfloat16, 1, 576),     # SmolLM2 decode: warp per row, vectorized
-    (torch.bfloat16, torch.bfloat16, 300, 576),
+    (torch.bfloat16, torch.bfloat16, 1, 576),     # SmolLM2 decode: block per row (few rows), vectorized
+    (torch.bfloat16, torch.bfloat16, 300, 576),   # many rows: warp per row
+    (torch.bfloat16, torch.bfloat16, 40, 128),    # Qwen3's per-head norm at decode: one warp covers a row
     (torch.bfloat16, torch.bfloat16, 3, 4096),    # block per row
     (torch.bfloat16, torch.bfloat16, 2, 40000),   # more vectors than the registers keep: re-read path
     (torch.float16, torch.float16, 17, 5120),
@@ -156,6 +157,31 @@ def test_rope_inplace(case, table):
         assert torch.equal(qkv[:, (hq + hk) * d:], v_before)  # V untouched
 
 
+@pytest.mark.parametrize("case", range(len(ROPE_CASES)))
+def test_rope_write_kv_equals_rope_then_the_cache_write(case):
+    """One launch: q and k roped in place (bit for bit what rope_inplace gives) and the roped k and v written at
+    the slots (-1 skipped), over views of one qkv row as the attention layer passes them."""
+    r, gen = rng()
+    dtype, t, hq, hk, d, _ = ROPE_CASES[case]
+    nb, bs = -(-t // 4) + 3, 4
+    qkv = randn(gen, t, (hq + 2 * hk) * d, dtype=dtype)
+    cos, sin = randn(gen, t, d, dtype=dtype), randn(gen, t, d, dtype=dtype)
+    slots = torch.randperm(nb * bs, generator=gen)[:t]
+    slots[torch.rand(t, generator=gen) < 0.25] = -1
+    slots = slots.to(DEV)
+    caches = torch.full((2, nb, bs, hk, d), float("nan")).to(DEV, dtype)
+    want_qkv, want_caches = qkv.clone(), caches.clone()
+
+    def split(x):
+        return (x[:, :hq * d].view(t, hq, d), x[:, hq * d:(hq + hk) * d].view(t, hk, d),
+                x[:, (hq + hk) * d:].view(t, hk, d))
+
+    reference.rope_write_kv(*split(want_qkv), cos, sin, want_caches[0], want_caches[1], slots)
+    served("rope_write_kv", lambda: ops.rope_write_kv(*split(qkv), cos, sin, caches[0], caches[1], slots))
+    assert torch.equal(qkv, want_qkv)
+    assert torch.equal(caches.nan_to_num(7.0), want_caches.nan_to_num(7.0))
+
+
 # ---- silu_and_mul ----------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("dtype,rows,inter,row_pad", [
@@ -207,6 +233,10 @@ def test_opcheck_layer_ops(cuda_ops):
     q, k = randn(gen, 5, 9, 64, dtype=torch.bfloat16), randn(gen, 5, 3, 64, dtype=torch.bfloat16)
     cos, sin = randn(gen, 5, 64, dtype=torch.bfloat16), randn(gen, 5, 64, dtype=torch.bfloat16)
     torch.library.opcheck(cuda_ops.rope_inplace.default, (q, k, cos, sin), test_utils=utils)
+    kv = torch.zeros(2, 4, 16, 3, 64, device=DEV, dtype=torch.bfloat16)
+    torch.library.opcheck(cuda_ops.rope_write_kv.default,
+                          (q, k, randn(gen, 5, 3, 64, dtype=torch.bfloat16), cos, sin, kv[0], kv[1],
+                           torch.tensor([5, -1, 9, 0, 63], device=DEV)), test_utils=utils)
     torch.library.opcheck(cuda_ops.silu_and_mul.default, (randn(gen, 5, 2 * 96),), test_utils=utils)
     caches = torch.zeros(2, 4, 16, 3, 64, device=DEV)
     torch.library.opcheck(cuda_ops.write_kv_pair.default,
@@ -231,8 +261,7 @@ def test_layer_ops_replay_in_a_cuda_graph():
     def layer(qkv, caches):
         out, new_res = ops.fused_add_rmsnorm(x, res, w, 1e-5)
         q, k = qkv[:, :hq * d].view(t, hq, d), qkv[:, hq * d:(hq + hk) * d].view(t, hk, d)
-        ops.rope_inplace(q, k, cos, sin)
-        ops.write_kv_pair(caches[0], caches[1], k, qkv[:, (hq + hk) * d:].reshape(t, hk, d), slots)
+        ops.rope_write_kv(q, k, qkv[:, (hq + hk) * d:].reshape(t, hk, d), cos, sin, caches[0], caches[1], slots)
         return out, new_res, ops.silu_and_mul(gate_up)
 
     layer(qkv.clone(), caches.clone())  # warm up outside the capture

@@ -35,6 +35,12 @@ def _visibility(meta: AttentionMetadata, seq: int, q0: int, num_q: int, seq_len:
     return torch.cat([prefix, causal], dim=1)
 
 
+def _gather(flat: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """flat[slots] for slots of any shape, through index_select (several times faster than advanced indexing on
+    the CPU, the same values)."""
+    return flat.index_select(0, slots.reshape(-1)).view(*slots.shape, *flat.shape[1:])
+
+
 BATCH_MAX_QUERY = 64  # sequences with at most this many new tokens are batched by query length
 
 
@@ -94,8 +100,8 @@ def paged_attention(
     for num_q, seqs in batched.items():  # decode rows and tree-verify blocks: one batched product per length
         slots, q_rows, visible = _batched_layout(meta, seqs, starts, num_q)
         num_seqs, longest = slots.shape
-        k = k_flat[slots].float().permute(0, 2, 3, 1)  # [S, kv_heads, head_dim, L]
-        v = v_flat[slots].float().transpose(1, 2)  # [S, kv_heads, L, head_dim]
+        k = _gather(k_flat, slots).float().permute(0, 2, 3, 1)  # [S, kv_heads, head_dim, L]
+        v = _gather(v_flat, slots).float().transpose(1, 2)  # [S, kv_heads, L, head_dim]
         qs = q[q_rows.reshape(-1)].float().view(num_seqs, num_q, num_kv_heads, group, head_dim)
         qs = qs.permute(0, 2, 3, 1, 4).reshape(num_seqs, num_kv_heads, group * num_q, head_dim)
         scores = (qs @ k * scale).view(num_seqs, num_kv_heads, group, num_q, longest)
@@ -106,8 +112,8 @@ def paged_attention(
     for seq in single:
         num_q, seq_len, q0 = meta.query_lens_host[seq], meta.seq_lens_host[seq], starts[seq]
         slots = meta.kv_slots(seq)
-        k = k_flat[slots].float().transpose(0, 1)  # [num_kv_heads, seq_len, head_dim]
-        v = v_flat[slots].float().transpose(0, 1)
+        k = k_flat.index_select(0, slots).float().transpose(0, 1)  # [num_kv_heads, seq_len, head_dim]
+        v = v_flat.index_select(0, slots).float().transpose(0, 1)
         # grouped bmm instead of SDPA(enable_gqa): on CPU it is several times faster for decode-sized queries
         qs = q[q0 : q0 + num_q].float().view(num_q, num_kv_heads, group, head_dim).permute(1, 2, 0, 3)
         scores = torch.bmm(qs.reshape(num_kv_heads, group * num_q, head_dim), k.transpose(1, 2)) * scale
@@ -133,7 +139,7 @@ def mla_paged_attention(
     flat = latent_cache.view(-1, latent_cache.shape[-1])
     q0 = 0
     for seq, (num_q, seq_len) in enumerate(zip(meta.query_lens_host, meta.seq_lens_host)):
-        rows = flat[meta.kv_slots(seq)].float()  # [seq_len, kv_lora_rank + rope_dim]
+        rows = flat.index_select(0, meta.kv_slots(seq)).float()  # [seq_len, kv_lora_rank + rope_dim]
         latent, k_rope = rows[:, :kv_lora_rank], rows[:, kv_lora_rank:]
         ql = q_latent[q0 : q0 + num_q].float()
         qr = q_rope[q0 : q0 + num_q].float()

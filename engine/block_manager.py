@@ -99,11 +99,10 @@ class BlockManager:
             return
         # a stop inside a multi-token step leaves computed KV past the kept tokens: only kept tokens count
         num_full = min(request.num_computed_tokens, request.num_tokens) // self.block_size
-        tokens = request.all_token_ids
-        while len(request.block_digests) < num_full:
+        while len(request.block_digests) < num_full:  # usually no block fills this step: nothing to build
             i = len(request.block_digests)
             parent = request.block_digests[-1] if request.block_digests else b""
-            digest = block_digest(parent, tokens[i * self.block_size : (i + 1) * self.block_size])
+            digest = block_digest(parent, request.token_ids(i * self.block_size, (i + 1) * self.block_size))
             request.block_digests.append(digest)
             block = request.block_ids[i]
             if digest not in self.digest_to_block and block not in self.block_to_digest:

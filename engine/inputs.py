@@ -35,7 +35,7 @@ def prepare_inputs(plain: list[ScheduledSeq], batch: TreeBatch | None, block_siz
     for s in plain:
         req, start = s.request, s.request.num_computed_tokens + s.num_ahead
         # a request scheduled ahead feeds a token the previous step samples: the runner puts it in on the device
-        new_ids = [0] * s.num_new_tokens if s.num_ahead else req.all_token_ids[start:start + s.num_new_tokens]
+        new_ids = [0] * s.num_new_tokens if s.num_ahead else req.token_ids(start, start + s.num_new_tokens)
         n = len(new_ids)
         rows.append((len(ids), n))
         ids.extend(new_ids)

@@ -169,7 +169,7 @@ class Speculator:
             index = self.stage([i for i, d in enumerate(drafted) if d])
             logprobs = logprobs.new_zeros((len(seqs), *logprobs.shape[1:])).index_copy_(0, index, logprobs)
             token_ids = token_ids.new_zeros((len(seqs), *token_ids.shape[1:])).index_copy_(0, index, token_ids)
-        roots = self.stage([s.request.all_token_ids[-1] for s in seqs])
+        roots = self.stage([s.request.last_token_id for s in seqs])
         # the full budget's node probabilities tell the adaptive budget what a bigger tree would bring
         full = self.stage([self.max_budget if d else 0 for d in drafted])
         tree = DraftTree.from_topk(logprobs, token_ids, roots, full, self.max_budget)

@@ -134,3 +134,11 @@ def test_generate_takes_one_sampling_params_per_prompt(reference):
     assert first.logprobs is None and len(second.logprobs) == 5
     with pytest.raises(ValueError, match="2 sampling parameters for 3 prompts"):
         llm.generate(prompts()[:3], params)
+
+
+def test_request_token_slices_equal_all_token_ids():
+    req = Request([5, 6, 7], SamplingParams())
+    req.output_token_ids = [8, 9]
+    whole = req.all_token_ids
+    assert all(req.token_ids(a, b) == whole[a:b] for a in range(6) for b in range(a, 7))
+    assert req.last_token_id == 9 and Request([4], SamplingParams()).last_token_id == 4

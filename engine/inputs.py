@@ -38,10 +38,16 @@ def prepare_inputs(plain: list[ScheduledSeq], batch: TreeBatch | None, block_siz
         new_ids = [0] * s.num_new_tokens if s.num_ahead else req.token_ids(start, start + s.num_new_tokens)
         n = len(new_ids)
         rows.append((len(ids), n))
-        ids.extend(new_ids)
-        positions.extend(range(start, start + n))
-        slots.extend(slot_of(req.block_ids, block_size, i) for i in range(start, start + n))
-        offsets.extend(range(n))
+        if n == 1:  # a decode (most rows of most steps): no per-token ranges
+            ids.append(new_ids[0])
+            positions.append(start)
+            slots.append(req.block_ids[start // block_size] * block_size + start % block_size)
+            offsets.append(0)
+        else:
+            ids.extend(new_ids)
+            positions.extend(range(start, start + n))
+            slots.extend(slot_of(req.block_ids, block_size, i) for i in range(start, start + n))
+            offsets.extend(range(n))
         query_lens.append(n)
         seq_lens.append(start + n)
         tables.append(req.block_ids)
@@ -58,7 +64,11 @@ def prepare_inputs(plain: list[ScheduledSeq], batch: TreeBatch | None, block_siz
             seq_lens.append(start + width)
             tables.append(req.block_ids)
     num_cols = max((len(t) for t in tables), default=1) or 1
-    table = [b for t in tables for b in (*t, *[0] * (num_cols - len(t)))]
+    table = []
+    for t in tables:
+        table += t
+        if len(t) < num_cols:
+            table += [0] * (num_cols - len(t))
     # two host-to-device copies for the whole step: the int64 arrays, then the int32 ones
     ids_d, pos_d, slots_d, starts_d, tree_slots_d, offsets_d = stage.pack(
         [ids, positions, slots, starts, tree_slot_list, offsets if batch is not None else []])

@@ -132,14 +132,17 @@ class Scheduler:
         if any(id(r) not in decoding for r in self.running):
             return None
         plan = StepPlan()
+        block_size, max_model_len = self.blocks.block_size, self.max_model_len
         for s in previous.seqs:
             req = s.request
             if req.finished:
                 continue
-            in_flight_output = len(req.output_token_ids) + 1  # with the token `previous` samples
-            if in_flight_output >= req.sampling.max_tokens or req.num_tokens + 1 >= self.max_model_len:
+            num_output = len(req.output_token_ids) + 1  # with the token `previous` samples
+            num_tokens = len(req.prompt_token_ids) + num_output  # ... and the one this step feeds
+            if num_output >= req.sampling.max_tokens or num_tokens >= max_model_len:
                 continue
-            if not self.blocks.allocate(req, req.num_tokens + 1):  # KV for the in-flight token
+            # KV for the in-flight token (a new block once every block_size steps)
+            if num_tokens > len(req.block_ids) * block_size and not self.blocks.allocate(req, num_tokens):
                 return None
             plan.seqs.append(ScheduledSeq(req, 1, True, 0, num_ahead=1))
         plan.spec_budgets = [0] * len(plan.seqs)

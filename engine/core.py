@@ -71,6 +71,8 @@ class _Launched:
     schedule_time: float
     preemptions_before: int
     t_launch: float
+    scheduling: str = ""  # StepStats.scheduling of this step
+    next_scheduling: str = ""  # ... of the step scheduled after it, when that one could not run ahead
 
 
 class EngineCore:
@@ -143,6 +145,8 @@ class EngineCore:
         self.overlap = config.async_scheduling and config.is_cuda and tp is None
         self.budgets.pipelined = self.overlap
         self.inflight: _Launched | None = None  # a step launched ahead, its results not yet read
+        self._not_ahead = ""  # why the last step could not be followed by one launched ahead
+        self._next_scheduling = "synchronous: first step" if self.overlap else ""  # the next scheduled step's
         self._last_ready = 0.0  # when the last step's results reached the host (perf_counter)
 
     def make_speculator(self, drafter) -> Speculator | None:
@@ -323,6 +327,8 @@ class EngineCore:
                 return []
         if self.overlap:
             self.inflight = self._launch_ahead(current)
+            if self.inflight is None:
+                current.next_scheduling = f"synchronous: {self._not_ahead}"
         return self._complete(current)
 
     def _launch_scheduled(self) -> "_Launched | None":
@@ -345,22 +351,25 @@ class EngineCore:
             self.fail_request(fault.request_id, str(fault))
             self.last_stats = None
             return None
-        return _Launched(plan, step, schedule_time, preemptions_before, t_launch)
+        return _Launched(plan, step, schedule_time, preemptions_before, t_launch, scheduling=self._next_scheduling)
 
     def _launch_ahead(self, current: "_Launched") -> "_Launched | None":
         """The step after `current`, launched before `current`'s results are read, when it can be planned
         without them: plain decoding of the same requests, none constrained by a grammar or penalized (their
         sampling state needs the newest token on the host), none wanting a tree or a draft this step."""
         seqs = current.plan.seqs
+        self._not_ahead = "grammar or penalties"  # why not, for the next step's statistics
         if any(s.request.constraint is not None or needs_penalty(s.request) for s in seqs):
             return None
+        self._not_ahead = "a tree or a draft wanted"
         if self.speculator is not None and self.budgets.enabled:
             ids = [s.request.request_id for s in seqs if not s.request.finished]
             if any(self.budgets.budget(i, dry=True) or self.budgets.should_draft(i, dry=True) for i in ids):
                 return None
         t0 = time.perf_counter()
         plan = self.scheduler.schedule_ahead(current.plan)
-        if plan is None:
+        if isinstance(plan, str):
+            self._not_ahead = plan
             return None
         if self.speculator is not None and self.budgets.enabled:
             for s in plan.seqs:  # this step counts for the adaptive budget as a plain one at budget 0
@@ -370,14 +379,16 @@ class EngineCore:
         try:
             step = self.runner.launch(plan, after=current.step)
         except RequestFault:
+            self._not_ahead = "a request failed"
             return None  # the next step, scheduled as usual, meets the fault again and fails its request
-        return _Launched(plan, step, t_launch - t0, self.scheduler.num_preemptions, t_launch)
+        return _Launched(plan, step, t_launch - t0, self.scheduler.num_preemptions, t_launch, scheduling="ahead")
 
     def _complete(self, launched: "_Launched") -> list[Delta]:
         """Waits for a launched step's results and applies them: the scheduler's update and the deltas."""
         plan = launched.plan
         result = self.runner.collect(launched.step)
         ready = time.perf_counter()
+        self._next_scheduling = launched.next_scheduling
         # the step's cost: from its launch, or from the previous step's results when it was queued behind them
         seconds = ready - max(launched.t_launch, self._last_ready)
         self._last_ready = ready
@@ -394,6 +405,7 @@ class EngineCore:
         now = time.monotonic()
         deltas = [d for d in (self._delta(s.request, before[s.request.request_id], now) for s in live) if d]
         self.last_stats = self._stats(plan, result, launched.preemptions_before)
+        self.last_stats.scheduling = launched.scheduling
         return deltas
 
     def _delta(self, req: Request, num_before: int, now: float) -> Delta | None:

@@ -88,6 +88,9 @@ class StepStats:
     prefix_cache_hits: int = 0
     # "replay" when a CUDA graph ran the forward, "eager: <why>" when graphs exist but could not serve the step
     cuda_graph: str = ""
+    # asynchronous scheduling (CUDA, one rank): "ahead" when the step was launched before its predecessor's
+    # results were read, "synchronous: <why not>" otherwise; "" when asynchronous scheduling is off
+    scheduling: str = ""
     # tree budget the scheduler chose for each decoding request this step (0 = plain decoding)
     spec_budgets: list[int] = field(default_factory=list)
     # ext ops that ran their PyTorch reference on a CUDA tensor this step (only with reference kernels allowed)

@@ -120,17 +120,17 @@ class Scheduler:
             budget -= n + lookahead
         return plan
 
-    def schedule_ahead(self, previous: StepPlan) -> StepPlan | None:
+    def schedule_ahead(self, previous: StepPlan) -> StepPlan | str:
         """Asynchronous scheduling: the next step, planned before `previous`'s results reach the host. Only when
         `previous` plainly decoded every running request and nothing waits for admission: each request then
         decodes the token `previous` samples for it (num_ahead = 1; that token is fed from the device).
-        Requests that certainly finish with that token (max_tokens, the context length) are left out. None
-        when this does not apply or blocks run out: the next step is then scheduled after the results."""
-        if self.waiting or not previous.seqs:
-            return None
+        Requests that certainly finish with that token (max_tokens, the context length) are left out. When
+        this does not apply or blocks run out, why not (the next step is then scheduled after the results)."""
+        if self.waiting:
+            return "waiting requests"
         decoding = {id(s.request) for s in previous.seqs if s.sample and s.num_new_tokens == 1 and not s.spec_budget}
         if any(id(r) not in decoding for r in self.running):
-            return None
+            return "after a prefill or tree step"
         plan = StepPlan()
         block_size, max_model_len = self.blocks.block_size, self.max_model_len
         for s in previous.seqs:
@@ -143,10 +143,10 @@ class Scheduler:
                 continue
             # KV for the in-flight token (a new block once every block_size steps)
             if num_tokens > len(req.block_ids) * block_size and not self.blocks.allocate(req, num_tokens):
-                return None
+                return "KV blocks"
             plan.seqs.append(ScheduledSeq(req, 1, True, 0, num_ahead=1))
         plan.spec_budgets = [0] * len(plan.seqs)
-        return plan if plan.seqs else None
+        return plan if plan.seqs else "every request finishes"
 
     def update(self, plan: StepPlan, result: StepResult) -> list[Request]:
         """Applies a step's result; returns the requests that finished this step. Tokens are appended before

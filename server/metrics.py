@@ -135,6 +135,9 @@ class Metrics:
                                      "request per step (0 = plain decoding).", BUDGET_BUCKETS).labels(model_name)
         self.engine_steps = counter("engine_steps", "Engine steps on a device with CUDA graphs: replayed, or eager "
                                     "with the reason.", ["mode", "reason"])
+        self.step_scheduling = counter("engine_step_scheduling", "Engine steps under asynchronous scheduling: "
+                                       "launched ahead of the previous step's results, or synchronous with the "
+                                       "reason.", ["scheduling", "reason"])
 
         # Create the fixed label values now so dashboards see zero-valued series before the first event.
         for reason in FINISHED_REASONS:
@@ -186,6 +189,10 @@ class Metrics:
         if graph:
             mode, _, reason = graph.partition(": ")
             self.engine_steps.labels(self.model_name, mode, reason).inc()
+        scheduling = _get(stats, "scheduling", "")
+        if scheduling:
+            kind, _, reason = scheduling.partition(": ")
+            self.step_scheduling.labels(self.model_name, kind, reason).inc()
 
         accept = list(_get(stats, "accept_lengths", None) or ())
         nodes = list(_get(stats, "tree_nodes", None) or ())

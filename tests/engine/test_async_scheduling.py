@@ -22,7 +22,7 @@ def run(core, ps, params) -> tuple[list[list[int]], list[list], int]:
     params = params if isinstance(params, list) else [params] * len(ps)
     ids = [core.add_request(p, sp) for p, sp in zip(ps, params)]
     tokens, logprobs, finished = {i: [] for i in ids}, {i: [] for i in ids}, set()
-    ahead = 0
+    ahead, scheduled = 0, []
     while core.has_unfinished():
         for d in core.step():
             assert d.request_id not in finished  # nothing after a request's final delta
@@ -31,7 +31,14 @@ def run(core, ps, params) -> tuple[list[list[int]], list[list], int]:
             if d.finished:
                 finished.add(d.request_id)
         ahead += core.inflight is not None
+        if core.last_stats is not None:
+            scheduled.append(core.last_stats.scheduling)
     assert finished == set(ids)
+    if core.overlap:  # every step says how it was scheduled; as many ran ahead as were launched ahead
+        assert all(s == "ahead" or s.startswith("synchronous: ") for s in scheduled[1:]), scheduled
+        assert scheduled.count("ahead") == ahead - (core.inflight is not None)
+    else:
+        assert set(scheduled) <= {""}
     return [tokens[i] for i in ids], [logprobs[i] for i in ids], ahead
 
 
@@ -117,6 +124,24 @@ def test_abort_and_arrival_while_a_step_is_in_flight(tiny_checkpoints):
     assert out[ids[0]] == ref[0] and out[late] == ref[2]
     assert len(out[ids[1]]) == aborted_after and out[ids[1]] == ref[1][:aborted_after]
     assert core.blocks.num_free_blocks == core.blocks.num_blocks  # every block came back, in-flight ones too
+
+
+def test_each_step_says_why_it_did_not_run_ahead(tiny_checkpoints):
+    folder, _ = tiny_checkpoints("llama")
+    core = engine(folder, True).engine
+    sp = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    core.add_request(prompts(1)[0], sp)
+    seen = []
+    for _ in range(3):
+        core.step()
+        seen.append(core.last_stats.scheduling)
+    core.add_request(prompts(2)[1], sp)  # arrives while a step is in flight
+    while core.has_unfinished():
+        core.step()
+        if core.last_stats is not None:
+            seen.append(core.last_stats.scheduling)
+    assert seen[1] == "synchronous: after a prefill or tree step" and seen[2] == "ahead"
+    assert "synchronous: waiting requests" in seen
 
 
 @pytest.mark.parametrize("kind", ["penalty", "grammar"])

@@ -130,12 +130,14 @@ def test_accepts_the_engines_step_stats():
     assert value(m, "prefix_cache_hits_total") == 16 and value(m, "prefix_cache_queries_total") == 20
     assert value(m, "kernel_reference_fallbacks_total", op="paged_attention") == 30
     m.record_step(StepStats(num_running=2, num_waiting=0, kv_cache_usage=0.5, batch_size=2, num_preemptions=0,
-                            timings={}, spec_budgets=[0, 16], cuda_graph="replay"))
+                            timings={}, spec_budgets=[0, 16], cuda_graph="replay", scheduling="ahead"))
     m.record_step(StepStats(num_running=2, num_waiting=0, kv_cache_usage=0.5, batch_size=2, num_preemptions=0,
-                            timings={}, cuda_graph="eager: mixed step"))
+                            timings={}, cuda_graph="eager: mixed step", scheduling="synchronous: waiting requests"))
     assert value(m, "spec_decode_budget_count") == 2 and value(m, "spec_decode_budget_bucket", le="0.0") == 1
     assert value(m, "engine_steps_total", mode="replay", reason="") == 1
     assert value(m, "engine_steps_total", mode="eager", reason="mixed step") == 1
+    assert value(m, "engine_step_scheduling_total", scheduling="ahead", reason="") == 1
+    assert value(m, "engine_step_scheduling_total", scheduling="synchronous", reason="waiting requests") == 1
 
 
 def test_registries_are_per_instance():

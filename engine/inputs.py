@@ -41,7 +41,7 @@ def prepare_inputs(plain: list[ScheduledSeq], batch: TreeBatch | None, block_siz
         if n == 1:  # a decode (most rows of most steps): no per-token ranges
             ids.append(new_ids[0])
             positions.append(start)
-            slots.append(req.block_ids[start // block_size] * block_size + start % block_size)
+            slots.append(slot_of(req.block_ids, block_size, start))
             offsets.append(0)
         else:
             ids.extend(new_ids)

@@ -322,11 +322,53 @@ def bench_compaction(bw: float) -> None:
         torch.cuda.empty_cache()
 
 
+GEMV_SHAPES = {  # name -> (out features, in features) of the decode-step projections
+    "smollm2 qkv": (960, 576), "smollm2 o": (576, 576), "smollm2 gate_up": (3072, 576), "smollm2 down": (576, 1536),
+    "smollm2 lm_head": (49152, 576), "qwen3-8b qkv": (6144, 4096), "qwen3-8b o": (4096, 4096),
+    "qwen3-8b gate_up": (24576, 4096), "qwen3-8b down": (4096, 12288), "qwen3-8b lm_head": (151936, 4096),
+}
+
+
+def bench_gemv(bw: float, quick: bool) -> None:
+    """Decode-sized projections (1-8 rows): the GEMV kernel against cuBLAS (F.linear) on the same bf16 weights, both
+    replayed in a CUDA graph over enough weight copies that every call reads its weight from HBM; gate_up also
+    with SiLU-and-mul (one fused GEMV against cuBLAS + the silu_and_mul kernel)."""
+    gemv = torch.ops.ddtree.gemv
+    print("\n## GEMV vs cuBLAS (us per call; weight-read floor at the measured copy bandwidth)")
+    print("| projection | rows | weight MB | floor us | cuBLAS us | GEMV us | GEMV / cuBLAS |")
+    print("|---|---|---|---|---|---|---|")
+    for name, (n, k) in GEMV_SHAPES.items():
+        if quick and "qwen3" in name and "lm_head" not in name:
+            continue
+        nbytes = n * k * 2
+        sets = rotations(nbytes, most=512)  # > 256 MB of weights in flight: every call reads HBM, as a model's do
+        ws = [torch.randn(n, k, device=DEV, dtype=torch.bfloat16) * k ** -0.5 for _ in range(sets)]
+        for rows in (1, 2, 4, 8):
+            x = torch.randn(rows, k, device=DEV, dtype=torch.bfloat16)
+            fused = "gate_up" in name
+            if fused:
+                ref = [lambda w=w: ops.silu_and_mul(F.linear(x, w)) for w in ws]
+                ours = [lambda w=w: gemv(x, w, None, True) for w in ws]
+            else:
+                ref = [lambda w=w: F.linear(x, w) for w in ws]
+                ours = [lambda w=w: gemv(x, w, None, False) for w in ws]
+            t_ref, _ = graph_ms(ref)
+            t_ours, _ = graph_ms(ours)
+            floor = nbytes / bw * 1e6  # as bench/e2e.py's floor: weight bytes over the copy's bytes moved per second
+            label = name + (" + SiLU" if fused else "")
+            print(f"| {label} | {rows} | {nbytes / 1e6:.1f} | {floor:.2f} | {t_ref * 1e3:.2f} | {t_ours * 1e3:.2f} | "
+                  f"{t_ours / t_ref:.2f} |", flush=True)
+            record("gemv", projection=label, rows=rows, weight_mb=nbytes / 1e6, floor_us=floor,
+                   cublas_us=t_ref * 1e3, gemv_us=t_ours * 1e3)
+        del ws
+        torch.cuda.empty_cache()
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--quick", action="store_true", help="a few cases of each section")
     p.add_argument("--json", default=None, help="write every row here")
-    p.add_argument("--only", default="", help="comma list of sections: topk,tree,gqa,mla,accept,compact,prefill")
+    p.add_argument("--only", default="", help="comma list of sections: topk,tree,gqa,mla,accept,compact,prefill,gemv")
     args = p.parse_args()
     assert build.load_ops() is not None, "the CUDA extension did not build"
     props = torch.cuda.get_device_properties(0)
@@ -339,7 +381,7 @@ def main() -> None:
     sections = [("topk", lambda: bench_topk(bw, args.quick)), ("tree", bench_tree_build),
                 ("gqa", lambda: bench_gqa(bw, flops, args.quick)), ("mla", lambda: bench_mla(bw, flops, args.quick)),
                 ("accept", lambda: bench_accept(bw)), ("compact", lambda: bench_compaction(bw)),
-                ("prefill", lambda: bench_prefill(flops))]
+                ("prefill", lambda: bench_prefill(flops)), ("gemv", lambda: bench_gemv(bw, args.quick))]
     for name, fn in sections:
         if only and name not in only:
             continue

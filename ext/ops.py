@@ -10,6 +10,7 @@ import logging
 from collections import Counter
 
 import torch
+import torch.nn.functional as F
 
 from ext import reference
 from ext.metadata import AttentionMetadata
@@ -238,6 +239,46 @@ def rope_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.
         return
     rope_inplace(q, k, cos, sin)
     write_kv_pair(k_cache, v_cache, k, v, slot_mapping)
+
+
+# At most this many rows go through the GEMV kernel (bench/kernels.py section 11, H200: it beats cuBLAS on every
+# model shape measured up to here); more rows are a GEMM's work, cuBLAS's (F.linear).
+GEMV_MAX_ROWS = 4
+
+
+def _gemv_fits(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+    return (x.dim() == 2 and 1 <= x.shape[0] <= GEMV_MAX_ROWS and x.dtype in (torch.bfloat16, torch.float16)
+            and weight.dtype == x.dtype and weight.dim() == 2 and weight.is_contiguous() and x.shape[1] % 8 == 0
+            and x.stride(1) == 1 and x.stride(0) % 8 == 0 and x.data_ptr() % 16 == 0 and weight.data_ptr() % 16 == 0
+            and weight.device == x.device
+            and (bias is None or (bias.dtype == x.dtype and bias.is_contiguous() and bias.device == x.device)))
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., K] @ weight [N, K]^T (+ bias) -> [..., N]: the GEMV kernel for up to GEMV_MAX_ROWS rows on CUDA
+    (launch- and latency-bound shapes), cuBLAS through F.linear for more rows and off CUDA."""
+    rows = x.reshape(-1, x.shape[-1]) if x.dim() != 2 else x
+    if rows.shape[0] > GEMV_MAX_ROWS or rows.shape[0] == 0 or not _on_cuda(x):
+        return F.linear(x, weight, bias)
+    ops = _cuda_ops(x)
+    if ops is not None and _gemv_fits(rows, weight, bias):
+        _served("gemv", ops)
+        return ops.gemv(rows, weight, bias, False).view(*x.shape[:-1], weight.shape[0])
+    if ops is None:  # other dtypes and layouts are cuBLAS's by design; a missing extension is a fallback
+        _fallback("gemv", x, ops)
+    return F.linear(x, weight, bias)
+
+
+def linear_silu_mul(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """silu_and_mul(linear(x, weight)) for a fused [gate; up] weight [2I, K] -> [..., I]: one GEMV launch for up to
+    GEMV_MAX_ROWS rows on CUDA (bit-identical to the two ops), else the two ops."""
+    rows = x.reshape(-1, x.shape[-1]) if x.dim() != 2 else x
+    if 1 <= rows.shape[0] <= GEMV_MAX_ROWS and weight.shape[0] % 2 == 0 and _on_cuda(x):
+        ops = _cuda_ops(x)
+        if ops is not None and _gemv_fits(rows, weight, None):
+            _served("gemv", ops)
+            return ops.gemv(rows, weight, None, True).view(*x.shape[:-1], weight.shape[0] // 2)
+    return silu_and_mul(linear(x, weight))
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:

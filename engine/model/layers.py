@@ -1,5 +1,6 @@
 """Layers shared by the model families: RMSNorm (with a fused residual add), SwiGLU MLP, rotary embeddings
-(default, linear, llama3, yarn). The elementwise math runs through ext.ops (one CUDA kernel each on the GPU, the
+(default, linear, llama3, yarn), and the Linear every plain projection becomes after loading (decode-sized
+matmuls through the GEMV kernel). The elementwise math runs through ext.ops (one CUDA kernel each on the GPU, the
 eager PyTorch twin in ext/reference/layers.py elsewhere)."""
 from __future__ import annotations
 
@@ -49,6 +50,21 @@ def concat_linears(parts: list[nn.Module]) -> nn.Module | None:
     return fused
 
 
+class Linear(nn.Linear):
+    """nn.Linear computing through ext.ops.linear: the GEMV kernel for decode-sized inputs on CUDA, cuBLAS else."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return ops.linear(x, self.weight, self.bias)
+
+
+def route_linears(model: nn.Module) -> None:
+    """After loading (and fusing): every plain nn.Linear of `model` becomes a Linear (same parameters, hooks and
+    state; quantized linears are other classes and keep their own kernels)."""
+    for module in model.modules():
+        if type(module) is nn.Linear:
+            module.__class__ = Linear
+
+
 class GatedMLP(nn.Module):
     """SwiGLU: down(silu(gate(x)) * up(x))."""
 
@@ -70,6 +86,8 @@ class GatedMLP(nn.Module):
         del self.gate_proj, self.up_proj
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if isinstance(self.gate_up_proj, nn.Linear) and self.gate_up_proj.bias is None:
+            return self.down_proj(ops.linear_silu_mul(x, self.gate_up_proj.weight))  # one GEMV launch when decoding
         if self.gate_up_proj is not None:
             return self.down_proj(ops.silu_and_mul(self.gate_up_proj(x)))
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))

@@ -27,6 +27,7 @@ from tqdm import tqdm
 from engine.model.errors import CheckpointError, ConfigError, read_json_object as _read_json_object
 from engine.model.quantization import dequantizing
 from engine.model.generation_config import default_sampling, read_generation_config  # noqa: F401 (re-exported)
+from engine.model.layers import route_linears
 from engine.model.weights import (DictWeights, SafetensorsWeights, WeightSource,  # noqa: F401 (re-exported)
                                   read_safetensors, safetensors_files)
 
@@ -253,6 +254,7 @@ def build_model(cfg: dict, weights: Mapping[str, torch.Tensor] | WeightSource | 
     for module in list(model.modules()):
         if hasattr(module, "fuse_projections"):
             module.fuse_projections()
+    route_linears(model)
     return model.eval()
 
 

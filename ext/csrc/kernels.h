@@ -150,6 +150,23 @@ cudaError_t w4a16_gemm(const void* x, DType dtype, int64_t x_stride, int rows, c
 cudaError_t int4_dequantize(const void* packed, int64_t n_out, int64_t words, const float* scale, int64_t groups,
                             int64_t group_words, void* out, DType dtype, cudaStream_t stream);
 
+// ---- dense GEMV (decode-sized matmuls) ---------------------------------------------------------------------
+// out[m, n] = x[m, :] . w[n, :] (+ bias[n]) for m < rows <= kGemvMaxRows; silu_mul: w is [gate; up] ([2 n_out, k],
+// no bias) and out[m, n] = silu(gate . x) * (up . x) with silu_and_mul's rounding. bf16/fp16; k and x_stride
+// multiples of 8, x and w 16-byte aligned, w rows contiguous.
+constexpr int kGemvMaxRows = 8;
+struct GemvParams {
+  const void* x;       // [rows, k], rows x_stride elements apart
+  int64_t x_stride;
+  int rows;
+  const void* w;       // [n_out (x2 for silu_mul), k] contiguous
+  const void* bias;    // [n_out] or nullptr
+  int64_t n_out, k;
+  void* out;           // [rows, n_out], rows out_stride elements apart
+  int64_t out_stride;
+};
+cudaError_t gemv(const GemvParams& p, DType dtype, bool silu_mul, cudaStream_t stream);
+
 // ---- cache ops --------------------------------------------------------------------------------------------
 cudaError_t write_kv(void* cache, DType cache_dtype, const void* rows, DType rows_dtype, int64_t rows_stride,
                      const int64_t* slot_mapping, int num_tokens, int64_t row_elems, cudaStream_t stream);

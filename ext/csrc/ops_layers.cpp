@@ -1,10 +1,11 @@
 // The torch side of the decoder-layer ops (kernels in layers.cu and cache.cu): RMSNorm with and without a fused
-// residual add, rope of q and k in place, SiLU-and-mul, FP8 activation quantization and the W4A16 GEMM (quant.cu), and the K+V cache
+// residual add, rope of q and k in place, SiLU-and-mul, the few-row GEMV (gemv.cu), FP8 activation quantization and the W4A16 GEMM (quant.cu), and the K+V cache
 // write in one launch. Their schemas are
 // a TORCH_LIBRARY_FRAGMENT of the `ddtree` namespace that ops.cpp defines; fakes in ext/fake.py. No op
 // synchronizes with the host (CUDA-graph safe); outputs are fresh contiguous tensors.
 #include <torch/library.h>
 
+#include <optional>
 #include <tuple>
 
 #include "ops_common.h"
@@ -148,6 +149,34 @@ Tensor silu_and_mul(Tensor x) {
   return out;
 }
 
+Tensor gemv(Tensor x, Tensor weight, std::optional<Tensor> bias, bool silu_mul) {
+  CHECK_CUDA(x); CHECK_CUDA(weight);
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kHalf, "ddtree::gemv: x must be bf16 or fp16");
+  TORCH_CHECK(weight.scalar_type() == x.scalar_type(), "ddtree::gemv: weight must have x's dtype");
+  TORCH_CHECK(x.dim() == 2 && weight.dim() == 2 && x.size(1) == weight.size(1), "ddtree::gemv: x [rows, K], weight [N, K]");
+  TORCH_CHECK(x.size(0) >= 1 && x.size(0) <= ddtree::kGemvMaxRows, "ddtree::gemv: 1 to ", ddtree::kGemvMaxRows, " rows");
+  TORCH_CHECK(x.size(1) % 8 == 0 && x.stride(1) == 1 && x.stride(0) % 8 == 0 && aligned16(x),
+              "ddtree::gemv: K must be a multiple of 8 and x rows 16-byte aligned with a unit last stride");
+  TORCH_CHECK(weight.is_contiguous() && aligned16(weight), "ddtree::gemv: weight must be contiguous and 16-byte aligned");
+  TORCH_CHECK(weight.device() == x.device(), "ddtree::gemv: x and weight must be on one device");
+  TORCH_CHECK(!silu_mul || (weight.size(0) % 2 == 0 && !bias.has_value()),
+              "ddtree::gemv: silu_mul takes a [gate; up] weight with an even row count and no bias");
+  if (bias.has_value()) {
+    CHECK_CUDA(*bias);
+    TORCH_CHECK(bias->scalar_type() == x.scalar_type() && bias->dim() == 1 && bias->size(0) == weight.size(0) &&
+                bias->is_contiguous() && bias->device() == x.device(), "ddtree::gemv: bias must be contiguous [N] in x's dtype");
+  }
+  c10::cuda::CUDAGuard guard(x.device());
+  const int64_t n_out = silu_mul ? weight.size(0) / 2 : weight.size(0);
+  Tensor out = at::empty({x.size(0), n_out}, x.options());
+  ddtree::GemvParams p{};
+  p.x = x.data_ptr(); p.x_stride = x.stride(0); p.rows = static_cast<int>(x.size(0));
+  p.w = weight.data_ptr(); p.bias = bias.has_value() ? bias->data_ptr() : nullptr;
+  p.n_out = n_out; p.k = x.size(1); p.out = out.data_ptr(); p.out_stride = out.stride(0);
+  check(ddtree::gemv(p, dtype_of(x), silu_mul, stream()), "gemv");
+  return out;
+}
+
 std::tuple<Tensor, Tensor> quantize_fp8_blockwise(Tensor x, int64_t padded_rows, double amax_floor) {
   CHECK_CUDA(x);
   check_float(x, "x");
@@ -247,6 +276,7 @@ TORCH_LIBRARY_FRAGMENT(ddtree, m) {
   m.def("rope_write_kv(Tensor(a!) q, Tensor(b!) k, Tensor v, Tensor cos, Tensor sin, Tensor(c!) k_cache, "
         "Tensor(d!) v_cache, Tensor slot_mapping) -> ()");
   m.def("silu_and_mul(Tensor x) -> Tensor");
+  m.def("gemv(Tensor x, Tensor weight, Tensor? bias, bool silu_mul) -> Tensor");
   m.def("quantize_fp8_blockwise(Tensor x, int padded_rows, float amax_floor) -> (Tensor, Tensor)");
   m.def("w4a16_gemm(Tensor x, Tensor packed, Tensor scale, int group_size) -> Tensor");
   m.def("int4_dequantize(Tensor packed, Tensor scale, int group_size, ScalarType dtype) -> Tensor");
@@ -259,6 +289,7 @@ TORCH_LIBRARY_IMPL(ddtree, CUDA, m) {
   m.impl("rope_inplace", &rope_inplace);
   m.impl("rope_write_kv", &rope_write_kv);
   m.impl("silu_and_mul", &silu_and_mul);
+  m.impl("gemv", &gemv);
   m.impl("quantize_fp8_blockwise", &quantize_fp8_blockwise);
   m.impl("w4a16_gemm", &w4a16_gemm);
   m.impl("int4_dequantize", &int4_dequantize);

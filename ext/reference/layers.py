@@ -56,3 +56,11 @@ def rope_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.
     """rope_inplace of q and k, then write_kv_pair of the roped k and v (one CUDA launch does both)."""
     rope_inplace(q, k, cos, sin)
     write_kv_pair(k_cache, v_cache, k, v, slot_mapping)
+
+
+def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+         silu_mul: bool = False) -> torch.Tensor:
+    """x [rows, K] @ weight [N, K]^T (+ bias) -> [rows, N]; silu_mul: weight is [gate; up] and the result is
+    silu_and_mul of the product [rows, N / 2] (the GEMV kernel fuses it)."""
+    out = F.linear(x, weight, bias)
+    return silu_and_mul(out) if silu_mul else out

@@ -31,10 +31,15 @@ def old_silu_and_mul(x):
     return F.silu(gate) * up
 
 
+def old_linear(module, x):
+    """The projection as cuBLAS computes it (F.linear), whatever kernel the module routes through."""
+    return F.linear(x, module.weight, module.bias)
+
+
 def old_attention(attn, x, cos, sin, meta, kv_cache):
     t = x.shape[0]
     q_size, kv_size = attn.num_heads * attn.head_dim, attn.num_kv_heads * attn.head_dim
-    q, k, v = attn.qkv_proj(x).split([q_size, kv_size, kv_size], dim=-1)
+    q, k, v = old_linear(attn.qkv_proj, x).split([q_size, kv_size, kv_size], dim=-1)
     q = q.view(t, attn.num_heads, attn.head_dim)
     k = k.view(t, attn.num_kv_heads, attn.head_dim)
     v = v.reshape(t, attn.num_kv_heads, attn.head_dim)
@@ -45,7 +50,7 @@ def old_attention(attn, x, cos, sin, meta, kv_cache):
     write_kv(kv_cache[0], k, meta.slot_mapping)
     write_kv(kv_cache[1], v, meta.slot_mapping)
     out = paged_attention(q, kv_cache[0], kv_cache[1], meta, attn.scale)
-    return attn.o_proj(out.reshape(t, attn.num_heads * attn.head_dim))
+    return old_linear(attn.o_proj, out.reshape(t, attn.num_heads * attn.head_dim))
 
 
 def old_forward(model, input_ids, meta, kv_caches, capture_layer_ids=()):
@@ -58,8 +63,8 @@ def old_forward(model, input_ids, meta, kv_caches, capture_layer_ids=()):
         h = h + old_attention(layer.self_attn, old_rms_norm(h, n.weight, n.eps), cos, sin, meta, kv_caches[i])
         n = layer.post_attention_layernorm
         x = old_rms_norm(h, n.weight, n.eps)
-        up = layer.mlp.gate_up_proj(x)
-        h = h + layer.mlp.down_proj(old_silu_and_mul(up))
+        up = old_linear(layer.mlp.gate_up_proj, x)
+        h = h + old_linear(layer.mlp.down_proj, old_silu_and_mul(up))
         if i in capture_layer_ids:
             captured[i] = h
     out = old_rms_norm(h, model.norm.weight, model.norm.eps)

@@ -198,6 +198,56 @@ def test_silu_and_mul(dtype, rows, inter, row_pad):
     assert_close_in_dtype(out, want, 3, f"silu_and_mul {dtype} {rows}x{inter}")
 
 
+# ---- gemv ------------------------------------------------------------------------------------------------------
+
+GEMV_CASES = [  # (dtype, rows, out features, in features, x row padding, bias)
+    (torch.bfloat16, 1, 960, 576, 0, False), (torch.bfloat16, 1, 49152, 576, 0, False),
+    (torch.bfloat16, 3, 576, 1536, 8, False), (torch.bfloat16, 4, 4096, 4096, 0, True),
+    (torch.float16, 2, 7, 8, 0, True), (torch.bfloat16, 5, 33, 1032, 16, False), (torch.bfloat16, 8, 130, 264, 0, True),
+]
+
+
+@pytest.mark.parametrize("dtype,rows,n,k,pad,bias", GEMV_CASES)
+def test_gemv_against_fp64(cuda_ops, dtype, rows, n, k, pad, bias):
+    """Every row count the kernel takes (1..8), short and long rows (the unrolled loop and its tail), strided x, bias:
+    within one unit in the last place of the exact product of the same inputs, as close as cuBLAS is."""
+    r, gen = rng()
+    x = randn(gen, rows, k + pad, dtype=dtype)[:, :k]
+    w = randn(gen, n, k, dtype=dtype, scale=k ** -0.5)
+    b = randn(gen, n, dtype=dtype) if bias else None
+    out = cuda_ops.gemv(x, w, b, False)
+    exact = x.double() @ w.double().T + (b.double() if bias else 0)
+    assert out.shape == (rows, n) and out.dtype == dtype
+    assert_close_in_dtype(out, exact.to(dtype), 1, f"gemv {dtype} {rows}x{k} -> {n}")
+    cublas = torch.nn.functional.linear(x, w, b)
+    assert max_ulps(out, exact.to(dtype), dtype) <= max(1.0, max_ulps(cublas, exact.to(dtype), dtype))
+
+
+@pytest.mark.parametrize("rows,inter,k", [(1, 1536, 576), (3, 7, 64), (8, 12288, 4096)])
+def test_gemv_silu_mul_equals_the_two_ops(cuda_ops, rows, inter, k):
+    """The fused [gate; up] GEMV with SiLU-and-mul is bit for bit silu_and_mul of the plain GEMV."""
+    r, gen = rng()
+    x = randn(gen, rows, k, dtype=torch.bfloat16)
+    w = randn(gen, 2 * inter, k, dtype=torch.bfloat16, scale=2 * k ** -0.5)
+    fused = cuda_ops.gemv(x, w, None, True)
+    assert torch.equal(fused, ops.silu_and_mul(cuda_ops.gemv(x, w, None, False)))
+
+
+def test_linear_routes_few_rows_to_the_gemv():
+    """ops.linear serves up to GEMV_MAX_ROWS bf16 rows with the GEMV and more rows (or fp32) with cuBLAS; the model's
+    fused MLP does so through linear_silu_mul."""
+    r, gen = rng()
+    w = randn(gen, 96, 64, dtype=torch.bfloat16)
+    for rows in (1, ops.GEMV_MAX_ROWS):
+        served("gemv", lambda: ops.linear(randn(gen, rows, 64, dtype=torch.bfloat16), w))
+        served("gemv", lambda: ops.linear_silu_mul(randn(gen, rows, 64, dtype=torch.bfloat16), w))
+    before = ops.cuda_calls().get("gemv", 0)
+    ops.linear(randn(gen, ops.GEMV_MAX_ROWS + 1, 64, dtype=torch.bfloat16), w)
+    ops.linear(randn(gen, 1, 64), w.float())
+    assert ops.cuda_calls().get("gemv", 0) == before
+    assert "gemv" not in ops.reference_fallbacks()
+
+
 # ---- write_kv_pair ---------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("cache_dtype,rows_dtype,hk,d", [
@@ -238,6 +288,11 @@ def test_opcheck_layer_ops(cuda_ops):
                           (q, k, randn(gen, 5, 3, 64, dtype=torch.bfloat16), cos, sin, kv[0], kv[1],
                            torch.tensor([5, -1, 9, 0, 63], device=DEV)), test_utils=utils)
     torch.library.opcheck(cuda_ops.silu_and_mul.default, (randn(gen, 5, 2 * 96),), test_utils=utils)
+    gw = randn(gen, 96, 576, dtype=torch.bfloat16)
+    torch.library.opcheck(cuda_ops.gemv.default, (x[:3], gw, None, False), test_utils=utils)
+    torch.library.opcheck(cuda_ops.gemv.default, (x[:2], gw, randn(gen, 96, dtype=torch.bfloat16), False),
+                          test_utils=utils)
+    torch.library.opcheck(cuda_ops.gemv.default, (x[:1], gw, None, True), test_utils=utils)
     caches = torch.zeros(2, 4, 16, 3, 64, device=DEV)
     torch.library.opcheck(cuda_ops.write_kv_pair.default,
                           (caches[0], caches[1], randn(gen, 3, 3, 64), randn(gen, 3, 3, 64),
@@ -245,7 +300,7 @@ def test_opcheck_layer_ops(cuda_ops):
 
 
 def test_layer_ops_replay_in_a_cuda_graph():
-    """Norm, rope, cache write and SiLU-and-mul captured once, replayed over new inputs written in place (new
+    """Norm, rope, cache write, SiLU-and-mul and the GEMVs captured once, replayed over new inputs written in place (new
     slots included): each replay equals the eager ops on the same inputs."""
     r, gen = rng()
     t, hq, hk, d, hidden, inter, nb, bs = 3, 9, 3, 64, 576, 1536, 8, 16
@@ -257,12 +312,13 @@ def test_layer_ops_replay_in_a_cuda_graph():
     gate_up = randn(gen, t, 2 * inter, **bf)
     caches = torch.zeros(2, nb, bs, hk, d, device=DEV, **bf)
     slots = torch.tensor([0, 17, -1], device=DEV)
+    proj, mlp = randn(gen, 960, hidden, **bf), randn(gen, 2 * inter, hidden, **bf)
 
     def layer(qkv, caches):
         out, new_res = ops.fused_add_rmsnorm(x, res, w, 1e-5)
         q, k = qkv[:, :hq * d].view(t, hq, d), qkv[:, hq * d:(hq + hk) * d].view(t, hk, d)
         ops.rope_write_kv(q, k, qkv[:, (hq + hk) * d:].reshape(t, hk, d), cos, sin, caches[0], caches[1], slots)
-        return out, new_res, ops.silu_and_mul(gate_up)
+        return out, new_res, ops.silu_and_mul(gate_up), ops.linear(out[:1], proj), ops.linear_silu_mul(out[:2], mlp)
 
     layer(qkv.clone(), caches.clone())  # warm up outside the capture
     torch.cuda.synchronize()
@@ -288,11 +344,13 @@ def rel_err(x: torch.Tensor, ref: torch.Tensor) -> float:
     return float((x.double() - ref.double()).norm() / ref.double().norm().clamp(min=1e-30))
 
 
+@pytest.mark.parametrize("specs", [((5, 37), (60, 1)), ((60, 1), (10, 1), (200, 1))], ids=["mixed", "decode3"])
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
-def test_model_forward_through_the_kernels(family):
+def test_model_forward_through_the_kernels(family, specs):
     """A SmolLM2-shaped Llama (and a small Qwen3 with q/k norms) forward served by the kernels: fp32 equals the
     eager forward of before the ops (references on CUDA, old residual structure) to fp32 accuracy; bf16 is as close
-    to that fp32 forward as the old eager bf16 forward is (captured layers too), and no layer op fell back."""
+    to that fp32 forward as the old eager bf16 forward is (captured layers too), and no layer op fell back. The
+    decode-shaped step (three requests, one token each) runs its projections through the GEMV kernel."""
     shape = SMOLLM2_135M if family == "llama" else dict(hidden=256, heads=8, kv_heads=2, head_dim=128, inter=512)
     m32 = tiny_model(family, torch.float32, device=DEV, **shape)
     m16 = tiny_model(family, torch.bfloat16, device=DEV, **shape)
@@ -302,15 +360,18 @@ def test_model_forward_through_the_kernels(family):
     capture = (0, 1)
     fallbacks = ops.reference_fallbacks()
     with torch.inference_mode():
-        ids, meta, caches = step_inputs(m32, device=DEV)
+        ids, meta, caches = step_inputs(m32, device=DEV, specs=specs)
         ref32 = old_forward(m32, ids, meta, [c.clone() for c in caches], capture)
         before = ops.cuda_calls()
         got32 = m32(ids, meta, caches, capture_layer_ids=capture)
         used = {k: v - before.get(k, 0) for k, v in ops.cuda_calls().items()}
-        ids, meta, caches16 = step_inputs(m16, device=DEV)
+        ids, meta, caches16 = step_inputs(m16, device=DEV, specs=specs)
         old16 = old_forward(m16, ids, meta, [c.clone() for c in caches16], capture)
+        gemv_before = ops.cuda_calls().get("gemv", 0)
         got16 = m16(ids, meta, caches16, capture_layer_ids=capture)
-    assert all(used.get(name, 0) > 0 for name in LAYER_OPS), used
+        gemv_calls = ops.cuda_calls().get("gemv", 0) - gemv_before
+    assert all(used.get(name, 0) > 0 for name in LAYER_OPS), used  # fp32: no GEMV, the ops as before
+    assert gemv_calls == (4 * m16.num_layers if len(specs) == 3 else 0), gemv_calls  # qkv, o, gate_up + SiLU, down
     assert {k: v for k, v in ops.reference_fallbacks().items() if k in LAYER_OPS} == \
         {k: v for k, v in fallbacks.items() if k in LAYER_OPS}
     for got, ref in zip([got32[0], *got32[1]], [ref32[0], *ref32[1]]):

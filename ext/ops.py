@@ -241,9 +241,10 @@ def rope_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.
     write_kv_pair(k_cache, v_cache, k, v, slot_mapping)
 
 
-# At most this many rows go through the GEMV kernel (bench/kernels.py section 11, H200: it beats cuBLAS on every
-# model shape measured up to here); more rows are a GEMM's work, cuBLAS's (F.linear).
-GEMV_MAX_ROWS = 4
+# At most this many rows go through the GEMV kernel. bench/kernels.py --only gemv on the H200 (docs/BENCHMARKS.md):
+# at one row it takes 0.64-0.92x cuBLAS's time on the SmolLM2 and Qwen3-8B projections (1.01x on Qwen3's gate_up,
+# both at the weight-read floor); at two rows it loses on the large weights (up to 1.16x), at four on nearly all.
+GEMV_MAX_ROWS = 1
 
 
 def _gemv_fits(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:

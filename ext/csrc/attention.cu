@@ -152,8 +152,8 @@ int ceil_div(int a, int b) { return (a + b - 1) / b; }
 }  // namespace
 
 AttnPlan attn_plan(DType dtype, int dk, int dv, int qa_dim, bool shared_kv, bool aligned, int group, int num_seqs,
-                   int num_kv_heads, int max_query_len, int max_seq_len, int num_sms) {
-  AttnPlan plan{0, 0, 1, 1, 1, max_seq_len > 0 ? max_seq_len : 1};
+                   int num_kv_heads, int max_query_len, int max_seq_len, int num_sms, bool clusters) {
+  AttnPlan plan{0, 0, 1, 1, 1, max_seq_len > 0 ? max_seq_len : 1, 0};
   const bool half = dtype == kBFloat16 || dtype == kFloat16;
   const bool gqa = half && aligned && !shared_kv && dk == dv && (dk == 64 || dk == 128);
   const bool mla = half && aligned && shared_kv && dk == 576 && dv == 512 && qa_dim == 512;
@@ -177,6 +177,10 @@ AttnPlan attn_plan(DType dtype, int dk, int dv, int qa_dim, bool shared_kv, bool
   int split_tokens = ceil_div(ceil_div(max_seq_len > 0 ? max_seq_len : 1, splits), bn) * bn;
   plan.split_tokens = split_tokens;
   plan.num_splits = ceil_div(max_seq_len > 0 ? max_seq_len : 1, split_tokens);
+  // decode-shaped GQA tiles on sm_90 combine their splits inside the kernel (a cluster per tile): no partials in
+  // global memory and no second launch
+  plan.cluster_combine = clusters && gqa && plan.config == 0 && plan.num_splits > 1 &&
+                         plan.num_splits <= kMaxClusterSplits;
   return plan;
 }
 
@@ -184,6 +188,7 @@ cudaError_t attn_launch(AttnParams p, const AttnPlan& plan, DType dtype, cudaStr
   p.tiles_per_seq = plan.tiles_per_seq;
   p.num_splits = plan.num_splits;
   p.split_tokens = plan.split_tokens;
+  p.cluster_combine = plan.cluster_combine;
   p.block_shift = -1;
   for (int sh = 0; sh < 31; ++sh)
     if ((1 << sh) == p.block_size) p.block_shift = sh;
@@ -197,7 +202,7 @@ cudaError_t attn_launch(AttnParams p, const AttnPlan& plan, DType dtype, cudaStr
   }
   cudaError_t err = plan.kind == 1 ? attn_mma_gqa(p, dtype, plan.config, stream)
                                    : attn_mma_mla(p, dtype, plan.config, stream);
-  if (err != cudaSuccess || p.num_splits == 1) return err;
+  if (err != cudaSuccess || p.num_splits == 1 || p.cluster_combine) return err;
   return dtype == kFloat16 ? launch_combine<__half>(p, stream) : launch_combine<__nv_bfloat16>(p, stream);
 }
 

@@ -9,9 +9,49 @@
 // cannot leak. Masking is applied only to tiles that reach the new tokens (the tree / causal block) or the
 // split end: the context prefix is fully visible.
 #pragma once
+#include <cooperative_groups.h>
+
 #include "common.cuh"
 
 namespace ddtree {
+
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+// The splits of one tile as a thread-block cluster (AttnParams::cluster_combine): each CTA has left its normalized
+// partial output po [BM, DV] and log2-sum-exp plse [BM] (-inf = empty split) in its own shared memory; the cluster
+// combines them through distributed shared memory, each CTA writing a share of the tile's outputs, exactly as
+// attn_combine_kernel does from global memory.
+template <typename T, int BM, int DV, int NTHREADS>
+__device__ __forceinline__ void cluster_combine(const AttnParams& p, float* po, float* plse, int q0, int row0,
+                                                int rows_total, int kvh) {
+  namespace cg = cooperative_groups;
+  cg::cluster_group cluster = cg::this_cluster();
+  cluster.sync();  // every split's partials are in its shared memory
+  const int splits = static_cast<int>(cluster.num_blocks()), rank = static_cast<int>(cluster.block_rank());
+  for (int idx = rank * NTHREADS + static_cast<int>(threadIdx.x); idx < BM * DV; idx += splits * NTHREADS) {
+    const int r = idx / DV, col = idx % DV, pr = row0 + r;
+    if (pr >= rows_total) continue;
+    float lse[kMaxClusterSplits];
+    float mx = -CUDART_INF_F;
+#pragma unroll
+    for (int s = 0; s < kMaxClusterSplits; ++s) {
+      lse[s] = s < splits ? cluster.map_shared_rank(plse, s)[r] : -CUDART_INF_F;
+      mx = fmaxf(mx, lse[s]);
+    }
+    float acc = 0.f, wsum = 0.f;
+#pragma unroll
+    for (int s = 0; s < kMaxClusterSplits; ++s) {
+      if (lse[s] == -CUDART_INF_F) continue;  // empty split: its partial was never written
+      const float w = exp2f(lse[s] - mx);
+      acc += w * cluster.map_shared_rank(po, s)[r * DV + col];
+      wsum += w;
+    }
+    const int t = q0 + pr / p.group, h = kvh * p.group + pr % p.group;
+    static_cast<T*>(p.out)[static_cast<int64_t>(t) * p.o_stride_t + static_cast<int64_t>(h) * p.o_stride_h + col] =
+        Num<T>::from_f(wsum > 0.f ? acc / wsum : 0.f);
+  }
+  cluster.sync();  // no CTA leaves while another still reads its shared memory
+}
+#endif
 
 template <int DK, int DV, int WM, int WN, int BN, bool SHARED_KV, int ELEM, int STAGES>
 struct MmaCfg {
@@ -60,6 +100,16 @@ __global__ void __launch_bounds__(32 * WM * WN) attn_mma_kernel(const AttnParams
   const int s_begin = split * p.split_tokens;
   const int s_end = min(kv_end, s_begin + p.split_tokens);
   if (s_begin >= s_end) {  // nothing of this tile in this split: mark its rows empty for the combine
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    if constexpr (!SHARED_KV) {
+      if (p.cluster_combine) {
+        float* plse = reinterpret_cast<float*>(smem_raw) + BM * DV;
+        for (int r = tid; r < BM; r += NTHREADS) plse[r] = -CUDART_INF_F;
+        cluster_combine<T, BM, DV, NTHREADS>(p, reinterpret_cast<float*>(smem_raw), plse, q0, row0, rows_total, kvh);
+        return;
+      }
+    }
+#endif
     for (int r = tid; r < BM; r += NTHREADS) {
       const int pr = row0 + r;
       if (pr < rows_total) {
@@ -290,6 +340,29 @@ __global__ void __launch_bounds__(32 * WM * WN) attn_mma_kernel(const AttnParams
     __syncthreads();  // everyone is done with this stage, P and the exchange buffers
   }
 
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  if constexpr (!SHARED_KV) {
+    if (p.cluster_combine) {  // partials into this CTA's shared memory (the KV tiles are dead), then the cluster
+      static_assert(C::SMEM >= (BM * DV + BM) * sizeof(float), "cluster partials fit in the tile buffers");
+      float* po = reinterpret_cast<float*>(smem_raw);
+      float* plse = po + BM * DV;
+#pragma unroll
+      for (int hr = 0; hr < 2; ++hr) {
+        const int r = rbase + g + hr * 8;
+        const float inv = l_r[hr] > 0.f ? 1.f / l_r[hr] : 0.f;
+#pragma unroll
+        for (int nt = 0; nt < C::O_NT; ++nt) {
+          const int col = wn * C::O_COLS + nt * 8 + tq * 2;
+          po[r * DV + col] = o[nt][hr * 2] * inv;
+          po[r * DV + col + 1] = o[nt][hr * 2 + 1] * inv;
+        }
+        if (wn == 0 && tq == 0) plse[r] = l_r[hr] > 0.f ? m_r[hr] + log2f(l_r[hr]) : -CUDART_INF_F;
+      }
+      cluster_combine<T, BM, DV, NTHREADS>(p, po, plse, q0, row0, rows_total, kvh);
+      return;
+    }
+  }
+#endif
 #pragma unroll
   for (int hr = 0; hr < 2; ++hr) {
     const int pr = row0 + rbase + g + hr * 8;
@@ -323,6 +396,21 @@ cudaError_t launch_attn_mma(const AttnParams& p, cudaStream_t stream) {
   cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(C::SMEM));
   if (err != cudaSuccess) return err;
   dim3 grid(p.num_seqs * p.tiles_per_seq, p.num_kv_heads, p.num_splits);
+  if (p.cluster_combine) {  // the splits of a tile form one cluster (grid z = cluster z)
+    cudaLaunchConfig_t cfg = {};
+    cfg.gridDim = grid;
+    cfg.blockDim = dim3(C::NTHREADS);
+    cfg.dynamicSmemBytes = C::SMEM;
+    cfg.stream = stream;
+    cudaLaunchAttribute attr[1];
+    attr[0].id = cudaLaunchAttributeClusterDimension;
+    attr[0].val.clusterDim.x = 1;
+    attr[0].val.clusterDim.y = 1;
+    attr[0].val.clusterDim.z = static_cast<unsigned>(p.num_splits);
+    cfg.attrs = attr;
+    cfg.numAttrs = 1;
+    return cudaLaunchKernelEx(&cfg, kernel, p);
+  }
   kernel<<<grid, C::NTHREADS, C::SMEM, stream>>>(p);
   return cudaGetLastError();
 }

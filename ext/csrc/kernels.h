@@ -39,18 +39,23 @@ struct AttnParams {
   float scale_log2;           // softmax scale * log2(e)
   int tiles_per_seq;          // query tiles per sequence (grid.x = num_seqs * tiles_per_seq)
   int num_splits, split_tokens;  // split-KV: split i covers KV positions [i*split_tokens, (i+1)*split_tokens)
+  int cluster_combine;        // 1: the splits of a tile form one thread-block cluster and combine through
+                              // distributed shared memory (sm_90, tensor-core GQA, at most kMaxClusterSplits)
 };
+
+constexpr int kMaxClusterSplits = 8;  // the portable cluster size
 
 struct AttnPlan {
   int kind;          // 0 = SIMT (any dtype / head dim), 1 = tensor-core GQA, 2 = tensor-core MLA (576/512)
   int config;        // tensor-core tile config: 0 = 16-row tiles (decode-shaped), 1 = 64-row tiles
   int tile_rows;     // packed (token, head) rows per CTA
   int tiles_per_seq, num_splits, split_tokens;
+  int cluster_combine;  // AttnParams::cluster_combine
 };
 
 // Picks the kernel, tile and split-KV schedule from host-known maxima (no device reads).
 AttnPlan attn_plan(DType dtype, int dk, int dv, int qa_dim, bool shared_kv, bool aligned, int group,
-                   int num_seqs, int num_kv_heads, int max_query_len, int max_seq_len, int num_sms);
+                   int num_seqs, int num_kv_heads, int max_query_len, int max_seq_len, int num_sms, bool clusters);
 // Runs the planned kernel (plus the split combine); p.o_part / p.lse_part must be set when num_splits > 1.
 cudaError_t attn_launch(AttnParams p, const AttnPlan& plan, DType dtype, cudaStream_t stream);
 cudaError_t attn_mma_gqa(const AttnParams& p, DType dtype, int config, cudaStream_t stream);

@@ -62,9 +62,9 @@ Tensor run_attention(ddtree::AttnParams& p, const Tensor& out, ddtree::DType dt,
                      int64_t max_query_len, int64_t max_seq_len) {
   const ddtree::AttnPlan plan = ddtree::attn_plan(dt, p.dk, p.dv, p.qa_dim, shared_kv, aligned, p.group, p.num_seqs,
                                                   p.num_kv_heads, static_cast<int>(max_query_len),
-                                                  static_cast<int>(max_seq_len), num_sms());
+                                                  static_cast<int>(max_seq_len), num_sms(), compute_major() >= 9);
   Tensor o_part, lse_part;
-  if (plan.kind != 0 && plan.num_splits > 1) {
+  if (plan.kind != 0 && plan.num_splits > 1 && !plan.cluster_combine) {
     o_part = at::empty({plan.num_splits, p.num_tokens, p.num_q_heads, p.dv}, out.options().dtype(at::kFloat));
     lse_part = at::empty({plan.num_splits, p.num_tokens, p.num_q_heads}, out.options().dtype(at::kFloat));
     p.o_part = o_part.data_ptr<float>();

@@ -114,6 +114,12 @@ GQA_CASES = [
     (torch.float32, 16, 4, 2, 1, [(50, 9, "tree"), (3, 1, "decode")]),
     (torch.bfloat16, 16, 4, 2, 16, [(200, 9, "tree"), (33, 1, "decode")]),
     (torch.bfloat16, 80, 6, 3, 16, [(300, 17, "tree")]),
+    # decode-shaped tiles whose KV splits combine inside one cluster launch on sm_90 (2-8 splits), short sequences
+    # with empty splits, and a 9-row tree of one kv head per q head (still one 16-row tile)
+    (torch.bfloat16, 64, 9, 3, 16, [(512, 1, "decode")]),
+    (torch.bfloat16, 128, 32, 8, 16, [(1024, 1, "decode")]),
+    (torch.bfloat16, 128, 32, 8, 16, [(900, 1, "decode"), (40, 1, "decode"), (3, 1, "decode")]),
+    (torch.float16, 128, 16, 16, 16, [(700, 9, "tree"), (64, 1, "decode")]),
 ]
 
 
@@ -131,6 +137,28 @@ def test_paged_attention_gqa(case):
     assert ops.cuda_calls()["paged_attention"] == before + 1
     ref64, reflo = attention_refs(q, k_cache, v_cache, meta, dense, tables, scale)
     assert_attention_close(out, ref64, reflo, f"gqa{case} {dtype} d{d} bs{bs}")
+
+
+def test_decode_attention_combines_its_splits_in_one_launch():
+    """On sm_90 a batch-1 decode (SmolLM2's heads, 512 tokens: four KV splits) is one kernel: the splits combine
+    through the cluster's shared memory, no attn_combine_kernel, and the result is the same attention."""
+    from torch.profiler import ProfilerActivity, profile
+
+    if torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("thread-block clusters need sm_90")
+    r, gen = rng()
+    k_cache, meta, dense, tables = make_problem(r, gen, [(512, 1, "decode")], 16, (3, 64), torch.bfloat16)
+    v_cache = torch.where(torch.isnan(k_cache), k_cache, torch.randn(k_cache.shape, generator=gen).to(DEV, k_cache.dtype))
+    q = torch.randn(1, 9, 64, generator=gen).to(DEV, torch.bfloat16)
+    ops.paged_attention(q, k_cache, v_cache, meta, 0.125)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        out = ops.paged_attention(q, k_cache, v_cache, meta, 0.125)
+        torch.cuda.synchronize()
+    kernels = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    assert len([k for k in kernels if "attn" in k]) == 1 and not any("combine" in k for k in kernels), kernels
+    ref64, reflo = attention_refs(q, k_cache, v_cache, meta, dense, tables, 0.125)
+    assert_attention_close(out, ref64, reflo, "decode, splits combined in a cluster")
 
 
 def mla_refs(ql, qr, cache, meta, dense, tables, scale, kv_rank):

@@ -8,8 +8,11 @@ input ids, rope positions, cache slots, cumulative query lengths, KV lengths, bl
 Invariants of padding: a padding row writes its K/V into scratch blocks that no request owns (the engine
 reserves them past the BlockManager's blocks), attends only to itself and its request's context, and its output
 is never read; a padding request (i >= N) is a W_pad-token sequence over the scratch blocks. The attention
-kernels' launch shape is fixed at capture from capacities (W_pad query rows, max_model_len + W_pad keys), and
-every per-step length is read from the device buffers, so a replay serves any lengths up to those.
+kernels' launch shape is fixed at capture from capacities (W_pad query rows, context + W_pad keys), and every
+per-step length is read from the device buffers (the kernels spread their KV splits over each sequence's actual
+length), so a replay serves any lengths. Plain decoding (W = 1) is captured twice, for contexts up to
+SHORT_CONTEXT and up to max_model_len: the short capacity plans at most 8 KV splits, which combine inside the
+attention launch (ext/csrc/attention_mma.cuh, sm_90 clusters) instead of a second kernel.
 
 Graphs run only where they can: CUDA, no --enforce-eager, models without host-synchronizing layers (MoE layers
 qualify when their grouped-GEMM dispatch serves the device and dtype), steps of decoding requests only; other steps run eagerly, and each eager step is counted with its
@@ -29,6 +32,9 @@ from ext.metadata import AttentionMetadata
 logger = logging.getLogger("ddtree.engine")
 
 BATCH_SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512)
+# plain-decoding graphs are also captured for contexts up to this many tokens: attention plans its KV splits from
+# a graph's capacity, and at most 8 splits (a capacity this short) combine inside one launch on sm_90
+SHORT_CONTEXT = 1024
 WIDTHS = (1, 2, 3, 5, 9, 17, 33, 65, 129, 257)  # verify rows per request (budget + 1); 1 = plain decoding
 
 
@@ -69,8 +75,10 @@ class CudaGraphs:
         if max(self.widths) > len(scratch_blocks) * block_size:
             raise ValueError(f"{len(scratch_blocks)} scratch blocks of {block_size} slots cannot pad a "
                              f"{max(self.widths)}-row bucket (reserve scratch_blocks_needed())")
-        self.buckets = [(n, w) for w in self.widths for n in self.batch_sizes if n * w <= max_tokens]
-        rows = max((n * w for n, w in self.buckets), default=1)
+        self.contexts = [c for c in (SHORT_CONTEXT,) if c < max_model_len] + [max_model_len]
+        self.buckets = [(n, w, c) for w in self.widths for n in self.batch_sizes if n * w <= max_tokens
+                        for c in (self.contexts if w == 1 else [max_model_len])]
+        rows = max((n * w for n, w, _ in self.buckets), default=1)
         seqs = max(self.batch_sizes, default=1)
         i64, i32 = dict(dtype=torch.int64, device=device), dict(dtype=torch.int32, device=device)
         self.input_ids = torch.zeros(rows, **i64)
@@ -88,7 +96,7 @@ class CudaGraphs:
         self._starts = {w: torch.arange(seqs + 1, device=device) * w for w in {1, *self.widths}}
         self._columns = torch.arange(max(self.widths), device=device)  # a row's index inside its request
         self._layout: tuple | None = None  # (num_seqs, n, w, width) of the last replay: its padding is in place
-        self.graphs: dict[tuple[int, int], _Captured] = {}
+        self.graphs: dict[tuple[int, int, int], _Captured] = {}  # (requests, rows each, context capacity)
         self.pool = None
         self.emulate = emulate
         if emulate:
@@ -96,43 +104,50 @@ class CudaGraphs:
 
     # ---------------------------------------------------------------------------------------------- capture
 
-    def meta(self, n: int, w: int) -> AttentionMetadata:
-        """Metadata over the static buffers for bucket (n, w); host lengths are capacities (launch shapes)."""
+    def meta(self, n: int, w: int, context: int | None = None) -> AttentionMetadata:
+        """Metadata over the static buffers for bucket (n, w, context); host lengths are capacities (launch
+        shapes)."""
         t = n * w
         return AttentionMetadata(
             positions=self.positions[:t], slot_mapping=self.slot_mapping[:t],
             query_start_loc=self.query_start_loc[:n + 1], seq_lens=self.seq_lens[:n],
             block_tables=self.block_tables[:n], block_size=self.block_size,
             tree_mask=self.tree_masks[w][:t] if w > 1 else None,
-            query_lens_host=[w] * n, seq_lens_host=[self.max_model_len + w] * n)
+            query_lens_host=[w] * n, seq_lens_host=[(context or self.max_model_len) + w] * n)
 
     @torch.inference_mode()
     def capture(self) -> None:
         """Captures every bucket, largest first (they share one memory pool)."""
         t0 = time.perf_counter()
-        for n, w in tqdm(sorted(self.buckets, key=lambda b: -b[0] * b[1]), desc="capturing CUDA graphs",
-                         unit="graph", disable=None, leave=False):
+        for n, w, c in tqdm(sorted(self.buckets, key=lambda b: (-b[0] * b[1], -b[2])), desc="capturing CUDA graphs",
+                            unit="graph", disable=None, leave=False):
             self._fill_padding(0, n, w)
-            meta = self.meta(n, w)
+            meta = self.meta(n, w, c)
             ids = self.input_ids[:n * w]
             self.model(ids, meta, self.kv_caches, capture_layer_ids=self.capture_layer_ids)  # warm-up, eager
             torch.cuda.synchronize(self.device)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self.pool):
-                hidden, captured = self.model(ids, self.meta(n, w), self.kv_caches,
+                hidden, captured = self.model(ids, self.meta(n, w, c), self.kv_caches,
                                               capture_layer_ids=self.capture_layer_ids)
             self.pool = graph.pool()
-            self.graphs[n, w] = _Captured(graph, hidden, captured)
+            self.graphs[n, w, c] = _Captured(graph, hidden, captured)
         self._layout = None  # capture wrote every bucket's padding
         torch.cuda.synchronize(self.device)
-        logger.info("captured %d CUDA graphs (batch sizes %s, verify widths %s) in %.1f s", len(self.graphs),
-                    self.batch_sizes, self.widths, time.perf_counter() - t0)
+        logger.info("captured %d CUDA graphs (batch sizes %s, verify widths %s, plain-decoding contexts %s) in "
+                    "%.1f s", len(self.graphs), self.batch_sizes, self.widths, self.contexts, time.perf_counter() - t0)
 
     # ----------------------------------------------------------------------------------------------- replay
 
-    def bucket(self, num_seqs: int, width: int) -> tuple[int, int] | None:
+    def bucket(self, num_seqs: int, width: int, max_seq_len: int | None = None) -> tuple[int, int, int] | None:
+        """The graph for a step: the smallest batch and width buckets that hold it and, for plain decoding, the
+        shortest context capacity that holds its longest sequence (max_seq_len keys; None: the full one)."""
         n, w = bucket_of(tuple(self.batch_sizes), num_seqs), bucket_of(tuple(self.widths), width)
-        return (n, w) if n is not None and w is not None and (n, w) in self.graphs else None
+        if n is None or w is None:
+            return None
+        fits = [c for c in self.contexts if max_seq_len is not None and max_seq_len <= c + w] if w == 1 else []
+        key = (n, w, fits[0] if fits else self.max_model_len)
+        return key if key in self.graphs else None
 
     def run(self, input_ids: torch.Tensor, meta: AttentionMetadata, num_seqs: int, width: int
             ) -> tuple[torch.Tensor, list[torch.Tensor]] | None:
@@ -140,10 +155,10 @@ class CudaGraphs:
         engine.inputs builds them); returns the first num_seqs * width rows of hidden and captured layers (for
         plain decoding, views of the graph's output buffers, valid until the next replay), or None when no bucket
         fits."""
-        key = self.bucket(num_seqs, width)
+        key = self.bucket(num_seqs, width, max(meta.seq_lens_host) if meta.seq_lens_host else None)
         if key is None:
             return None
-        n, w = key
+        n, w, context = key
         layout = (num_seqs, n, w, width)
         if layout != self._layout:  # padding rows and request offsets stay in place while the layout repeats
             self._fill_padding(num_seqs, n, w, width)
@@ -166,7 +181,7 @@ class CudaGraphs:
             mask = self.tree_masks[w]
             mask[:num_seqs * w].copy_(self._padded_mask(meta, num_seqs, width, w))
         if self.emulate:
-            meta = self.meta(n, w)
+            meta = self.meta(n, w, context)
             meta.query_lens_host = [w] * n  # the CPU reference reads host lengths: the real ones
             meta.seq_lens_host = self.seq_lens[:n].tolist()
             hidden, layers = self.model(self.input_ids[:n * w], meta, self.kv_caches,

@@ -97,8 +97,13 @@ __global__ void __launch_bounds__(32 * WM * WN) attn_mma_kernel(const AttnParams
   const int kv_len = p.seq_lens[seq], ctx = kv_len - qlen;
   const int last_tok = (min(row0 + BM, rows_total) - 1) / p.group;
   const int kv_end = p.tree_bits ? kv_len : min(kv_len, ctx + last_tok + 1);
-  const int s_begin = split * p.split_tokens;
-  const int s_end = min(kv_end, s_begin + p.split_tokens);
+  // The launch's splits spread over this tile's own KV length, each keeping >= 2 KV tiles (the planner's rule),
+  // rather than over the planned maximum: under CUDA graphs the plan is made for the graph's capacity, and a
+  // short sequence would otherwise leave most splits empty and a few doing all the work.
+  const int active = max(1, min(p.num_splits, kv_end / (2 * BN)));
+  const int split_tokens = ((kv_end + active - 1) / active + BN - 1) / BN * BN;
+  const int s_begin = split * split_tokens;
+  const int s_end = min(kv_end, s_begin + split_tokens);
   if (s_begin >= s_end) {  // nothing of this tile in this split: mark its rows empty for the combine
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     if constexpr (!SHARED_KV) {

@@ -38,7 +38,8 @@ struct AttnParams {
   int block_shift;            // log2(block_size) when it is a power of two, else -1 (set by attn_launch)
   float scale_log2;           // softmax scale * log2(e)
   int tiles_per_seq;          // query tiles per sequence (grid.x = num_seqs * tiles_per_seq)
-  int num_splits, split_tokens;  // split-KV: split i covers KV positions [i*split_tokens, (i+1)*split_tokens)
+  int num_splits, split_tokens;  // split-KV: the planned splits (the tensor-core kernels spread a sequence's
+                              // positions over min(num_splits, its length / 2 tiles) of them)
   int cluster_combine;        // 1: the splits of a tile form one thread-block cluster and combine through
                               // distributed shared memory (sm_90, tensor-core GQA, at most kMaxClusterSplits)
 };

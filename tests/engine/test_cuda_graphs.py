@@ -59,6 +59,29 @@ def test_emulated_graph_layout_equals_eager_plain_decoding(tiny_checkpoints, bat
     assert "replay" in modes  # decode steps went through the padded layout (prefill steps stay eager)
 
 
+def test_plain_decoding_graphs_follow_the_context_length(tiny_checkpoints, monkeypatch):
+    """Plain-decoding graphs come in two context capacities: while the longest sequence fits SHORT_CONTEXT (+ the
+    new token) a step replays the short-context graph, past it the full one; crossing the boundary in the middle
+    of a generation changes nothing in the output."""
+    from engine import cuda_graphs
+
+    folder, _ = tiny_checkpoints("llama")
+    g = torch.Generator().manual_seed(5)
+    ps = [torch.randint(0, 1000, (cuda_graphs.SHORT_CONTEXT - 5,), generator=g).tolist()]  # crosses it mid-way
+    ref = greedy(LLM(folder, dtype="fp32", max_model_len=2048), ps)
+    llm = LLM(folder, dtype="fp32", max_model_len=2048)
+    llm.engine.enable_graphs(emulate=True)
+    graphs, used = llm.engine.runner.graphs, []
+    assert graphs.contexts == [cuda_graphs.SHORT_CONTEXT, 2048]
+    real = graphs.bucket
+    monkeypatch.setattr(graphs, "bucket", lambda *a: used.append(real(*a)) or used[-1])
+    out, modes = graph_modes(llm, ps)
+    assert out == ref and "replay" in modes
+    contexts = [key[2] for key in used]
+    assert contexts[0] == cuda_graphs.SHORT_CONTEXT and contexts[-1] == 2048, contexts
+    assert contexts == sorted(contexts), contexts
+
+
 @pytest.mark.parametrize("batch", [1, 3, 17])
 @pytest.mark.parametrize("budget", [1, 3, 12, 16])  # widths 2, 4 (padded to 5), 13 (padded to 17: past a block) and 17
 def test_emulated_graph_layout_equals_eager_for_ddtree(tiny_checkpoints, batch, budget, monkeypatch):

@@ -20,6 +20,11 @@ verifies again the next step; when drafting is not cheap (a DFlash forward), it 
 PROBE_EVERY steps, and the interval doubles (up to MAX_PROBE_INTERVAL) while those probes keep saying 0, so a
 drafter that does not pay costs a small fraction of a step. When the drafter is confident but the request's
 record says it is wrong, a small tree is verified every PROBE_EVERY steps, so the record can recover.
+
+Probes and interval drafts fall on engine-wide steps (the step count a multiple of PROBE_EVERY), not on each
+request's own phase: a step with any tree in it is a tree step for the whole batch (one padded width, no step
+run ahead of its predecessor's results), so 64 requests probing at 64 different phases would turn every step
+into a tree step, while aligned they cost one step in PROBE_EVERY.
 """
 from __future__ import annotations
 
@@ -75,6 +80,7 @@ class BudgetController:
         self.draft_calls = 0
         self.accepted = self.predicted = 0.0  # decayed sums over every request: a new request's calibration
         self.pipelined = False  # the engine schedules steps ahead of their predecessors' results
+        self.clock = 0  # engine steps observed: probes and interval drafts wait for a multiple of PROBE_EVERY
 
     def release(self, request_id: str) -> None:
         self.requests.pop(request_id, None)
@@ -83,6 +89,7 @@ class BudgetController:
 
     def observe_step(self, rows: int, seconds: float, tokens: int) -> None:
         """One engine step: rows through the target, its wall time, tokens it produced."""
+        self.clock += 1
         if rows <= 0 or seconds <= 0:
             return
         if self.fit.n == 0:  # the prior: t_row = share * T / rows
@@ -149,7 +156,7 @@ class BudgetController:
         if chosen == 0 and _nodes_above(stats.curve[:self.max_budget], 1.0, theta):
             # the drafter is confident but this request's record says it is wrong: verify a small tree now
             # and then, in case it has become right
-            if stats.steps_at_zero + 1 >= PROBE_EVERY:
+            if stats.steps_at_zero + 1 >= PROBE_EVERY and self._aligned():
                 if not dry:
                     stats.steps_at_zero = 0
                 return min(PROBE_BUDGET, self.max_budget)
@@ -159,6 +166,10 @@ class BudgetController:
             stats.steps_at_zero = 0
             stats.draft_interval = PROBE_EVERY
         return chosen
+
+    def _aligned(self) -> bool:
+        """This step is one where probes and interval drafts may run (the same for every request)."""
+        return self.clock % PROBE_EVERY == 0
 
     def calibration(self, stats: _RequestStats) -> float:
         """accepted / predicted drafts: the request's own record, blended with the engine-wide one (weight
@@ -176,7 +187,7 @@ class BudgetController:
         stats = self.requests.get(request_id)
         if stats is None or not stats.curve or (self.draft_tokens() <= CHEAP_DRAFT and not self.pipelined):
             return True
-        if stats.steps_undrafted + 1 < stats.draft_interval:
+        if stats.steps_undrafted + 1 < stats.draft_interval or not self._aligned():
             if not dry:
                 stats.steps_undrafted += 1
             return False

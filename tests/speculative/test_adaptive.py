@@ -151,6 +151,31 @@ def test_drafting_cost_counts_against_the_tree_and_dear_drafting_backs_off():
     assert len(drafted) < 2000 / 40
 
 
+def test_probes_of_many_requests_fall_on_the_same_steps():
+    """64 requests whose confident drafter keeps being wrong, arriving one per step: their probes (small trees)
+    and interval drafts happen on shared steps, so at most one step in PROBE_EVERY carries a tree or a draft,
+    instead of nearly every step once the requests' phases spread."""
+    from engine.speculative.adaptive import PROBE_EVERY
+
+    c = BudgetController(max_budget=16)
+    c.pipelined = True  # drafting is never cheap: interval drafts
+    confident = [0.9 * (j + 1) for j in range(16)]
+    busy_steps, active = [], []
+    for step in range(400):
+        if step < 64:
+            rid = f"r{step}"
+            c.observe_request(rid, 4, accepted=0, curve=confident)  # one wrong probe on record
+            active.append(rid)
+        wants = [c.budget(r) > 0 or c.should_draft(r) for r in active]
+        if any(wants):
+            busy_steps.append(step)
+        c.observe_step(len(active), 0.004, tokens=len(active))
+        c.observe_draft(sum(wants), 0.002 * sum(wants))
+    late = [s for s in busy_steps if s >= 100]
+    assert late and len(late) <= 300 / PROBE_EVERY + 1, late
+    assert len({s % PROBE_EVERY for s in late}) == 1, late
+
+
 @pytest.mark.parametrize("graphs", [False, True])
 def test_an_expensive_drafter_that_does_not_pay_stays_out_of_the_way(tiny_checkpoints, graphs):
     """A drafter that costs several plain steps per call and is always wrong: the engine decodes plainly and

@@ -243,8 +243,10 @@ def rope_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.
 
 # At most this many rows go through the GEMV kernel. bench/kernels.py --only gemv on the H200 (docs/BENCHMARKS.md):
 # at one row it takes 0.64-0.92x cuBLAS's time on the SmolLM2 and Qwen3-8B projections (1.01x on Qwen3's gate_up,
-# both at the weight-read floor); at two rows it loses on the large weights (up to 1.16x), at four on nearly all.
-GEMV_MAX_ROWS = 1
+# both at the weight-read floor); at two rows 0.71-0.93x on SmolLM2's and 0.93-1.16x on Qwen3-8B's; at four it loses
+# on nearly all. Two rows, not one: a row's GEMV result does not depend on the other rows, and a seeded request must
+# sample the same tokens alone and as choice 0 of n = 2 (cuBLAS and the GEMV round differently).
+GEMV_MAX_ROWS = 2
 
 
 def _gemv_fits(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:

@@ -182,6 +182,7 @@ def test_dry_budget_questions_change_nothing():
         assert dry == (controller.budget("r", dry=True), controller.should_draft("r", dry=True))
         answers.append(dry)
         assert (controller.budget("r"), controller.should_draft("r")) == dry
+        controller.observe_step(8, 0.01, 8)  # the step ran (probes and interval drafts follow the step count)
     # pipelined: a request at budget 0 drafts only every PROBE_EVERY steps (then less often), never every step
     drafts = [i for i, (_, d) in enumerate(answers) if d]
     assert drafts and len(drafts) <= 3 and all(b == 0 for b, _ in answers)

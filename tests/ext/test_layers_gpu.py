@@ -240,6 +240,18 @@ def test_gemv_silu_mul_equals_the_two_ops(cuda_ops, rows, inter, k):
     assert torch.equal(fused, ops.silu_and_mul(cuda_ops.gemv(x, w, None, False)))
 
 
+def test_gemv_rows_do_not_depend_on_each_other(cuda_ops):
+    """A row's result is bit for bit the same computed alone or beside others (seeded sampling of a request alone
+    and as choice 0 of n = 2 must agree)."""
+    r, gen = rng()
+    x = randn(gen, 8, 576, dtype=torch.bfloat16)
+    w = randn(gen, 960, 576, dtype=torch.bfloat16, scale=576 ** -0.5)
+    alone = cuda_ops.gemv(x[:1], w, None, False)
+    for rows in range(2, 9):
+        assert torch.equal(cuda_ops.gemv(x[:rows], w, None, False)[:1], alone), rows
+    assert torch.equal(ops.linear(x[:2], w)[:1], ops.linear(x[:1], w))
+
+
 def test_linear_routes_few_rows_to_the_gemv():
     """ops.linear serves up to GEMV_MAX_ROWS bf16 rows with the GEMV and more rows (or fp32) with cuBLAS; the model's
     fused MLP does so through linear_silu_mul."""

@@ -27,6 +27,18 @@ def slot_of(block_ids: list[int], block_size: int, index: int) -> int:
     return block_ids[index // block_size] * block_size + index % block_size
 
 
+def slot_range(block_ids: list[int], block_size: int, start: int, count: int) -> list[int]:
+    """[slot_of(block_ids, block_size, i) for i in range(start, start + count)], one range per block touched."""
+    out, pos, end = [], start, start + count
+    while pos < end:
+        offset = pos % block_size
+        take = min(block_size - offset, end - pos)
+        base = block_ids[pos // block_size] * block_size + offset
+        out.extend(range(base, base + take))
+        pos += take
+    return out
+
+
 def prepare_inputs(plain: list[ScheduledSeq], batch: TreeBatch | None, block_size: int,
                    device: torch.device, stage: Staging | None = None) -> StepInputs:
     stage = stage or Staging(device)
@@ -46,7 +58,7 @@ def prepare_inputs(plain: list[ScheduledSeq], batch: TreeBatch | None, block_siz
         else:
             ids.extend(new_ids)
             positions.extend(range(start, start + n))
-            slots.extend(slot_of(req.block_ids, block_size, i) for i in range(start, start + n))
+            slots.extend(slot_range(req.block_ids, block_size, start, n))
             offsets.extend(range(n))
         query_lens.append(n)
         seq_lens.append(start + n)
@@ -59,7 +71,7 @@ def prepare_inputs(plain: list[ScheduledSeq], batch: TreeBatch | None, block_siz
         for s in batch.seqs:
             req, start = s.request, s.request.num_computed_tokens
             starts.append(start)
-            tree_slot_list.extend(slot_of(req.block_ids, block_size, start + j) for j in range(width))
+            tree_slot_list.extend(slot_range(req.block_ids, block_size, start, width))
             query_lens.append(width)
             seq_lens.append(start + width)
             tables.append(req.block_ids)

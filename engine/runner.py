@@ -194,7 +194,8 @@ class ModelRunner:
         for i, s in enumerate(batch.seqs):
             req = s.request
             tau = host.accept_len[i]
-            acc, emitted = host.accepted[i][:tau], host.emitted[i][:tau]  # accepted rows; drafts then the bonus
+            # accepted rows; drafts then the bonus
+            acc, emitted = [int(a) for a in host.accepted[i][:tau]], [int(t) for t in host.emitted[i][:tau]]
             result.new_token_ids[req.request_id] = emitted
             if host.curves and batch.drafted[i]:
                 result.curves[req.request_id] = host.curves[i]
@@ -263,8 +264,9 @@ class _HostResults:
         if walk is not None:
             num_reqs, width = walk.accepted_nodes.shape
             self.accept_len = [int(t) for t in take(num_reqs)]
-            self.accepted = [[int(t) for t in take(width)] for _ in range(num_reqs)]
-            self.emitted = [[int(t) for t in take(width)] for _ in range(num_reqs)]
+            # per request, width values each; only the first accept_len are read (converted there)
+            self.accepted = [take(width) for _ in range(num_reqs)]
+            self.emitted = [take(width) for _ in range(num_reqs)]
         self.curves = [take(curve.shape[1]) for _ in range(curve.shape[0])] if curve is not None else []
         self._lp_index = {row: k for k, row in enumerate(out.logprob_rows)}
         self._chosen = take(len(out.logprob_rows))

@@ -142,3 +142,19 @@ def test_request_token_slices_equal_all_token_ids():
     whole = req.all_token_ids
     assert all(req.token_ids(a, b) == whole[a:b] for a in range(6) for b in range(a, 7))
     assert req.last_token_id == 9 and Request([4], SamplingParams()).last_token_id == 4
+
+
+def test_slot_range_equals_slots_token_by_token():
+    """The step's slots for a run of positions, built one block at a time, are the per-token slots."""
+    import random
+
+    from engine.inputs import slot_of, slot_range
+
+    r = random.Random(0)
+    for _ in range(500):
+        block_size, num_blocks = r.choice([1, 2, 3, 16, 64]), 20
+        blocks = r.sample(range(1000), num_blocks)
+        start = r.randrange(0, block_size * num_blocks)
+        count = r.randrange(0, block_size * num_blocks - start + 1)
+        assert slot_range(blocks, block_size, start, count) == \
+            [slot_of(blocks, block_size, i) for i in range(start, start + count)]

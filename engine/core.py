@@ -15,7 +15,7 @@ from engine.block_manager import BlockManager
 from engine.config import EngineConfig
 from engine.cuda_graphs import CudaGraphs, scratch_blocks_needed, supports_graphs
 from engine.detokenizer import OutputText
-from engine.memory import measure_cuda_peak, plan_kv_cache
+from engine.memory import AllocatorWatch, measure_cuda_peak, plan_kv_cache
 from engine.messages import Delta, RequestError, StepStats
 from engine.model.loader import default_sampling, load_model, resolve_dtype
 from engine.plan import ScheduledSeq, StepPlan
@@ -117,6 +117,7 @@ class EngineCore:
         self._not_ahead = ""  # why the last step could not be followed by one launched ahead
         self._next_scheduling = "synchronous: first step" if self.overlap else ""  # the next scheduled step's
         self._last_ready = 0.0  # when the last step's results reached the host (perf_counter)
+        self.alloc_watch = AllocatorWatch(torch.device(config.device)) if config.is_cuda else None
 
     def make_speculator(self, drafter) -> Speculator | None:
         """The DDTree half of the runner, or None for plain decoding. `drafter` overrides the configured one
@@ -374,6 +375,7 @@ class EngineCore:
         now = time.monotonic()
         deltas = [d for d in (self._delta(s.request, before[s.request.request_id], now) for s in live) if d]
         self.last_stats = self._stats(plan, result, launched.preemptions_before)
+        self.last_stats.cuda_alloc_retries = self.alloc_watch.new_retries() if self.alloc_watch else 0
         self.last_stats.scheduling = launched.scheduling
         return deltas
 

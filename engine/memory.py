@@ -6,6 +6,9 @@ and whatever else is resident (measured after loading), plus the peak activation
 the most rows a step can sample, with every sampling feature on). On the CPU it is a fixed size. Explicit
 overrides: num_kv_blocks, then kv_cache_memory. Never more blocks than max_num_seqs full-length requests can
 use; never fewer than one max_model_len request needs (startup fails naming the flags to change).
+
+While serving, AllocatorWatch reports when a step outgrew that working memory: the caching allocator then fails
+an allocation, frees its cache and retries, a synchronizing stall that would otherwise go unseen.
 """
 from __future__ import annotations
 
@@ -98,3 +101,28 @@ def measure_cuda_peak(device: torch.device, warmup: Callable[[], None]) -> int:
     peak = torch.cuda.max_memory_allocated(device) - before
     torch.cuda.empty_cache()
     return peak
+
+
+ALLOC_CHECK_EVERY = 64  # steps between reads of the allocator's counters (memory_stats builds a dict of them all)
+
+
+class AllocatorWatch:
+    """The CUDA caching allocator's retries (num_alloc_retries), read every ALLOC_CHECK_EVERY steps; the first
+    retry logs a warning. Retries mean the KV cache left a step too little working memory."""
+
+    def __init__(self, device: torch.device):
+        self.device, self.steps, self.retries = device, 0, 0
+
+    def new_retries(self) -> int:
+        """Retries since the last read (0 between reads)."""
+        self.steps += 1
+        if self.steps < ALLOC_CHECK_EVERY:
+            return 0
+        self.steps = 0
+        total = int(torch.cuda.memory_stats(self.device).get("num_alloc_retries", 0))
+        new, self.retries = total - self.retries, total
+        if new and total == new:
+            logger.warning("the CUDA caching allocator ran out of memory and retried after freeing its cache (%d "
+                           "times): steps stall while it does; lower --gpu-memory-utilization to leave the steps more "
+                           "working memory (counted in ddtree:cuda_alloc_retries_total)", new)
+        return new

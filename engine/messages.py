@@ -95,6 +95,9 @@ class StepStats:
     spec_budgets: list[int] = field(default_factory=list)
     # ext ops that ran their PyTorch reference on a CUDA tensor this step (only with reference kernels allowed)
     kernel_fallbacks: dict[str, int] = field(default_factory=dict)
+    # CUDA caching-allocator retries since the last count (an allocation failed, the cache was freed and the
+    # allocation retried: a synchronizing slow path; read every ALLOC_CHECK_EVERY steps, 0 in between)
+    cuda_alloc_retries: int = 0
     # structured output: requests admitted with a grammar this step, draft nodes the grammars pruned
     num_constrained_requests: int = 0
     num_grammar_pruned: int = 0

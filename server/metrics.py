@@ -111,6 +111,8 @@ class Metrics:
                                            "tool_choice requires).").labels(model_name)
         self.grammar_pruned = counter("spec_decode_grammar_pruned_nodes", "Draft-tree candidates dropped before "
                                       "verification because the request's grammar forbids them.").labels(model_name)
+        self.alloc_retries = counter("cuda_alloc_retries", "Times the CUDA caching allocator failed an allocation, "
+                                     "freed its cache and retried (a stall; should stay 0).").labels(model_name)
         self.kernel_fallbacks = counter("kernel_reference_fallbacks", "Calls of an ext op on a CUDA tensor that "
                                         "ran its PyTorch reference (only with --reference-kernels).", ["op"])
 
@@ -179,6 +181,9 @@ class Metrics:
             self.structured_requests.inc(constrained)
         if pruned:
             self.grammar_pruned.inc(pruned)
+        retries = _get(stats, "cuda_alloc_retries", 0)
+        if retries:
+            self.alloc_retries.inc(retries)
         for op, count in (_get(stats, "kernel_fallbacks", None) or {}).items():
             self.kernel_fallbacks.labels(self.model_name, op).inc(count)
         for phase, seconds in (_get(stats, "timings", None) or {}).items():

@@ -158,3 +158,21 @@ def test_slot_range_equals_slots_token_by_token():
         count = r.randrange(0, block_size * num_blocks - start + 1)
         assert slot_range(blocks, block_size, start, count) == \
             [slot_of(blocks, block_size, i) for i in range(start, start + count)]
+
+
+def test_allocator_retries_are_counted_and_warned_once(monkeypatch, caplog):
+    """The CUDA allocator's retry counter, read every ALLOC_CHECK_EVERY steps: each read reports the retries since
+    the last one (0 between reads), and the first retry logs one warning naming the flag to change."""
+    import logging
+
+    from engine import memory
+
+    totals = iter([0, 3, 3, 5])
+    monkeypatch.setattr(memory.torch.cuda, "memory_stats", lambda device: {"num_alloc_retries": next(totals)})
+    watch = memory.AllocatorWatch(torch.device("cuda"))
+    with caplog.at_level(logging.WARNING, logger="ddtree.engine"):
+        reported = [watch.new_retries() for _ in range(4 * memory.ALLOC_CHECK_EVERY)]
+    reads = reported[memory.ALLOC_CHECK_EVERY - 1::memory.ALLOC_CHECK_EVERY]
+    assert reads == [0, 3, 0, 2] and sum(reported) == 5
+    warnings = [r for r in caplog.records if "gpu-memory-utilization" in r.getMessage()]
+    assert len(warnings) == 1 and "3 times" in warnings[0].getMessage()

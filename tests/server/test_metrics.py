@@ -126,9 +126,10 @@ def test_accepts_the_engines_step_stats():
     assert value(m, "spec_decode_num_accepted_tokens_total") == 3 and value(m, "kv_cache_usage_perc") == 0.5
     m.record_step(StepStats(num_running=1, num_waiting=0, kv_cache_usage=0.5, batch_size=1, num_preemptions=0,
                             timings={}, prefix_cache_queries=20, prefix_cache_hits=16,
-                            kernel_fallbacks={"paged_attention": 30}))
+                            kernel_fallbacks={"paged_attention": 30}, cuda_alloc_retries=2))
     assert value(m, "prefix_cache_hits_total") == 16 and value(m, "prefix_cache_queries_total") == 20
     assert value(m, "kernel_reference_fallbacks_total", op="paged_attention") == 30
+    assert value(m, "cuda_alloc_retries_total") == 2
     m.record_step(StepStats(num_running=2, num_waiting=0, kv_cache_usage=0.5, batch_size=2, num_preemptions=0,
                             timings={}, spec_budgets=[0, 16], cuda_graph="replay", scheduling="ahead"))
     m.record_step(StepStats(num_running=2, num_waiting=0, kv_cache_usage=0.5, batch_size=2, num_preemptions=0,

@@ -38,11 +38,11 @@ def concat_linears(parts: list[nn.Module]) -> nn.Module | None:
     if len(kinds) != 1:
         return None
     (kind,) = kinds
-    if kind is not nn.Linear:
+    if kind not in (nn.Linear, Linear):  # Linear: a plain one already routed (route_linears)
         return kind.concat(parts)
     first = parts[0]
-    fused = nn.Linear(first.in_features, sum(p.out_features for p in parts), bias=first.bias is not None,
-                      device=first.weight.device, dtype=first.weight.dtype)
+    fused = kind(first.in_features, sum(p.out_features for p in parts), bias=first.bias is not None,
+                 device=first.weight.device, dtype=first.weight.dtype)
     with torch.no_grad():
         fused.weight.copy_(torch.cat([p.weight for p in parts]))
         if fused.bias is not None:

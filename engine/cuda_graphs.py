@@ -104,7 +104,7 @@ class CudaGraphs:
 
     # ---------------------------------------------------------------------------------------------- capture
 
-    def meta(self, n: int, w: int, context: int | None = None) -> AttentionMetadata:
+    def meta(self, n: int, w: int, context: int) -> AttentionMetadata:
         """Metadata over the static buffers for bucket (n, w, context); host lengths are capacities (launch
         shapes)."""
         t = n * w
@@ -113,7 +113,7 @@ class CudaGraphs:
             query_start_loc=self.query_start_loc[:n + 1], seq_lens=self.seq_lens[:n],
             block_tables=self.block_tables[:n], block_size=self.block_size,
             tree_mask=self.tree_masks[w][:t] if w > 1 else None,
-            query_lens_host=[w] * n, seq_lens_host=[(context or self.max_model_len) + w] * n)
+            query_lens_host=[w] * n, seq_lens_host=[context + w] * n)
 
     @torch.inference_mode()
     def capture(self) -> None:
@@ -145,8 +145,8 @@ class CudaGraphs:
         n, w = bucket_of(tuple(self.batch_sizes), num_seqs), bucket_of(tuple(self.widths), width)
         if n is None or w is None:
             return None
-        fits = [c for c in self.contexts if max_seq_len is not None and max_seq_len <= c + w] if w == 1 else []
-        key = (n, w, fits[0] if fits else self.max_model_len)
+        short = w == 1 and max_seq_len is not None
+        key = (n, w, next((c for c in self.contexts if short and max_seq_len <= c + w), self.max_model_len))
         return key if key in self.graphs else None
 
     def run(self, input_ids: torch.Tensor, meta: AttentionMetadata, num_seqs: int, width: int

@@ -111,7 +111,11 @@ class AllocatorWatch:
     retry logs a warning. Retries mean the KV cache left a step too little working memory."""
 
     def __init__(self, device: torch.device):
-        self.device, self.steps, self.retries = device, 0, 0
+        self.device, self.steps, self.warned = device, 0, False
+        self.retries = self._total()  # startup's own (warm-up, capture) are not serving's
+
+    def _total(self) -> int:
+        return int(torch.cuda.memory_stats(self.device).get("num_alloc_retries", 0))
 
     def new_retries(self) -> int:
         """Retries since the last read (0 between reads)."""
@@ -119,9 +123,10 @@ class AllocatorWatch:
         if self.steps < ALLOC_CHECK_EVERY:
             return 0
         self.steps = 0
-        total = int(torch.cuda.memory_stats(self.device).get("num_alloc_retries", 0))
+        total = self._total()
         new, self.retries = total - self.retries, total
-        if new and total == new:
+        if new and not self.warned:
+            self.warned = True
             logger.warning("the CUDA caching allocator ran out of memory and retried after freeing its cache (%d "
                            "times): steps stall while it does; lower --gpu-memory-utilization to leave the steps more "
                            "working memory (counted in ddtree:cuda_alloc_retries_total)", new)

@@ -242,46 +242,46 @@ def rope_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.
 
 
 # At most this many rows go through the GEMV kernel. bench/kernels.py --only gemv on the H200 (docs/BENCHMARKS.md):
-# at one row it takes 0.64-0.92x cuBLAS's time on the SmolLM2 and Qwen3-8B projections (1.01x on Qwen3's gate_up,
-# both at the weight-read floor); at two rows 0.71-0.93x on SmolLM2's and 0.93-1.16x on Qwen3-8B's; at four it loses
-# on nearly all. Two rows, not one: a row's GEMV result does not depend on the other rows, and a seeded request must
+# at one row it takes 0.64-0.97x cuBLAS's time on the SmolLM2 and Qwen3-8B layer projections (1.01x on Qwen3's
+# gate_up, both at the weight-read floor); at two rows 0.71-1.03x on SmolLM2's and 0.93-1.16x on Qwen3-8B's; at
+# four it loses on nearly all. Two rows, not one: a row's GEMV result does not depend on the other rows, and a seeded request must
 # sample the same tokens alone and as choice 0 of n = 2 (cuBLAS and the GEMV round differently).
 GEMV_MAX_ROWS = 2
 
 
-def _gemv_fits(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
-    return (x.dim() == 2 and 1 <= x.shape[0] <= GEMV_MAX_ROWS and x.dtype in (torch.bfloat16, torch.float16)
-            and weight.dtype == x.dtype and weight.dim() == 2 and weight.is_contiguous() and x.shape[1] % 8 == 0
-            and x.stride(1) == 1 and x.stride(0) % 8 == 0 and x.data_ptr() % 16 == 0 and weight.data_ptr() % 16 == 0
-            and weight.device == x.device
-            and (bias is None or (bias.dtype == x.dtype and bias.is_contiguous() and bias.device == x.device)))
+def _gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, silu_mul: bool) -> torch.Tensor | None:
+    """The GEMV kernel's result when it serves this call (CUDA, up to GEMV_MAX_ROWS rows, bf16/fp16, aligned),
+    else None: other shapes, dtypes and layouts are cuBLAS's by design; a missing extension counts as a fallback."""
+    if not _on_cuda(x) or not 1 <= x.numel() // max(x.shape[-1], 1) <= GEMV_MAX_ROWS:
+        return None
+    ops = _cuda_ops(x)
+    if ops is None:
+        _fallback("gemv", x, ops)
+        return None
+    rows = x.reshape(-1, x.shape[-1])
+    if not (x.dtype in (torch.bfloat16, torch.float16) and weight.dtype == x.dtype and weight.dim() == 2
+            and weight.is_contiguous() and weight.device == x.device and x.shape[-1] % 8 == 0
+            and rows.stride(1) == 1 and rows.stride(0) % 8 == 0 and rows.data_ptr() % 16 == 0
+            and weight.data_ptr() % 16 == 0 and (not silu_mul or weight.shape[0] % 2 == 0)
+            and (bias is None or (bias.dtype == x.dtype and bias.is_contiguous() and bias.device == x.device))):
+        return None
+    _served("gemv", ops)
+    out = ops.gemv(rows, weight, bias, silu_mul)
+    return out.view(*x.shape[:-1], out.shape[-1])
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [..., K] @ weight [N, K]^T (+ bias) -> [..., N]: the GEMV kernel for up to GEMV_MAX_ROWS rows on CUDA
     (launch- and latency-bound shapes), cuBLAS through F.linear for more rows and off CUDA."""
-    rows = x.reshape(-1, x.shape[-1]) if x.dim() != 2 else x
-    if rows.shape[0] > GEMV_MAX_ROWS or rows.shape[0] == 0 or not _on_cuda(x):
-        return F.linear(x, weight, bias)
-    ops = _cuda_ops(x)
-    if ops is not None and _gemv_fits(rows, weight, bias):
-        _served("gemv", ops)
-        return ops.gemv(rows, weight, bias, False).view(*x.shape[:-1], weight.shape[0])
-    if ops is None:  # other dtypes and layouts are cuBLAS's by design; a missing extension is a fallback
-        _fallback("gemv", x, ops)
-    return F.linear(x, weight, bias)
+    out = _gemv(x, weight, bias, False)
+    return out if out is not None else F.linear(x, weight, bias)
 
 
 def linear_silu_mul(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """silu_and_mul(linear(x, weight)) for a fused [gate; up] weight [2I, K] -> [..., I]: one GEMV launch for up to
     GEMV_MAX_ROWS rows on CUDA (bit-identical to the two ops), else the two ops."""
-    rows = x.reshape(-1, x.shape[-1]) if x.dim() != 2 else x
-    if 1 <= rows.shape[0] <= GEMV_MAX_ROWS and weight.shape[0] % 2 == 0 and _on_cuda(x):
-        ops = _cuda_ops(x)
-        if ops is not None and _gemv_fits(rows, weight, None):
-            _served("gemv", ops)
-            return ops.gemv(rows, weight, None, True).view(*x.shape[:-1], weight.shape[0] // 2)
-    return silu_and_mul(linear(x, weight))
+    out = _gemv(x, weight, None, True)
+    return out if out is not None else silu_and_mul(F.linear(x, weight))
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:

@@ -153,7 +153,7 @@ int ceil_div(int a, int b) { return (a + b - 1) / b; }
 
 AttnPlan attn_plan(DType dtype, int dk, int dv, int qa_dim, bool shared_kv, bool aligned, int group, int num_seqs,
                    int num_kv_heads, int max_query_len, int max_seq_len, int num_sms, bool clusters) {
-  AttnPlan plan{0, 0, 1, 1, 1, max_seq_len > 0 ? max_seq_len : 1, 0};
+  AttnPlan plan{0, 0, 1, 1, 1, 0};
   const bool half = dtype == kBFloat16 || dtype == kFloat16;
   const bool gqa = half && aligned && !shared_kv && dk == dv && (dk == 64 || dk == 128);
   const bool mla = half && aligned && shared_kv && dk == 576 && dv == 512 && qa_dim == 512;
@@ -174,8 +174,7 @@ AttnPlan attn_plan(DType dtype, int dk, int dv, int qa_dim, bool shared_kv, bool
   splits = splits < max_by_len ? splits : max_by_len;
   splits = splits < 64 ? splits : 64;
   splits = splits > 1 ? splits : 1;
-  int split_tokens = ceil_div(ceil_div(max_seq_len > 0 ? max_seq_len : 1, splits), bn) * bn;
-  plan.split_tokens = split_tokens;
+  const int split_tokens = ceil_div(ceil_div(max_seq_len > 0 ? max_seq_len : 1, splits), bn) * bn;
   plan.num_splits = ceil_div(max_seq_len > 0 ? max_seq_len : 1, split_tokens);
   // decode-shaped GQA tiles on sm_90 combine their splits inside the kernel (a cluster per tile): no partials in
   // global memory and no second launch
@@ -187,7 +186,6 @@ AttnPlan attn_plan(DType dtype, int dk, int dv, int qa_dim, bool shared_kv, bool
 cudaError_t attn_launch(AttnParams p, const AttnPlan& plan, DType dtype, cudaStream_t stream) {
   p.tiles_per_seq = plan.tiles_per_seq;
   p.num_splits = plan.num_splits;
-  p.split_tokens = plan.split_tokens;
   p.cluster_combine = plan.cluster_combine;
   p.block_shift = -1;
   for (int sh = 0; sh < 31; ++sh)
@@ -195,7 +193,6 @@ cudaError_t attn_launch(AttnParams p, const AttnPlan& plan, DType dtype, cudaStr
   if (p.num_tokens == 0) return cudaSuccess;
   if (plan.kind == 0) {
     p.num_splits = 1;
-    p.split_tokens = 1 << 30;
     if (dtype == kFloat32) return launch_simt<float>(p, stream);
     if (dtype == kFloat16) return launch_simt<__half>(p, stream);
     return launch_simt<__nv_bfloat16>(p, stream);

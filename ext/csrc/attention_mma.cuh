@@ -14,7 +14,6 @@
 
 namespace ddtree {
 
-
 template <int DK, int DV, int WM, int WN, int BN, bool SHARED_KV, int ELEM, int STAGES>
 struct MmaCfg {
   static constexpr int BM = 16 * WM, NWARPS = WM * WN, NTHREADS = 32 * NWARPS;

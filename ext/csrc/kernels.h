@@ -38,7 +38,7 @@ struct AttnParams {
   int block_shift;            // log2(block_size) when it is a power of two, else -1 (set by attn_launch)
   float scale_log2;           // softmax scale * log2(e)
   int tiles_per_seq;          // query tiles per sequence (grid.x = num_seqs * tiles_per_seq)
-  int num_splits, split_tokens;  // split-KV: the planned splits (the tensor-core kernels spread a sequence's
+  int num_splits;             // split-KV: the planned splits (the tensor-core kernels spread a sequence's
                               // positions over min(num_splits, its length / 2 tiles) of them)
   int cluster_combine;        // 1: the splits of a tile form one thread-block cluster and combine through
                               // distributed shared memory (sm_90, tensor-core GQA, at most kMaxClusterSplits)
@@ -50,14 +50,15 @@ struct AttnPlan {
   int kind;          // 0 = SIMT (any dtype / head dim), 1 = tensor-core GQA, 2 = tensor-core MLA (576/512)
   int config;        // tensor-core tile config: 0 = 16-row tiles (decode-shaped), 1 = 64-row tiles
   int tile_rows;     // packed (token, head) rows per CTA
-  int tiles_per_seq, num_splits, split_tokens;
+  int tiles_per_seq, num_splits;
   int cluster_combine;  // AttnParams::cluster_combine
 };
 
 // Picks the kernel, tile and split-KV schedule from host-known maxima (no device reads).
 AttnPlan attn_plan(DType dtype, int dk, int dv, int qa_dim, bool shared_kv, bool aligned, int group,
                    int num_seqs, int num_kv_heads, int max_query_len, int max_seq_len, int num_sms, bool clusters);
-// Runs the planned kernel (plus the split combine); p.o_part / p.lse_part must be set when num_splits > 1.
+// Runs the planned kernel (plus the split combine kernel); p.o_part / p.lse_part must be set when num_splits > 1
+// and the splits do not combine in a cluster.
 cudaError_t attn_launch(AttnParams p, const AttnPlan& plan, DType dtype, cudaStream_t stream);
 cudaError_t attn_mma_gqa(const AttnParams& p, DType dtype, int config, cudaStream_t stream);
 cudaError_t attn_mma_mla(const AttnParams& p, DType dtype, int config, cudaStream_t stream);

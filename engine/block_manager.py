@@ -9,15 +9,15 @@ blocks keep their digest and stay reusable until the free list hands them out ag
 from __future__ import annotations
 
 import hashlib
+from array import array
 from collections import OrderedDict
 
 from engine.request import Request
 
 
 def block_digest(parent: bytes, token_ids: list[int]) -> bytes:
-    h = hashlib.sha256(parent)
-    h.update(b",".join(str(t).encode() for t in token_ids))
-    return h.digest()
+    # the ids' 8-byte encoding in one C-level copy (a per-token str() cost ~10 us a block, per step at batch 64)
+    return hashlib.sha256(parent + array("q", token_ids).tobytes()).digest()
 
 
 class BlockManager:

@@ -26,6 +26,9 @@ def opt(default, help: str, *, factory=None, **kwargs):
 
 DRAFTERS = ("none", "ngram", "dflash", "oracle")
 CPU_KV_CACHE_MEMORY = 1 << 30  # bytes of KV cache on the CPU when --kv-cache-memory is not given
+# --max-num-batched-tokens by device: a GPU prefills 8192 tokens in a few milliseconds (a burst of requests is
+# admitted in a few steps instead of dozens of eager mixed steps); a CPU step that large would stall decoding
+STEP_TOKENS_CUDA, STEP_TOKENS_CPU = 8192, 2048
 
 
 @dataclass(frozen=True)
@@ -71,8 +74,9 @@ class EngineConfig:
     gpu_memory_utilization: float = opt(0.90, "fraction of the GPU's memory this engine may use: weights, "
                                               "activations and the KV cache, which takes what remains")
     max_num_seqs: int = opt(64, "requests running in the engine at once")
-    max_num_batched_tokens: int = opt(2048, "token budget of one engine step (prefill chunks + decodes + "
-                                            "tree rows)")
+    max_num_batched_tokens: int | None = opt(None, "token budget of one engine step (prefill chunks + decodes + "
+                                                   "tree rows; default: 8192 on CUDA, as vLLM's server, 2048 on "
+                                                   "CPU)")
     max_model_len: int | None = opt(None, "context length (default: the model's max_position_embeddings, "
                                           "capped at 32768)")
     tensor_parallel_size: int = opt(1, "ranks the model is split across (one process per rank; on CUDA rank r "
@@ -94,6 +98,8 @@ class EngineConfig:
     def __post_init__(self):
         if self.block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {self.block_size}")
+        if self.max_num_batched_tokens is None:
+            object.__setattr__(self, "max_num_batched_tokens", STEP_TOKENS_CUDA if self.is_cuda else STEP_TOKENS_CPU)
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:

@@ -1,5 +1,5 @@
 """Output text inside the engine: incremental detokenization (tokenizers' DecodeStream, one Rust call per
-token) and stop-string matching, per request.
+token, or per step's tokens when no stop string can end among them) and stop-string matching, per request.
 
 Stop strings are matched here, in the engine process, so a request that hits one finishes in the same step and
 frees its KV blocks at once; the HTTP layer receives text that is already cut. Invariants:
@@ -36,9 +36,13 @@ class Detokenizer:
         self._emitted = 0  # characters emitted so far
         self._held = False  # the last step returned nothing: tokens wait for a character to complete
 
-    def step(self, token_id: int) -> str:
-        """Append one token; return the newly complete text (possibly "")."""
-        self.output_ids.append(token_id)
+    def step(self, token_id: int | list[int]) -> str:
+        """Append one token (or several: one Rust call for a speculative step's tokens); return the newly
+        complete text (possibly "")."""
+        if isinstance(token_id, list):
+            self.output_ids.extend(token_id)
+        else:
+            self.output_ids.append(token_id)
         text = self._stream.step(self._backend, token_id)
         self._held = text is None
         text = text or ""
@@ -76,6 +80,7 @@ class StopStringMatcher:
         if any(not s for s in stop):
             raise ValueError("stop strings must be non-empty")
         self._stops = tuple(dict.fromkeys(stop))
+        self.stops = self._stops
         self._include = include_stop_str_in_output
         self._held = ""
         self.stopped = False
@@ -125,9 +130,15 @@ class OutputText:
         self.text = ""  # everything emitted so far
         self.pending = ""  # emitted since the last take()
 
-    def push(self, token_id: int) -> StopResult:
+    @property
+    def has_stop_strings(self) -> bool:
+        return bool(self.matcher.stops)
+
+    def push(self, token_id: int | list[int]) -> StopResult:
+        """One token, or several at once when there are no stop strings (a stop string may end inside them)."""
         if self.matcher.stopped:
             return StopResult("", True, self.matcher.matched_stop)
+        assert isinstance(token_id, int) or not self.has_stop_strings
         return self._emit(self.matcher.feed(self.detokenizer.step(token_id)))
 
     def finish(self) -> StopResult:

@@ -183,3 +183,16 @@ def test_engine_stops_at_a_stop_string_and_frees_the_request(tiny_checkpoints, t
     assert full.token_ids[:len(cut.token_ids)] == cut.token_ids
     assert stop in tokenizer.decode(cut.token_ids) and stop not in tokenizer.decode(cut.token_ids[:-1])
     assert llm.engine.blocks.num_free_blocks == llm.engine.blocks.num_blocks and not llm.engine.requests
+
+
+def test_steps_of_several_tokens_equal_decode(tokenizer, sp_tokenizer):
+    """step() with a speculative step's tokens in one call (one Rust call) yields the same text."""
+    rng = random.Random(1)
+    for tok in (tokenizer, sp_tokenizer):
+        for text in TEXTS:
+            ids = tok.encode(text, add_special_tokens=False)
+            for _ in range(8):
+                detok = Detokenizer(tok)
+                deltas = [detok.step(list(chunk)) for chunk in random_chunks(rng, ids)] + [detok.flush()]
+                assert "".join(deltas) == tok.decode(ids) and detok.output_ids == ids, (text, deltas)
+                assert all(REPLACEMENT not in d for d in deltas)

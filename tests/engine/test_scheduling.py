@@ -176,3 +176,44 @@ def test_allocator_retries_are_counted_and_warned_once(monkeypatch, caplog):
     assert reads == [0, 3, 0, 2] and sum(reported) == 5
     warnings = [r for r in caplog.records if "gpu-memory-utilization" in r.getMessage()]
     assert len(warnings) == 1 and "3 times" in warnings[0].getMessage()
+
+
+def test_multi_token_step_stops_where_token_by_token_would(tmp_path):
+    """A tree step's tokens are scanned and detokenized at once (no stop strings, no grammar): the kept tokens,
+    the finish reason, the stop token and the final text equal committing them one at a time."""
+    from engine.config import EngineConfig
+    from engine.detokenizer import OutputText
+    from engine.request import SamplingParams as Params
+    from engine.scheduler import Scheduler
+    from tests.server.conftest import build_byte_level_tokenizer
+
+    tok = build_byte_level_tokenizer(str(tmp_path))
+    eos = tok.convert_tokens_to_ids("<|im_end|>")
+    body = tok.encode("Hi 🎉 wörld, done", add_special_tokens=False)
+    cases = [  # (sampling, step tokens)
+        (dict(max_tokens=50), body[:3] + [eos] + body[3:]),  # EOS inside the step
+        (dict(max_tokens=50, ignore_eos=True), body[:3] + [eos] + body[3:]),
+        (dict(max_tokens=5), body),  # the length limit inside the step
+        (dict(max_tokens=50, stop_token_ids=[body[4]]), body),
+        (dict(max_tokens=50, stop_token_ids=[body[1]], min_tokens=3), body[:2] + body),  # min_tokens hides the 1st
+        (dict(max_tokens=50), body),  # nothing stops
+    ]
+    sched = Scheduler(EngineConfig(), BlockManager(8, 4), max_model_len=40)
+    for kwargs, step in cases:
+        fast, slow = (Request([1, 2], Params(**kwargs), eos_token_ids=(eos,)) for _ in range(2))
+        for r in (fast, slow):
+            r.text = OutputText(tok)
+        reason = sched._append(fast, list(step), None)
+        slow_reason = None
+        for token in step:
+            slow.output_token_ids.append(token)
+            slow_reason = sched.stop_reason(slow, token)
+            if slow_reason:
+                break
+        assert (fast.output_token_ids, reason, fast.stop_reason) == \
+            (slow.output_token_ids, slow_reason, slow.stop_reason), kwargs
+        # one call may hold back text before an incomplete character that token by token came out a step
+        # earlier; by the end the texts agree
+        for r in (fast, slow):
+            r.text.finish()
+        assert fast.text.take() == slow.text.take() == tok.decode(fast.output_token_ids, skip_special_tokens=True)

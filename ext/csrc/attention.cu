@@ -100,6 +100,7 @@ template <typename T>
 __global__ void __launch_bounds__(128) attn_combine_kernel(const AttnParams p) {
   __shared__ float w[64];
   __shared__ float wsum;
+  pdl_trigger();  // as attn_mma_kernel
   const int th = blockIdx.x, t = th / p.num_q_heads, h = th % p.num_q_heads;
   const int64_t plane = static_cast<int64_t>(p.num_tokens) * p.num_q_heads;
   const int tid = threadIdx.x;

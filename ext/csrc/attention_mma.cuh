@@ -36,6 +36,7 @@ struct MmaCfg {
 template <typename T, int DK, int DV, int WM, int WN, int BN, bool SHARED_KV, int STAGES>
 __global__ void __launch_bounds__(32 * WM * WN) attn_mma_kernel(const AttnParams p) {
   using C = MmaCfg<DK, DV, WM, WN, BN, SHARED_KV, sizeof(T), STAGES>;
+  pdl_trigger();  // the next kernel (the output projection's GEMV) may prefetch its weight meanwhile
   constexpr int BM = C::BM, KSTR = C::KSTR, VSTR = C::VSTR, PSTR = C::PSTR, NTHREADS = C::NTHREADS;
   extern __shared__ __align__(16) unsigned char smem_raw[];
   T* Qs = reinterpret_cast<T*>(smem_raw);

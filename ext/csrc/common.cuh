@@ -1,10 +1,13 @@
-// Device helpers shared by the kernels: dtype conversion, cp.async, ldmatrix, mma.sync, warp reductions.
+// Device helpers shared by the kernels: dtype conversion, cp.async, ldmatrix, mma.sync, warp reductions, and
+// programmatic dependent launch (PDL).
 #pragma once
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 #include <math_constants.h>
 #include <stdint.h>
+
+#include <utility>
 
 #include "kernels.h"
 
@@ -93,6 +96,39 @@ __device__ __forceinline__ float from_ordered_bits(uint32_t u) {
 // Unique sort key: value high, reversed id low, so "larger key" = larger value, then lower id.
 __device__ __forceinline__ uint64_t topk_key(float x, uint32_t id) {
   return (static_cast<uint64_t>(ordered_bits(x)) << 32) | static_cast<uint64_t>(0xffffffffu - id);
+}
+
+// Programmatic dependent launch (sm_90): a kernel launched with `launch(..., pdl = true)` may start while the
+// kernel before it in the stream still runs. Until pdl_wait() returns it may touch only memory no earlier kernel
+// of the forward writes (weights); pdl_wait() returns once that kernel has completed and its writes are visible.
+// pdl_trigger() lets the next PDL kernel start its own prologue. Both are no-ops on older architectures and in a
+// kernel launched without the attribute.
+__device__ __forceinline__ void pdl_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;\n" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void pdl_trigger() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void prefetch_l2(const void* p) {
+  asm volatile("prefetch.global.L2 [%0];\n" ::"l"(p));
+}
+
+template <typename... Params, typename... Args>
+cudaError_t launch(void (*kernel)(Params...), dim3 grid, dim3 block, cudaStream_t stream, bool pdl, Args&&... args) {
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = grid;
+  cfg.blockDim = block;
+  cfg.stream = stream;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = pdl ? 1 : 0;
+  return cudaLaunchKernelEx(&cfg, kernel, std::forward<Args>(args)...);
 }
 
 }  // namespace ddtree

@@ -6,6 +6,9 @@
 // The SiLU-and-mul variant reads w as [gate; up] ([2 I, K]): the warp of output n computes gate row n and up row
 // I + n, rounds both to T (the projection's output dtype) and applies silu_and_mul's rounding steps, so it equals
 // silu_and_mul(gemv(x, w)) bit for bit.
+//
+// Launched as a programmatic dependent (p.pdl, sm_90): the block prefetches the start of its weight rows into L2
+// while the kernel producing x still runs, then waits for it.
 #include "common.cuh"
 #include "kernels.h"
 
@@ -38,6 +41,15 @@ __global__ void __launch_bounds__(kGemvWarps * 32) gemv_kernel(const GemvParams 
   const uint4* wrow[R];
   wrow[0] = reinterpret_cast<const uint4*>(w + n * p.k);
   if constexpr (SILU) wrow[1] = reinterpret_cast<const uint4*>(w + (n + p.n_out) * p.k);
+  // the weight is no earlier kernel's output: its first loads head for L2 before x (the previous kernel's
+  // output) may be read
+#pragma unroll
+  for (int u = 0; u < kGemvUnroll; ++u)
+#pragma unroll
+    for (int r = 0; r < R; ++r)
+      if (lane + 32 * u < vecs) prefetch_l2(wrow[r] + lane + 32 * u);
+  pdl_wait();
+  pdl_trigger();
   const T* x = static_cast<const T*>(p.x);
   float acc[M][R];
 #pragma unroll
@@ -58,7 +70,7 @@ __global__ void __launch_bounds__(kGemvWarps * 32) gemv_kernel(const GemvParams 
       const uint4* xrow = reinterpret_cast<const uint4*>(x + m * p.x_stride);
 #pragma unroll
       for (int u = 0; u < kGemvUnroll; ++u) {
-        const uint4 xv = __ldg(xrow + v + 32 * u);
+        const uint4 xv = xrow[v + 32 * u];
 #pragma unroll
         for (int r = 0; r < R; ++r) acc[m][r] = dot8<T>(wv[u][r], xv, acc[m][r]);
       }
@@ -71,7 +83,7 @@ __global__ void __launch_bounds__(kGemvWarps * 32) gemv_kernel(const GemvParams 
 #pragma unroll
     for (int m = 0; m < M; ++m) {
       if (m >= p.rows) break;
-      const uint4 xv = __ldg(reinterpret_cast<const uint4*>(x + m * p.x_stride) + v);
+      const uint4 xv = reinterpret_cast<const uint4*>(x + m * p.x_stride)[v];
 #pragma unroll
       for (int r = 0; r < R; ++r) acc[m][r] = dot8<T>(wv[r], xv, acc[m][r]);
     }
@@ -102,11 +114,10 @@ template <typename T, bool SILU>
 cudaError_t gemv_typed(const GemvParams& p, cudaStream_t stream) {
   const unsigned blocks = static_cast<unsigned>((p.n_out + kGemvWarps - 1) / kGemvWarps);
   const dim3 block(kGemvWarps * 32);
-  if (p.rows <= 1) gemv_kernel<T, 1, SILU><<<blocks, block, 0, stream>>>(p);
-  else if (p.rows <= 2) gemv_kernel<T, 2, SILU><<<blocks, block, 0, stream>>>(p);
-  else if (p.rows <= 4) gemv_kernel<T, 4, SILU><<<blocks, block, 0, stream>>>(p);
-  else gemv_kernel<T, kGemvMaxRows, SILU><<<blocks, block, 0, stream>>>(p);
-  return cudaGetLastError();
+  if (p.rows <= 1) return launch(gemv_kernel<T, 1, SILU>, blocks, block, stream, p.pdl, p);
+  if (p.rows <= 2) return launch(gemv_kernel<T, 2, SILU>, blocks, block, stream, p.pdl, p);
+  if (p.rows <= 4) return launch(gemv_kernel<T, 4, SILU>, blocks, block, stream, p.pdl, p);
+  return launch(gemv_kernel<T, kGemvMaxRows, SILU>, blocks, block, stream, p.pdl, p);
 }
 
 }  // namespace

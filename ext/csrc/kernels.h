@@ -113,6 +113,7 @@ struct RmsNormParams {
   int64_t inner;
   int hidden;
   float eps;
+  bool pdl;  // launch as a programmatic dependent of the previous kernel (sm_90; common.cuh)
 };
 cudaError_t rms_norm(const RmsNormParams& p, DType x_dtype, DType weight_dtype, cudaStream_t stream);
 
@@ -134,6 +135,7 @@ struct RopeParams {
   const void* v;
   int64_t v_stride_t, v_stride_h;
   const int64_t* slots;
+  bool pdl;  // programmatic dependent launch (common.cuh)
 };
 cudaError_t rope_inplace(const RopeParams& p, DType dtype, cudaStream_t stream);
 
@@ -171,6 +173,7 @@ struct GemvParams {
   int64_t n_out, k;
   void* out;           // [rows, n_out], rows out_stride elements apart
   int64_t out_stride;
+  bool pdl;            // programmatic dependent launch: the weight prefetch overlaps the previous kernel
 };
 cudaError_t gemv(const GemvParams& p, DType dtype, bool silu_mul, cudaStream_t stream);
 

@@ -2,7 +2,8 @@
 // SiLU-and-mul. Each reproduces the rounding steps of the eager PyTorch math (ext/reference/layers.py): every
 // intermediate the eager code materialises in the model dtype is rounded to it here too, products and sums are
 // IEEE-rounded (no FMA contraction), so rope and SiLU-and-mul match the eager CUDA math bit for bit and RMSNorm
-// differs only by the order of its sum of squares.
+// differs only by the order of its sum of squares. RMSNorm and rope may be launched as programmatic dependents
+// (p.pdl, common.cuh): they wait for the previous kernel before reading anything.
 #include "common.cuh"
 
 namespace ddtree {
@@ -43,6 +44,8 @@ template <typename T, typename W, int VEC, bool WARP_ROW>
 __global__ void __launch_bounds__(WARP_ROW ? 32 * kNormWarpRows : kNormMaxThreads) rms_norm_kernel(RmsNormParams p) {
   using O = typename Promote<T, W>::type;
   __shared__ float partial[32];
+  pdl_wait();  // x and the residual are the previous kernel's outputs
+  pdl_trigger();
   int64_t row;
   int tid, nthreads;
   if (WARP_ROW) {
@@ -131,12 +134,11 @@ cudaError_t rms_norm_launch(const RmsNormParams& p, cudaStream_t stream) {
   const int nvec = p.hidden / VEC;
   if (nvec <= 32 * kNormCached && (nvec <= 32 || p.rows >= kNormWarpRowMinRows)) {
     const int64_t blocks = (p.rows + kNormWarpRows - 1) / kNormWarpRows;
-    rms_norm_kernel<T, W, VEC, true><<<static_cast<unsigned>(blocks), 32 * kNormWarpRows, 0, stream>>>(p);
-  } else {
-    const int threads = nvec >= kNormMaxThreads ? kNormMaxThreads : (nvec + 31) / 32 * 32;
-    rms_norm_kernel<T, W, VEC, false><<<static_cast<unsigned>(p.rows), threads, 0, stream>>>(p);
+    return launch(rms_norm_kernel<T, W, VEC, true>, static_cast<unsigned>(blocks), 32 * kNormWarpRows, stream,
+                  p.pdl, p);
   }
-  return cudaGetLastError();
+  const int threads = nvec >= kNormMaxThreads ? kNormMaxThreads : (nvec + 31) / 32 * 32;
+  return launch(rms_norm_kernel<T, W, VEC, false>, static_cast<unsigned>(p.rows), threads, stream, p.pdl, p);
 }
 
 bool aligned(const void* ptr, int bytes) { return reinterpret_cast<uintptr_t>(ptr) % bytes == 0; }
@@ -166,6 +168,8 @@ cudaError_t rms_norm_weight(const RmsNormParams& p, DType wd, cudaStream_t strea
 // chunks there, so rope and the K+V cache write are one launch.
 template <typename T, int VEC>
 __global__ void __launch_bounds__(256) rope_kernel(RopeParams p) {
+  pdl_wait();  // q, k and v are the previous kernel's outputs
+  pdl_trigger();
   const int64_t t = blockIdx.x;
   const int half = p.head_dim / 2, chunks = half / VEC, rope_items = (p.num_q_heads + p.num_k_heads) * chunks;
   const int64_t slot = p.k_cache != nullptr ? p.slots[t] : -1;
@@ -219,9 +223,8 @@ cudaError_t rope_typed(const RopeParams& p, cudaStream_t stream) {
   const int cache_items = p.k_cache != nullptr ? p.num_k_heads * p.head_dim : 0;  // v chunks, counted in pairs
   const int items = (p.num_q_heads + p.num_k_heads) * (vec ? half / V : half) + (vec ? cache_items / V : cache_items);
   const int threads = items >= 256 ? 256 : (items + 31) / 32 * 32;
-  if (vec) rope_kernel<T, V><<<p.num_tokens, threads, 0, stream>>>(p);
-  else rope_kernel<T, 1><<<p.num_tokens, threads, 0, stream>>>(p);
-  return cudaGetLastError();
+  if (vec) return launch(rope_kernel<T, V>, p.num_tokens, threads, stream, p.pdl, p);
+  return launch(rope_kernel<T, 1>, p.num_tokens, threads, stream, p.pdl, p);
 }
 
 // ---- SiLU and mul ----------------------------------------------------------------------------------------------

@@ -6,6 +6,8 @@
 #include <c10/cuda/CUDAStream.h>
 
 #include <cstdint>
+#include <cstdlib>
+#include <string>
 
 #include "kernels.h"
 
@@ -41,6 +43,21 @@ inline int compute_major() {
   cudaGetDevice(&device);
   cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device);
   return major;
+}
+
+// Programmatic dependent launch (common.cuh) for the layer kernels: on sm_90 and newer unless DDTREE_PDL=0 (for
+// A/B measurements). Cached per device: it is asked on every launch.
+inline bool pdl_enabled() {
+  static int cached[64] = {};  // 0 not asked yet, 1 off, 2 on
+  int device = 0;
+  cudaGetDevice(&device);
+  if (device < 0 || device >= 64) return false;
+  if (cached[device] == 0) {
+    const char* env = std::getenv("DDTREE_PDL");
+    const bool off = env != nullptr && std::string(env) == "0";
+    cached[device] = !off && compute_major() >= 9 ? 2 : 1;
+  }
+  return cached[device] == 2;
 }
 
 inline bool aligned16(const at::Tensor& t) { return reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0; }

@@ -51,6 +51,7 @@ Tensor rms_norm(Tensor x, Tensor weight, double eps) {
   Tensor out = rms_norm_out(x, weight);
   p.weight = w.data_ptr();
   p.out = out.data_ptr();
+  p.pdl = pdl_enabled();
   check(ddtree::rms_norm(p, dtype_of(x), dtype_of(w), stream()), "rms_norm");
   return out;
 }
@@ -71,6 +72,7 @@ std::tuple<Tensor, Tensor> fused_add_rmsnorm(Tensor x, Tensor residual, Tensor w
   p.weight = w.data_ptr();
   p.out = out.data_ptr();
   p.new_residual = new_residual.data_ptr();
+  p.pdl = pdl_enabled();
   check(ddtree::rms_norm(p, dtype_of(x), dtype_of(w), stream()), "fused_add_rmsnorm");
   return {out, new_residual};
 }
@@ -107,6 +109,7 @@ void rope_inplace(Tensor q, Tensor k, Tensor cos, Tensor sin) {
   ddtree::RopeParams p = rope_params(q, k, cos, sin, "rope_inplace");
   if (p.num_tokens == 0) return;
   c10::cuda::CUDAGuard guard(q.device());
+  p.pdl = pdl_enabled();
   check(ddtree::rope_inplace(p, dtype_of(q), stream()), "rope_inplace");
 }
 
@@ -132,6 +135,7 @@ void rope_write_kv(Tensor q, Tensor k, Tensor v, Tensor cos, Tensor sin, Tensor 
   p.k_cache = k_cache.data_ptr(); p.v_cache = v_cache.data_ptr();
   p.v = v.data_ptr(); p.v_stride_t = v.stride(0); p.v_stride_h = v.stride(1);
   p.slots = slot_mapping.data_ptr<int64_t>();
+  p.pdl = pdl_enabled();
   check(ddtree::rope_inplace(p, dtype_of(q), stream()), "rope_write_kv");
 }
 
@@ -173,6 +177,7 @@ Tensor gemv(Tensor x, Tensor weight, std::optional<Tensor> bias, bool silu_mul) 
   p.x = x.data_ptr(); p.x_stride = x.stride(0); p.rows = static_cast<int>(x.size(0));
   p.w = weight.data_ptr(); p.bias = bias.has_value() ? bias->data_ptr() : nullptr;
   p.n_out = n_out; p.k = x.size(1); p.out = out.data_ptr(); p.out_stride = out.stride(0);
+  p.pdl = pdl_enabled();
   check(ddtree::gemv(p, dtype_of(x), silu_mul, stream()), "gemv");
   return out;
 }

@@ -359,6 +359,45 @@ def test_layer_ops_replay_in_a_cuda_graph():
         assert torch.equal(caches, want_caches) and int((caches != 0).sum()) > 0
 
 
+def test_dependent_launches_wait_for_their_producers():
+    """On sm_90 the norm, rope and GEMV kernels start as programmatic dependents of the kernel before them (the
+    GEMV prefetches its weight meanwhile): a chain where each kernel reads the one before it, replayed in a CUDA
+    graph and run eagerly, equals the same ops with the device synchronized between them (no overlap)."""
+    r, gen = rng()
+    hidden, inter, n_qkv, hq, hk, d = 576, 1536, 960, 9, 3, 64
+    bf = dict(dtype=torch.bfloat16)
+    x, res = randn(gen, 2, hidden, **bf), randn(gen, 2, hidden, **bf)
+    w = randn(gen, hidden, **bf) + 1
+    w_qkv, w_o = randn(gen, n_qkv, hidden, **bf, scale=0.05), randn(gen, hidden, hq * d, **bf, scale=0.05)
+    w_up, w_down = randn(gen, 2 * inter, hidden, **bf, scale=0.05), randn(gen, hidden, inter, **bf, scale=0.05)
+    cos, sin = randn(gen, 2, d, **bf), randn(gen, 2, d, **bf)
+
+    def chain(x, res, sync):
+        step = torch.cuda.synchronize if sync else (lambda: None)
+        h, res = ops.fused_add_rmsnorm(x, res, w, 1e-5); step()
+        qkv = ops.linear(h, w_qkv); step()
+        q, k = qkv[:, :hq * d].view(2, hq, d), qkv[:, hq * d:(hq + hk) * d].view(2, hk, d)
+        ops.rope_inplace(q, k, cos, sin); step()
+        o = ops.linear(q.reshape(2, hq * d), w_o); step()
+        h, res = ops.fused_add_rmsnorm(o, res, w, 1e-5); step()
+        m = ops.linear_silu_mul(h, w_up); step()
+        return ops.linear(m, w_down), res
+
+    chain(x, res, False)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = chain(x, res, False)
+    for _ in range(10):
+        x.copy_(randn(gen, *x.shape, **bf))
+        res.copy_(randn(gen, *res.shape, **bf))
+        want = chain(x, res, True)
+        graph.replay()
+        eager = chain(x, res, False)
+        torch.cuda.synchronize()
+        assert all(torch.equal(a, b) and torch.equal(c, b) for a, b, c in zip(outs, want, eager))
+
+
 def rel_err(x: torch.Tensor, ref: torch.Tensor) -> float:
     return float((x.double() - ref.double()).norm() / ref.double().norm().clamp(min=1e-30))
 

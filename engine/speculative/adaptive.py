@@ -82,6 +82,17 @@ class BudgetController:
         self.pipelined = False  # the engine schedules steps ahead of their predecessors' results
         self.clock = 0  # engine steps observed: probes and interval drafts wait for a multiple of PROBE_EVERY
 
+    def reset(self) -> None:
+        """Forgets every measurement (acceptance, step and drafting costs, probe state): a fresh engine's prior.
+        Benchmarks call it between runs so that one run's requests do not set the next run's calibration."""
+        self.requests.clear()
+        self.fit = _CostFit()
+        self.last_rows, self.last_seconds, self.last_tokens = 0, 0.0, 0
+        self.draft_s = self.drafted = 0.0
+        self.draft_calls = 0
+        self.accepted = self.predicted = 0.0
+        self.clock = 0
+
     def release(self, request_id: str) -> None:
         self.requests.pop(request_id, None)
 

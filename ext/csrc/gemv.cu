@@ -7,8 +7,8 @@
 // I + n, rounds both to T (the projection's output dtype) and applies silu_and_mul's rounding steps, so it equals
 // silu_and_mul(gemv(x, w)) bit for bit.
 //
-// Launched as a programmatic dependent (p.pdl, sm_90): the block prefetches the start of its weight rows into L2
-// while the kernel producing x still runs, then waits for it.
+// Launched as a programmatic dependent (p.pdl, sm_90, weights up to kGemvPdlMaxBytes): the block prefetches the
+// start of its weight rows into L2 while the kernel producing x still runs, then waits for it.
 #include "common.cuh"
 #include "kernels.h"
 
@@ -18,6 +18,11 @@ namespace {
 
 constexpr int kGemvWarps = 4;   // warps (output rows) per block: small blocks spread short outputs over many SMs
 constexpr int kGemvUnroll = 4;  // 16-byte weight loads in flight per lane
+// Weights up to this size launch as programmatic dependents with the L2 prefetch (a decode step of a small model
+// is a chain of few-microsecond kernels, where starting early pays). Larger ones launch normally: on the H200 a
+// Qwen3-8B step took 0.4 ms longer with theirs too (their first wave's prefetch, ~2 KB per weight row, competes
+// with the running kernel's stream and L2).
+constexpr int64_t kGemvPdlMaxBytes = int64_t{8} << 20;
 
 template <typename T>
 __device__ __forceinline__ float dot8(const uint4& a, const uint4& b, float acc) {
@@ -114,10 +119,11 @@ template <typename T, bool SILU>
 cudaError_t gemv_typed(const GemvParams& p, cudaStream_t stream) {
   const unsigned blocks = static_cast<unsigned>((p.n_out + kGemvWarps - 1) / kGemvWarps);
   const dim3 block(kGemvWarps * 32);
-  if (p.rows <= 1) return launch(gemv_kernel<T, 1, SILU>, blocks, block, stream, p.pdl, p);
-  if (p.rows <= 2) return launch(gemv_kernel<T, 2, SILU>, blocks, block, stream, p.pdl, p);
-  if (p.rows <= 4) return launch(gemv_kernel<T, 4, SILU>, blocks, block, stream, p.pdl, p);
-  return launch(gemv_kernel<T, kGemvMaxRows, SILU>, blocks, block, stream, p.pdl, p);
+  const bool pdl = p.pdl && p.n_out * (SILU ? 2 : 1) * p.k * static_cast<int64_t>(sizeof(T)) <= kGemvPdlMaxBytes;
+  if (p.rows <= 1) return launch(gemv_kernel<T, 1, SILU>, blocks, block, stream, pdl, p);
+  if (p.rows <= 2) return launch(gemv_kernel<T, 2, SILU>, blocks, block, stream, pdl, p);
+  if (p.rows <= 4) return launch(gemv_kernel<T, 4, SILU>, blocks, block, stream, pdl, p);
+  return launch(gemv_kernel<T, kGemvMaxRows, SILU>, blocks, block, stream, pdl, p);
 }
 
 }  // namespace

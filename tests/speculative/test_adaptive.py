@@ -82,6 +82,23 @@ def test_controller_threshold_follows_the_measured_row_cost():
     assert cheap > dear and dear <= 1, (cheap, dear)
 
 
+def test_reset_forgets_what_the_controller_learned():
+    """After a run whose drafter was always wrong, reset() starts the next run from a fresh controller's prior."""
+    curve = [0.9 * (1 - 0.5 ** (j + 1)) / 0.5 for j in range(16)]
+    fresh, used = BudgetController(max_budget=16), BudgetController(max_budget=16)
+    for controller in (fresh, used):
+        controller.observe_step(10, 0.01, tokens=10)
+    for i in range(60):  # every tree rejected: the engine-wide calibration falls towards 0
+        used.observe_request(f"old-{i}", 16, accepted=0, curve=curve)
+        used.observe_step(17, 0.012, tokens=1)
+    used.reset()
+    used.observe_step(10, 0.01, tokens=10)
+    for controller in (fresh, used):
+        controller.observe_request("new", 16, accepted=1, curve=curve)
+    assert used.budget("new") == fresh.budget("new") > 0
+    assert used.calibration(used.requests["new"]) == fresh.calibration(fresh.requests["new"])
+
+
 def test_mixed_budgets_share_one_padded_width_and_padding_is_never_accepted(tiny_checkpoints, monkeypatch):
     """Four requests verify 1, 3, 7 and 16 nodes in the same step (width 17): every accepted row lies inside its
     own request's tree, and greedy output equals plain decoding."""

@@ -334,7 +334,8 @@ class EngineCore:
         self._not_ahead = "a tree or a draft wanted"
         if self.speculator is not None and self.budgets.enabled:
             ids = [s.request.request_id for s in seqs if not s.request.finished]
-            if any(self.budgets.budget(i, dry=True) or self.budgets.should_draft(i, dry=True) for i in ids):
+            if any(self.budgets.budget(i, dry=True, ahead=True) or self.budgets.should_draft(i, dry=True, ahead=True)
+                   for i in ids):
                 return None
         t0 = time.perf_counter()
         plan = self.scheduler.schedule_ahead(current.plan)
@@ -343,8 +344,8 @@ class EngineCore:
             return None
         if self.speculator is not None and self.budgets.enabled:
             for s in plan.seqs:  # this step counts for the adaptive budget as a plain one at budget 0
-                self.budgets.budget(s.request.request_id)
-                self.budgets.should_draft(s.request.request_id)
+                self.budgets.budget(s.request.request_id, ahead=True)
+                self.budgets.should_draft(s.request.request_id, ahead=True)
         t_launch = time.perf_counter()
         try:
             step = self.runner.launch(plan, after=current.step)

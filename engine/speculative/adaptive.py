@@ -150,10 +150,10 @@ class BudgetController:
             t_row = self.prior_row_share * self.last_seconds / max(1, self.last_rows)
         return max(MIN_GAIN, t_row * self.last_tokens / self.last_seconds)
 
-    def budget(self, request_id: str, dry: bool = False) -> int:
+    def budget(self, request_id: str, dry: bool = False, ahead: bool = False) -> int:
         """This step's tree budget for the request (before the scheduler's caps). dry: what it would be, without
         counting the step (asynchronous scheduling asks before it decides whether the next step can run
-        ahead)."""
+        ahead). ahead: asked for the step after the one in flight, before that one is observed (see _aligned)."""
         if not self.enabled or self.max_budget == 0:
             return self.max_budget
         stats = self.requests.get(request_id)
@@ -167,7 +167,7 @@ class BudgetController:
         if chosen == 0 and _nodes_above(stats.curve[:self.max_budget], 1.0, theta):
             # the drafter is confident but this request's record says it is wrong: verify a small tree now
             # and then, in case it has become right
-            if stats.steps_at_zero + 1 >= PROBE_EVERY and self._aligned():
+            if stats.steps_at_zero + 1 >= PROBE_EVERY and self._aligned(ahead):
                 if not dry:
                     stats.steps_at_zero = 0
                 return min(PROBE_BUDGET, self.max_budget)
@@ -178,9 +178,14 @@ class BudgetController:
             stats.draft_interval = PROBE_EVERY
         return chosen
 
-    def _aligned(self) -> bool:
-        """This step is one where probes and interval drafts may run (the same for every request)."""
-        return self.clock % PROBE_EVERY == 0
+    def _aligned(self, ahead: bool = False) -> bool:
+        """This step is one where probes and interval drafts may run (the same for every request). A step is
+        numbered by the steps observed before it; a step planned ahead of its predecessor's results is asked
+        about before that predecessor is observed, hence `ahead`. Without it the dry question (may the next
+        step run ahead?) and the real one (scheduling it after the predecessor) straddled a clock tick: the
+        dry one saw the aligned step and kept the step synchronous, the real one saw the next and said 0, so
+        under asynchronous scheduling no probe or interval draft ever ran."""
+        return (self.clock + ahead) % PROBE_EVERY == 0
 
     def calibration(self, stats: _RequestStats) -> float:
         """accepted / predicted drafts: the request's own record, blended with the engine-wide one (weight
@@ -191,14 +196,15 @@ class BudgetController:
             predicted += PRIOR_WEIGHT
         return accepted / predicted if predicted > 0 else 1.0
 
-    def should_draft(self, request_id: str, dry: bool = False) -> bool:
-        """Whether a decoding request at budget 0 drafts this step (curve only, no verify rows). dry: as budget().
+    def should_draft(self, request_id: str, dry: bool = False, ahead: bool = False) -> bool:
+        """Whether a decoding request at budget 0 drafts this step (curve only, no verify rows). dry, ahead: as
+        budget().
         Under asynchronous scheduling (`pipelined`) a draft is never cheap: it needs the request's newest token
         on the host, so the step cannot run ahead of the previous one's results."""
         stats = self.requests.get(request_id)
         if stats is None or not stats.curve or (self.draft_tokens() <= CHEAP_DRAFT and not self.pipelined):
             return True
-        if stats.steps_undrafted + 1 < stats.draft_interval or not self._aligned():
+        if stats.steps_undrafted + 1 < stats.draft_interval or not self._aligned(ahead):
             if not dry:
                 stats.steps_undrafted += 1
             return False

@@ -186,3 +186,33 @@ def test_dry_budget_questions_change_nothing():
     # pipelined: a request at budget 0 drafts only every PROBE_EVERY steps (then less often), never every step
     drafts = [i for i, (_, d) in enumerate(answers) if d]
     assert drafts and len(drafts) <= 3 and all(b == 0 for b, _ in answers)
+
+
+def test_probes_recover_trees_under_async_scheduling(tiny_checkpoints, monkeypatch):
+    """The drafter was wrong for earlier requests (the engine-wide calibration fell to ~0) and is right for new
+    ones: under asynchronous scheduling their budget-0 steps still probe on aligned steps and recover trees.
+    (The dry question before a step runs ahead and the real one after its predecessor was observed used to
+    straddle a clock tick: no probe ever ran.) The cost model is pinned so the CPU's timing cannot decide."""
+    from engine.speculative.adaptive import MIN_GAIN
+    from engine.speculative.oracle import OracleDrafter
+    from tests.speculative.test_ddtree_e2e import golden_lookup
+
+    monkeypatch.setattr(BudgetController, "threshold", lambda self: MIN_GAIN)
+    monkeypatch.setattr(BudgetController, "draft_tokens", lambda self: 0.0)
+    folder, _ = tiny_checkpoints("llama")
+    ps = prompts(4)
+    sp = SamplingParams(max_tokens=80, temperature=0, ignore_eos=True)
+    ref, _, _ = run(engine(folder, False).engine, ps, sp)
+    right = [(p + r, len(p)) for p, r in zip(ps, ref)]
+    wrong = [(p + [(t + 1) % 1000 for t in r], len(p)) for p, r in zip(ps, ref)]
+    lookup = {"golden": golden_lookup(wrong)}
+    oracle = OracleDrafter(lambda req: lookup["golden"](req), 1000, horizon=7, check_prefix=False)
+    llm = engine(folder, True, drafter=oracle, spec_budget=16)
+    run(llm.engine, ps, sp)  # every tree rejected
+    budgets = llm.engine.budgets
+    assert budgets.predicted > 0 and budgets.accepted / budgets.predicted < 0.1
+    lookup["golden"] = golden_lookup(right)
+    out = llm.generate(ps, sp)
+    assert [o.token_ids for o in out] == ref
+    taus = [o.stats.get("spec", {}).get("mean_accept_length", 1.0) for o in out]
+    assert min(taus) > 2.0, taus

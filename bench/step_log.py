@@ -1,0 +1,96 @@
+"""One run of the engine logged step by step: for every engine step its wall time, batch size, the tree budgets
+chosen, tokens emitted, whether it replayed a CUDA graph (or why not), how it was scheduled (ahead of its
+predecessor's results or why not) and the runner's phase timings; then cProfile's view of a window of steps.
+For finding where a benchmark's time goes (admission steps, tails of requests that left the oracle, host work
+per tree step), not a benchmark itself. Prints one JSON line per step.
+
+    python bench/step_log.py --model SmolLM2.gguf --batch 64 --mode ddtree
+    python bench/step_log.py --model SmolLM2.gguf --batch 8 --mode chain --profile 6 12
+
+The drafter of the chain and ddtree modes is bench/e2e.py's device oracle replaying the plain run's output
+(computed first, in the same process).
+"""
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import json
+import os
+import pstats
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import torch  # noqa: E402
+
+from bench.e2e import DeviceOracle, prompts  # noqa: E402
+from engine import LLM, SamplingParams  # noqa: E402
+
+
+def log_steps(llm: LLM, ps: list[list[int]], sp: SamplingParams, profile: tuple[int, int] | None) -> None:
+    core, profiler, n = llm.engine, cProfile.Profile(), 0
+    for p in ps:
+        core.add_request(p, SamplingParams(**vars(sp)))
+    t_all = time.perf_counter()
+    while core.has_unfinished():
+        profiled = profile is not None and profile[0] <= n < profile[1]
+        if profiled:
+            profiler.enable()
+        t0 = time.perf_counter()
+        deltas = core.step()
+        ms = (time.perf_counter() - t0) * 1e3
+        if profiled:
+            profiler.disable()
+        st = core.last_stats
+        print(json.dumps(dict(
+            step=n, ms=round(ms, 2), batch=st.batch_size if st else None,
+            budgets=sorted(set(st.spec_budgets)) if st and st.spec_budgets else None,
+            tokens=sum(len(d.new_token_ids) for d in deltas), graph=st.cuda_graph if st else None,
+            scheduling=st.scheduling if st else None,
+            phases_ms={k: round(v * 1e3, 2) for k, v in (st.timings.items() if st else [])})), flush=True)
+        n += 1
+    print(json.dumps(dict(total_s=round(time.perf_counter() - t_all, 3), steps=n)), flush=True)
+    if profile is not None:
+        out = io.StringIO()
+        pstats.Stats(profiler, stream=out).sort_stats("cumulative").print_stats(40)
+        print(out.getvalue())
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", required=True, help="HF folder or GGUF")
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--mode", choices=("plain", "chain", "ddtree"), default="ddtree")
+    p.add_argument("--batch", type=int, default=64)
+    p.add_argument("--budget", type=int, default=16)
+    p.add_argument("--depth", type=int, default=7, help="oracle horizon")
+    p.add_argument("--prompt-len", type=int, default=512)
+    p.add_argument("--new-tokens", type=int, default=128)
+    p.add_argument("--max-num-batched-tokens", type=int, default=None)
+    p.add_argument("--profile", type=int, nargs=2, metavar=("FIRST", "END"), help="cProfile steps FIRST..END-1")
+    args = p.parse_args()
+    common = dict(device=args.device, max_num_seqs=args.batch, max_num_batched_tokens=args.max_num_batched_tokens,
+                  max_model_len=4096, enable_prefix_caching=False)
+    sp = SamplingParams(max_tokens=args.new_tokens, temperature=0, ignore_eos=True)
+    plain = LLM(args.model, **common)
+    ps = prompts(plain.engine.vocab_size, args.batch, args.prompt_len)
+    if args.mode == "plain":
+        log_steps(plain, ps, sp, tuple(args.profile) if args.profile else None)
+        return
+    outs = plain.generate(ps, sp)
+    golden = {tuple(q): q + o.token_ids for q, o in zip(ps, outs)}
+    vocab = plain.engine.vocab_size
+    del plain
+    if args.device.startswith("cuda"):
+        torch.cuda.empty_cache()
+    oracle = DeviceOracle(golden, args.prompt_len, vocab, args.depth, args.device)
+    kwargs = dict(chain=True) if args.mode == "chain" else dict(spec_budget=args.budget)
+    llm = LLM(args.model, drafter=oracle, **kwargs, **common)
+    log_steps(llm, ps, sp, tuple(args.profile) if args.profile else None)
+
+
+if __name__ == "__main__":
+    main()

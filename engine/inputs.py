@@ -39,8 +39,18 @@ def slot_range(block_ids: list[int], block_size: int, start: int, count: int) ->
     return out
 
 
+def padding_rows(num_rows: int, pad_to: int) -> int:
+    """Rows that round an eagerly run step of num_rows up to a multiple of pad_to (steps of at most pad_to rows
+    stay as they are: few row counts, and one or two rows take the GEMV)."""
+    return (-num_rows) % pad_to if pad_to and num_rows > pad_to else 0
+
+
 def prepare_inputs(plain: list[ScheduledSeq], batch: TreeBatch | None, block_size: int,
-                   device: torch.device, stage: Staging | None = None) -> StepInputs:
+                   device: torch.device, stage: Staging | None = None, pad_to: int = 0) -> StepInputs:
+    """pad_to: round the step's rows up to a multiple of it (an eager step on CUDA: cuBLAS chooses its kernels
+    once per row count, ~0.2 ms a projection shape on the H200, so row counts that repeat are cheaper). The
+    padding rows form one extra sequence after the verify rows: token 0 at positions 0.., causal, reading block
+    0 (finite values: caches start zeroed) and writing nowhere (slot -1); nothing samples them."""
     stage = stage or Staging(device)
     ids, positions, slots, offsets = [], [], [], []  # offsets: row index inside its sequence (causal mask)
     query_lens, seq_lens, tables, rows = [], [], [], []
@@ -75,6 +85,11 @@ def prepare_inputs(plain: list[ScheduledSeq], batch: TreeBatch | None, block_siz
             query_lens.append(width)
             seq_lens.append(start + width)
             tables.append(req.block_ids)
+    num_pad = padding_rows(tree_row0 + (batch.num_requests * batch.width if batch is not None else 0), pad_to)
+    if num_pad:
+        query_lens.append(num_pad)
+        seq_lens.append(num_pad)
+        tables.append([0] * -(-num_pad // block_size))
     num_cols = max((len(t) for t in tables), default=1) or 1
     table = []
     for t in tables:
@@ -82,30 +97,35 @@ def prepare_inputs(plain: list[ScheduledSeq], batch: TreeBatch | None, block_siz
         if len(t) < num_cols:
             table += [0] * (num_cols - len(t))
     # two host-to-device copies for the whole step: the int64 arrays, then the int32 ones
-    ids_d, pos_d, slots_d, starts_d, tree_slots_d, offsets_d = stage.pack(
-        [ids, positions, slots, starts, tree_slot_list, offsets if batch is not None else []])
+    pad_pos = list(range(num_pad))
+    ids_d, pos_d, slots_d, starts_d, tree_slots_d, offsets_d, pad_pos_d, pad_slots_d, pad_ids_d = stage.pack(
+        [ids, positions, slots, starts, tree_slot_list, offsets if batch is not None else [], pad_pos,
+         [-1] * num_pad, [0] * num_pad])
     qsl_d, seq_lens_d, table_d = stage.pack([_cumulative(query_lens), seq_lens, table], torch.int32)
     if batch is not None:
         tree_ids, tree_pos, tree_vis = Speculator.verify_rows(batch, starts_d)
         tree_slots = tree_slots_d.view(batch.num_requests, batch.width)
-    input_ids = _concat(ids_d, tree_ids)
+    pad = num_pad > 0
+    input_ids = _concat(ids_d, tree_ids, pad_ids_d if pad else None)
     meta = AttentionMetadata(
-        positions=_concat(pos_d, tree_pos),
-        slot_mapping=_concat(slots_d, tree_slots.reshape(-1) if tree_slots is not None else None),
+        positions=_concat(pos_d, tree_pos, pad_pos_d if pad else None),
+        slot_mapping=_concat(slots_d, tree_slots.reshape(-1) if tree_slots is not None else None,
+                             pad_slots_d if pad else None),
         query_start_loc=qsl_d,
         seq_lens=seq_lens_d,
         block_tables=table_d.view(len(tables), num_cols),
         block_size=block_size,
         tree_mask=_tree_mask(offsets_d if tree_vis is not None else None, tree_vis,
-                             max(query_lens, default=1), device),
+                             max(query_lens, default=1), device, pad_pos_d if pad else None),
         query_lens_host=query_lens,
         seq_lens_host=seq_lens,
     )
     return StepInputs(input_ids, meta, rows, tree_row0, tree_slots)
 
 
-def _concat(head: torch.Tensor, tail: torch.Tensor | None) -> torch.Tensor:
-    return head if tail is None else torch.cat([head, tail])
+def _concat(head: torch.Tensor, *tails: torch.Tensor | None) -> torch.Tensor:
+    parts = [head, *(t for t in tails if t is not None)]
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
 def _cumulative(lengths: list[int]) -> list[int]:
@@ -115,15 +135,16 @@ def _cumulative(lengths: list[int]) -> list[int]:
     return out
 
 
-def _tree_mask(offsets: torch.Tensor | None, tree_vis: torch.Tensor | None, max_q: int, device
-               ) -> torch.Tensor | None:
+def _tree_mask(offsets: torch.Tensor | None, tree_vis: torch.Tensor | None, max_q: int, device,
+               pad_offsets: torch.Tensor | None = None) -> torch.Tensor | None:
     """[num_tokens, max_q] bool visibility among each sequence's new tokens: causal for the plain rows (offsets:
-    each row's index inside its sequence), the trees' ancestor-or-self visibility for the verify rows; None (all
-    causal) when there is no tree."""
+    each row's index inside its sequence) and the padding rows, the trees' ancestor-or-self visibility for the
+    verify rows; None (all causal) when there is no tree."""
     if tree_vis is None:
         return None
     cols = torch.arange(max_q, device=device)
     plain = cols[None, :] <= offsets[:, None]
     tree = torch.zeros(tree_vis.shape[0], max_q, dtype=torch.bool, device=device)
     tree[:, :tree_vis.shape[1]] = tree_vis
-    return torch.cat([plain, tree])
+    parts = [plain, tree] + ([cols[None, :] <= pad_offsets[:, None]] if pad_offsets is not None else [])
+    return torch.cat(parts)

@@ -18,6 +18,11 @@ from engine.speculative.speculator import Speculator, TreeBatch, Walk
 from engine.staging import Staging
 
 
+# Eager steps' row counts are rounded up to a multiple of this on CUDA: cuBLAS picks its kernels once per row
+# count (223-243 us of host time a new count against 15 us a known one, per projection shape, on the H200)
+EAGER_PAD_ROWS = 64
+
+
 class ModelRunner:
     def __init__(self, model, num_blocks: int, block_size: int, device: str, dtype: torch.dtype,
                  sampler: Sampler | None = None, speculator: Speculator | None = None):
@@ -31,6 +36,8 @@ class ModelRunner:
         if speculator is not None:
             speculator.stage = self.staging
         self.uniform_trees = False  # with graphs: a tree step lays out every decoding request as a tree
+        # eager steps on CUDA round their rows up to a multiple of this (engine.inputs.padding_rows)
+        self.eager_pad_to = EAGER_PAD_ROWS if self.device.type == "cuda" else 0
         # adaptive budgets: which decoding requests at budget 0 draft anyway (curves only), by request id
         self.watch: Callable[[str], bool] | None = None
         self.kv_caches = [
@@ -92,7 +99,9 @@ class ModelRunner:
     def _launch(self, plain: list[ScheduledSeq], batch: TreeBatch | None, watched: tuple | None,
                 ahead_ids: torch.Tensor | None) -> "PendingStep":
         t1 = time.perf_counter()
-        inputs = prepare_inputs(plain, batch, self.block_size, self.device, self.staging)
+        eager = self.graphs is None or _uniform_shape(plain, batch) is None
+        pad_to = self.eager_pad_to if eager and ahead_ids is None else 0
+        inputs = prepare_inputs(plain, batch, self.block_size, self.device, self.staging, pad_to)
         if ahead_ids is not None:
             inputs.input_ids = ahead_ids
         hidden, captured, graph_mode = self._forward(plain, batch, inputs)

@@ -110,3 +110,31 @@ def test_emulated_graph_layout_equals_eager_for_ddtree(tiny_checkpoints, batch, 
     for budgets, nodes in walks:
         assert bool((nodes <= budgets[:, None]).all())  # padding rows (past each budget) never accepted
     assert any(bool((nodes[:, 1:] > 0).any()) for _, nodes in walks)
+
+
+@pytest.mark.parametrize("drafter", ["none", "ngram"])
+def test_padded_eager_steps_change_nothing(tiny_checkpoints, drafter, monkeypatch):
+    """On CUDA an eager step's rows are rounded up to a multiple of 64 (one extra causal sequence after the verify
+    rows, writing no KV, never sampled), so cuBLAS meets repeated row counts. Forced on the CPU with a multiple of
+    8, over chunked prefills beside decodes and trees: greedy output equals the unpadded run's, and padded
+    forwards did run (mixed steps and tree-only steps)."""
+    import engine.inputs as inputs
+
+    folder, _ = tiny_checkpoints("llama")
+    ps = [p * 3 for p in prompts(5)]  # repeated text: the n-gram drafter proposes
+    sp = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    kwargs = dict(dtype="fp32", drafter=drafter, spec_budget=8, max_num_batched_tokens=37)
+    ref = [o.token_ids for o in LLM(folder, **kwargs).generate(ps, sp)]
+    padded, rounds = [], inputs.padding_rows
+
+    def recording(num_rows: int, pad_to: int) -> int:
+        pad = rounds(num_rows, pad_to)
+        if pad:
+            padded.append((num_rows, pad))
+        return pad
+
+    monkeypatch.setattr(inputs, "padding_rows", recording)
+    llm = LLM(folder, **kwargs)
+    llm.engine.runner.eager_pad_to = 8
+    assert [o.token_ids for o in llm.generate(ps, sp)] == ref
+    assert padded and all((rows + pad) % 8 == 0 and 0 < pad < 8 for rows, pad in padded), padded

@@ -35,10 +35,13 @@ def random_chunks(rng: random.Random, ids: list[int]) -> list[list[int]]:
     return chunks
 
 
-def stream(tok, chunks, **kw) -> list[str]:
-    """One delta per chunk (a speculative step commits several tokens at once), then the flush."""
+def stream(tok, chunks, batched: bool = False, **kw) -> list[str]:
+    """One delta per chunk (a speculative step commits several tokens at once), then the flush. batched: each
+    chunk goes to step() as one list (one Rust call), as the scheduler does without stop strings."""
     detok = Detokenizer(tok, **kw)
-    return ["".join(detok.step(i) for i in chunk) for chunk in chunks] + [detok.flush()]
+    deltas = [detok.step(list(chunk)) if batched else "".join(detok.step(i) for i in chunk) for chunk in chunks]
+    assert detok.output_ids == [i for chunk in chunks for i in chunk]
+    return deltas + [detok.flush()]
 
 
 def test_multibyte_one_token_at_a_time_equals_decode(tokenizer):
@@ -50,12 +53,13 @@ def test_multibyte_one_token_at_a_time_equals_decode(tokenizer):
 
 
 def test_random_chunkings_equal_decode_for_both_tokenizer_styles(tokenizer, sp_tokenizer):
+    """Random chunkings, each chunk pushed token by token or as one list: the deltas concatenate to decode."""
     rng = random.Random(0)
     for tok in (tokenizer, sp_tokenizer):
         for text in TEXTS:
             ids = tok.encode(text, add_special_tokens=False)
-            for _ in range(8):
-                deltas = stream(tok, random_chunks(rng, ids))
+            for i in range(16):  # token by token and, every other time, a chunk per call
+                deltas = stream(tok, random_chunks(rng, ids), batched=i % 2 == 1)
                 assert "".join(deltas) == tok.decode(ids), (text, deltas)
                 assert all(REPLACEMENT not in d for d in deltas)
 
@@ -183,16 +187,3 @@ def test_engine_stops_at_a_stop_string_and_frees_the_request(tiny_checkpoints, t
     assert full.token_ids[:len(cut.token_ids)] == cut.token_ids
     assert stop in tokenizer.decode(cut.token_ids) and stop not in tokenizer.decode(cut.token_ids[:-1])
     assert llm.engine.blocks.num_free_blocks == llm.engine.blocks.num_blocks and not llm.engine.requests
-
-
-def test_steps_of_several_tokens_equal_decode(tokenizer, sp_tokenizer):
-    """step() with a speculative step's tokens in one call (one Rust call) yields the same text."""
-    rng = random.Random(1)
-    for tok in (tokenizer, sp_tokenizer):
-        for text in TEXTS:
-            ids = tok.encode(text, add_special_tokens=False)
-            for _ in range(8):
-                detok = Detokenizer(tok)
-                deltas = [detok.step(list(chunk)) for chunk in random_chunks(rng, ids)] + [detok.flush()]
-                assert "".join(deltas) == tok.decode(ids) and detok.output_ids == ids, (text, deltas)
-                assert all(REPLACEMENT not in d for d in deltas)

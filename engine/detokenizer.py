@@ -79,8 +79,7 @@ class StopStringMatcher:
     def __init__(self, stop: Sequence[str] = (), *, include_stop_str_in_output: bool = False):
         if any(not s for s in stop):
             raise ValueError("stop strings must be non-empty")
-        self._stops = tuple(dict.fromkeys(stop))
-        self.stops = self._stops
+        self.stops = tuple(dict.fromkeys(stop))
         self._include = include_stop_str_in_output
         self._held = ""
         self.stopped = False
@@ -89,11 +88,11 @@ class StopStringMatcher:
     def feed(self, text: str) -> StopResult:
         if self.stopped:
             return StopResult("", True, self.matched_stop)
-        if not self._stops:
+        if not self.stops:
             return StopResult(text, False, None)
         buf = self._held + text
         best: Optional[tuple[int, int, str]] = None  # (end, -length, stop)
-        for s in self._stops:
+        for s in self.stops:
             i = buf.find(s)
             if i >= 0 and (best is None or (i + len(s), -len(s)) < best[:2]):
                 best = (i + len(s), -len(s), s)
@@ -107,10 +106,10 @@ class StopStringMatcher:
 
     def _partial_suffix(self, buf: str) -> int:
         """Length of the longest suffix of buf that is a proper prefix of some stop string."""
-        longest = min(len(buf), max(len(s) for s in self._stops) - 1)
+        longest = min(len(buf), max(len(s) for s in self.stops) - 1)
         for k in range(longest, 0, -1):
             tail = buf[-k:]
-            if any(s.startswith(tail) for s in self._stops):
+            if any(s.startswith(tail) for s in self.stops):
                 return k
         return 0
 

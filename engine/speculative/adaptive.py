@@ -73,25 +73,19 @@ class BudgetController:
         """prior_row_share: before measurements, the share of a plain step's time one row is assumed to cost
         relative to the average row (1 = fully compute-bound, 0 = rows are free)."""
         self.max_budget, self.enabled, self.prior_row_share = max_budget, enabled, prior_row_share
+        self.pipelined = False  # the engine schedules steps ahead of their predecessors' results
+        self.reset()
+
+    def reset(self) -> None:
+        """Forgets every measurement (acceptance, step and drafting costs, probe state): a fresh engine's prior.
+        Benchmarks call it between runs so that one run's requests do not set the next run's calibration."""
         self.requests: dict[str, _RequestStats] = {}
         self.fit = _CostFit()
         self.last_rows, self.last_seconds, self.last_tokens = 0, 0.0, 0
         self.draft_s = self.drafted = 0.0  # decayed sums: drafter seconds, requests drafted
         self.draft_calls = 0
         self.accepted = self.predicted = 0.0  # decayed sums over every request: a new request's calibration
-        self.pipelined = False  # the engine schedules steps ahead of their predecessors' results
         self.clock = 0  # engine steps observed: probes and interval drafts wait for a multiple of PROBE_EVERY
-
-    def reset(self) -> None:
-        """Forgets every measurement (acceptance, step and drafting costs, probe state): a fresh engine's prior.
-        Benchmarks call it between runs so that one run's requests do not set the next run's calibration."""
-        self.requests.clear()
-        self.fit = _CostFit()
-        self.last_rows, self.last_seconds, self.last_tokens = 0, 0.0, 0
-        self.draft_s = self.drafted = 0.0
-        self.draft_calls = 0
-        self.accepted = self.predicted = 0.0
-        self.clock = 0
 
     def release(self, request_id: str) -> None:
         self.requests.pop(request_id, None)

@@ -247,3 +247,21 @@ def test_bf16_moe_runs_grouped_gemms_under_cuda_graphs(tiny_checkpoints):
     a, b = graphs.generate(prompts(), sp), eager.generate(prompts(), sp)
     for x_out, y_out in zip(a, b):
         assert x_out.logprobs[0][0] == pytest.approx(y_out.logprobs[0][0], abs=0.05)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3_moe", "deepseek_v3"])
+def test_padded_eager_steps_equal_unpadded_on_cuda(tiny_checkpoints, family):
+    """Eager steps on CUDA are padded to a multiple of 64 rows (engine/inputs.py): steps of up to 101
+    tokens beside n-gram trees give the same greedy output with the padding as without it."""
+    folder, _ = tiny_checkpoints(family)
+    ps = [p * 3 for p in prompts()]
+    sp = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    kwargs = dict(dtype="fp32", device="cuda", drafter="ngram", spec_budget=8, max_num_batched_tokens=101,
+                  enforce_eager=True)
+    outs = []
+    for pad_to in (0, 64):
+        llm = LLM(folder, **kwargs)
+        assert llm.engine.runner.eager_pad_to == 64  # the CUDA default
+        llm.engine.runner.eager_pad_to = pad_to
+        outs.append([o.token_ids for o in llm.generate(ps, sp)])
+    assert outs[0] == outs[1]

@@ -99,12 +99,12 @@ class ModelRunner:
     def _launch(self, plain: list[ScheduledSeq], batch: TreeBatch | None, watched: tuple | None,
                 ahead_ids: torch.Tensor | None) -> "PendingStep":
         t1 = time.perf_counter()
-        eager = self.graphs is None or _uniform_shape(plain, batch) is None
-        pad_to = self.eager_pad_to if eager and ahead_ids is None else 0
+        shape = _uniform_shape(plain, batch)  # None: a mixed step, never a graph replay
+        pad_to = self.eager_pad_to if (self.graphs is None or shape is None) and ahead_ids is None else 0
         inputs = prepare_inputs(plain, batch, self.block_size, self.device, self.staging, pad_to)
         if ahead_ids is not None:
             inputs.input_ids = ahead_ids
-        hidden, captured, graph_mode = self._forward(plain, batch, inputs)
+        hidden, captured, graph_mode = self._forward(shape, inputs)
         features = torch.cat(captured, dim=-1) if captured else None  # [num_tokens, num_layers * hidden]
         t2 = time.perf_counter()
         sampling = [(s.request, r0 + n - 1) for s, (r0, n) in zip(plain, inputs.plain_rows) if s.sample]
@@ -147,14 +147,13 @@ class ModelRunner:
             result.timings.update(forward=step.t2 - step.t1, sample=t3 - step.t2)
         return result
 
-    def _forward(self, plain: list[ScheduledSeq], batch: TreeBatch | None, inputs: StepInputs
+    def _forward(self, shape: tuple[int, int] | None, inputs: StepInputs
                  ) -> tuple[torch.Tensor, list[torch.Tensor], str]:
-        """The target forward: a CUDA-graph replay when the step is N decoding requests x W rows and a graph
-        fits, else eager. Returns (hidden, captured layers, "replay" | "eager: <why>" | "" without graphs)."""
+        """The target forward: a CUDA-graph replay when the step is N decoding requests x W rows (shape, from
+        _uniform_shape) and a graph fits, else eager. Returns (hidden, captured layers, "replay" | "eager: <why>" | "" without graphs)."""
         capture = self.speculator.capture_layer_ids if self.speculator is not None else ()
         mode = ""
         if self.graphs is not None:
-            shape = _uniform_shape(plain, batch)
             out = self.graphs.run(inputs.input_ids, inputs.meta, *shape) if shape is not None else None
             if out is not None:
                 return out[0], out[1], "replay"

@@ -53,7 +53,9 @@ def log_steps(llm: LLM, ps: list[list[int]], sp: SamplingParams, profile: tuple[
             phases_ms={k: round(v * 1e3, 2) for k, v in (st.timings.items() if st else [])})), flush=True)
         n += 1
     print(json.dumps(dict(total_s=round(time.perf_counter() - t_all, 3), steps=n)), flush=True)
-    if profile is not None:
+    if profile is not None and profile[0] >= n:
+        print(f"no step profiled: the run took {n} steps, the window starts at step {profile[0]}")
+    elif profile is not None:
         out = io.StringIO()
         pstats.Stats(profiler, stream=out).sort_stats("cumulative").print_stats(40)
         print(out.getvalue())

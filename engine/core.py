@@ -411,7 +411,7 @@ class EngineCore:
         for s in plan.seqs:
             rid = s.request.request_id
             if rid in result.curves:
-                self.budgets.observe_request(rid, s.spec_budget, result.num_accepted.get(rid, 0), result.curves[rid])
+                self.budgets.observe_request(rid, s.spec_budget, result.accepted_rows.get(rid, []), result.curves[rid])
 
     def _stats(self, plan, result, preemptions_before: int) -> StepStats:
         from ext import ops

@@ -38,8 +38,9 @@ class StepResult:
     logprobs: dict[str, list[tuple[float, list[tuple[int, float]]]]] = field(default_factory=dict)
     # request_id -> tokens verified in the tree this step (draft nodes, root excluded); only under speculation
     num_draft_tokens: dict[str, int] = field(default_factory=dict)
-    # request_id -> accepted draft nodes (root excluded) whose KV now sits in place; only under speculation
-    num_accepted: dict[str, int] = field(default_factory=dict)
+    # request_id -> tree rows of the accepted draft nodes (root excluded; row j is the j-th node in best-first
+    # order), whose KV now sits in place; only under speculation
+    accepted_rows: dict[str, list[int]] = field(default_factory=dict)
     # step statistics for metrics, over the requests that ran a tree
     accept_lengths: list[int] = field(default_factory=list)  # tokens produced per request (accepted + bonus)
     tree_nodes: list[int] = field(default_factory=list)  # draft nodes verified per request

@@ -215,7 +215,7 @@ class ModelRunner:
                 self.speculator.record_hidden(req.request_id, features[[base + a for a in acc]])
             if batch.budgets[i] == 0:
                 continue  # a root-only tree (CUDA-graph layout): a plain decoding step, not speculation
-            result.num_accepted[req.request_id] = tau - 1
+            result.accepted_rows[req.request_id] = acc[1:]
             result.num_draft_tokens[req.request_id] = batch.budgets[i]
             result.accept_lengths.append(tau)
             result.tree_nodes.append(batch.budgets[i])

@@ -156,9 +156,9 @@ class Scheduler:
             req = s.request
             if req.finished:  # aborted while the step ran
                 continue
-            req.num_computed_tokens += s.num_new_tokens + result.num_accepted.get(req.request_id, 0)
+            req.num_computed_tokens += s.num_new_tokens + len(result.accepted_rows.get(req.request_id, ()))
             new_ids = result.new_token_ids.get(req.request_id, [])
-            if req.request_id in result.num_accepted:
+            if req.request_id in result.accepted_rows:
                 req.accept_lengths.append(len(new_ids))
             reason = self._append(req, new_ids, result.logprobs.get(req.request_id))
             self.blocks.commit(req)

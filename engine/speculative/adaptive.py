@@ -8,9 +8,17 @@ request we keep c = (drafts it accepted) / (sum of q over the nodes it verified)
 the gain of node j as c * q_j (c blended with the engine-wide ratio, so a new request starts from what the
 drafter has been worth), from the request's latest tree (the runner builds it at the full budget and
 returns its cumulative q curve). A verify row costs t_row seconds; the step's throughput is tokens / T; a row is
-worth adding when c * q_j >= t_row * tokens / T. t_row and T come from a decayed least-squares fit of the step
-time on the number of rows, started from a prior. The gains are decreasing, so the budget is the number of
-nodes above that threshold, capped by the configured budget.
+worth adding when its gain >= t_row * tokens / T. t_row and T come from a decayed least-squares fit of the step
+time on the number of rows, started from a prior. The budget is the prefix of the best-first order (every
+prefix is a tree) with the largest total gain net of that threshold, capped by the configured budget.
+
+One factor per request is not enough: a drafter's confidence is rarely off by the same factor at every level (an
+oracle's top-1 chain is always right while its side branches, at q ~ 0.1, never are; with one factor the side
+branches inherit the chain's over-delivery and fill the tree). So the engine also keeps a reliability curve:
+accepted / predicted per confidence bin (q in (2^-(k+1), 2^-k]), from which nodes of every verified tree were
+on the accepted path, each bin blended with the engine-wide ratio (BIN_PRIOR predicted drafts of it). A node's
+gain is q_j times its bin's ratio times the request's standing against the engine (c / engine-wide ratio);
+with no bins measured it is c * q_j.
 
 Drafting has a cost of its own (t_draft seconds per drafted request, measured: host time on CPU, CUDA events on
 the GPU): a tree is verified only when its expected accepted drafts beat its rows' cost by more than the
@@ -28,6 +36,7 @@ into a tree step, while aligned they cost one step in PROBE_EVERY.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 DECAY = 0.9  # per observation, for the acceptance sums and the cost fit
@@ -39,6 +48,8 @@ CHEAP_DRAFT = 0.02  # tokens of throughput a curve-only draft may cost to run ev
 MAX_PROBE_INTERVAL = 256
 SPIKE_CLIP = 4.0  # a drafter call counts at most this many times the running per-request average
 MIN_DRAFT_CALLS = 1  # drafter calls measured before their cost counts (the first is discarded)
+NUM_BINS = 8  # confidence bins of the reliability curve: q in (2^-(k+1), 2^-k], the last holds everything below
+BIN_PRIOR = 0.25  # predicted drafts of the engine-wide ratio behind each bin's own (a bin of q ~ 0.1 sees ~1 a step)
 
 
 @dataclass
@@ -85,6 +96,8 @@ class BudgetController:
         self.draft_s = self.drafted = 0.0  # decayed sums: drafter seconds, requests drafted
         self.draft_calls = 0
         self.accepted = self.predicted = 0.0  # decayed sums over every request: a new request's calibration
+        self.bin_accepted = [0.0] * NUM_BINS  # per confidence bin, decayed when the bin is observed
+        self.bin_predicted = [0.0] * NUM_BINS
         self.clock = 0  # engine steps observed: probes and interval drafts wait for a multiple of PROBE_EVERY
 
     def release(self, request_id: str) -> None:
@@ -121,17 +134,31 @@ class BudgetController:
             return 0.0  # too few measurements: drafting counts as free until then
         return self.draft_s / self.drafted * self.last_tokens / self.last_seconds
 
-    def observe_request(self, request_id: str, budget: int, accepted: int, curve: list[float]) -> None:
-        """A tree step of one request: the budget it verified, drafts it accepted, and its tree's cumulative q
-        curve (curve[j] = sum of q over the first j + 1 nodes, up to the full budget)."""
+    def observe_request(self, request_id: str, budget: int, accepted_rows: list[int], curve: list[float]) -> None:
+        """A tree step of one request: the budget it verified, the tree rows of its accepted drafts (row j >= 1 is
+        the j-th node of the best-first order), and its tree's cumulative q curve (curve[j] = sum of q over the
+        first j + 1 nodes, up to the full budget)."""
         stats = self.requests.setdefault(request_id, _RequestStats())
+        accepted = len(accepted_rows)
         predicted = curve[budget - 1] if 0 < budget <= len(curve) else 0.0
         stats.accepted = DECAY * stats.accepted + accepted
         stats.predicted = DECAY * stats.predicted + predicted
         if predicted > 0:
             self.accepted = DECAY * self.accepted + accepted
             self.predicted = DECAY * self.predicted + predicted
+            self._observe_bins(_node_q(curve[:budget]), set(accepted_rows))
         stats.curve = list(curve)
+
+    def _observe_bins(self, node_q: list[float], accepted_rows: set[int]) -> None:
+        acc, pred, seen = [0.0] * NUM_BINS, [0.0] * NUM_BINS, set()
+        for j, q in enumerate(node_q):
+            k = _bin(q)
+            acc[k] += (j + 1) in accepted_rows
+            pred[k] += q
+            seen.add(k)
+        for k in seen:
+            self.bin_accepted[k] = DECAY * self.bin_accepted[k] + acc[k]
+            self.bin_predicted[k] = DECAY * self.bin_predicted[k] + pred[k]
 
     # ----------------------------------------------------------------------------------------------- choosing
 
@@ -153,10 +180,10 @@ class BudgetController:
         stats = self.requests.get(request_id)
         if stats is None or not stats.curve:
             return 0  # no draft seen yet: this step drafts without verifying (the runner watches budget 0)
-        calibration = self.calibration(stats)
         theta = self.threshold()
-        chosen = _nodes_above(stats.curve[:self.max_budget], calibration, theta)
-        if chosen and calibration * stats.curve[chosen - 1] - chosen * theta <= self.draft_tokens():
+        gains = self.gains(stats)
+        chosen = _best_prefix(gains, theta)
+        if chosen and sum(gains[:chosen]) - chosen * theta <= self.draft_tokens():
             chosen = 0  # the best tree's net gain does not pay for drafting it
         if chosen == 0 and _nodes_above(stats.curve[:self.max_budget], 1.0, theta):
             # the drafter is confident but this request's record says it is wrong: verify a small tree now
@@ -180,6 +207,15 @@ class BudgetController:
         dry one saw the aligned step and kept the step synchronous, the real one saw the next and said 0, so
         under asynchronous scheduling no probe or interval draft ever ran."""
         return (self.clock + ahead) % PROBE_EVERY == 0
+
+    def gains(self, stats: _RequestStats) -> list[float]:
+        """Expected accepted drafts of each node of the request's latest tree, in best-first order (up to the
+        configured budget): q times its confidence bin's reliability times the request's standing."""
+        engine = self.accepted / self.predicted if self.predicted > 0 else 1.0
+        standing = self.calibration(stats) / engine if engine > 0 else 0.0
+        reliability = [(a + BIN_PRIOR * engine) / (p + BIN_PRIOR) for a, p in zip(self.bin_accepted,
+                                                                                  self.bin_predicted)]
+        return [q * reliability[_bin(q)] * standing for q in _node_q(stats.curve[:self.max_budget])]
 
     def calibration(self, stats: _RequestStats) -> float:
         """accepted / predicted drafts: the request's own record, blended with the engine-wide one (weight
@@ -209,8 +245,30 @@ class BudgetController:
         return True
 
 
+def _node_q(curve: list[float]) -> list[float]:
+    """Each node's q from the cumulative curve."""
+    return [max(0.0, c - p) for c, p in zip(curve, [0.0] + curve[:-1])]
+
+
+def _bin(q: float) -> int:
+    """The confidence bin of a node's q: k for q in (2^-(k+1), 2^-k]."""
+    return NUM_BINS - 1 if q <= 0 else min(NUM_BINS - 1, max(0, int(-math.log2(q))))
+
+
+def _best_prefix(gains: list[float], theta: float) -> int:
+    """How many leading nodes to verify: the prefix with the largest total gain net of theta per node (gains need
+    not decrease once the reliability curve bends, and only a prefix of the best-first order is a tree)."""
+    best, best_net, net = 0, 0.0, 0.0
+    for j, gain in enumerate(gains):
+        net += gain - theta
+        if net > best_net:
+            best, best_net = j + 1, net
+    return best
+
+
 def _nodes_above(curve: list[float], calibration: float, theta: float) -> int:
-    """How many leading nodes bring more than theta expected accepted tokens each (gains decrease)."""
+    """How many leading nodes bring more than theta expected accepted tokens each at this calibration (raw q
+    decreases along the best-first order)."""
     chosen, previous = 0, 0.0
     for j, cumulative in enumerate(curve):
         if calibration * (cumulative - previous) <= theta:

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
-from engine.speculative.adaptive import MIN_GAIN, PROBE_BUDGET, BudgetController
+from engine.speculative.adaptive import MIN_GAIN, PROBE_BUDGET, BudgetController, _nodes_above
 from engine.speculative.oracle import OracleDrafter
 from tests.speculative.test_ddtree_e2e import golden_lookup, prompts
 
@@ -69,7 +69,7 @@ def test_budget_rises_for_a_drafter_that_always_matches(tiny_checkpoints, monkey
 def test_controller_threshold_follows_the_measured_row_cost():
     controller = BudgetController(max_budget=16)
     curve = [0.9 * (1 - 0.5 ** (j + 1)) / 0.5 for j in range(16)]  # node j brings 0.9 * 0.5**j
-    controller.observe_request("r", 16, accepted=1, curve=curve)  # calibrated: accepted ~ predicted
+    controller.observe_request("r", 16, accepted_rows=[1], curve=curve)  # calibrated: accepted ~ predicted
     for rows in (10, 20, 40, 80):  # rows are nearly free: T barely grows
         controller.observe_step(rows, 0.010 + 0.00001 * rows, tokens=rows)
     cheap = controller.budget("r")
@@ -82,6 +82,29 @@ def test_controller_threshold_follows_the_measured_row_cost():
     assert cheap > dear and dear <= 1, (cheap, dear)
 
 
+def test_side_branches_that_are_never_accepted_drop_out_of_the_tree(monkeypatch):
+    """bench/e2e.py's oracle: its top-1 chain (q = 0.865^d) is always accepted, its second and third choices never
+    are. One calibration factor per request credits the side branches with the chain's over-delivery (7 accepted
+    for ~4.1 of q once the tree is the chain: a side branch at q = 0.117 looks worth 0.2 tokens, above a 0.1
+    threshold) and verifies most of the 16 nodes every step; the reliability per confidence bin learns that side branches bring nothing and the tree shrinks to
+    the chain, where the chain mode verifies the same drafts with 9 fewer rows."""
+    monkeypatch.setattr(BudgetController, "threshold", lambda self: 0.1)
+    chain = [(0.865 ** d, True) for d in range(1, 8)]
+    side = [(0.117 * 0.865 ** d, False) for d in range(7)] + [(0.0158 * 0.865 ** d, False) for d in range(2)]
+    nodes = sorted(chain + side, reverse=True)  # best-first order
+    curve = [sum(q for q, _ in nodes[:j + 1]) for j in range(len(nodes))]
+    on_chain = [j + 1 for j, (_, accepted) in enumerate(nodes) if accepted]
+    controller, budgets = BudgetController(max_budget=len(nodes)), []
+    for _ in range(30):
+        budget = controller.budget("r") if controller.requests else len(nodes)
+        budgets.append(budget)
+        controller.observe_request("r", budget, [row for row in on_chain if row <= budget], curve)
+    assert on_chain == list(range(1, 8)) and budgets[0] == 16
+    assert budgets[-10:] == [7] * 10, budgets
+    single_factor = controller.calibration(controller.requests["r"])  # what the request's record alone says
+    assert _nodes_above(curve, single_factor, 0.1) >= 10  # side branches at q >= 0.06 look worth > 0.1 to it
+
+
 def test_reset_forgets_what_the_controller_learned():
     """After a run whose drafter was always wrong, reset() starts the next run from a fresh controller's prior."""
     curve = [0.9 * (1 - 0.5 ** (j + 1)) / 0.5 for j in range(16)]
@@ -89,12 +112,12 @@ def test_reset_forgets_what_the_controller_learned():
     for controller in (fresh, used):
         controller.observe_step(10, 0.01, tokens=10)
     for i in range(60):  # every tree rejected: the engine-wide calibration falls towards 0
-        used.observe_request(f"old-{i}", 16, accepted=0, curve=curve)
+        used.observe_request(f"old-{i}", 16, accepted_rows=[], curve=curve)
         used.observe_step(17, 0.012, tokens=1)
     used.reset()
     used.observe_step(10, 0.01, tokens=10)
     for controller in (fresh, used):
-        controller.observe_request("new", 16, accepted=1, curve=curve)
+        controller.observe_request("new", 16, accepted_rows=[1], curve=curve)
     assert used.budget("new") == fresh.budget("new") > 0
     assert used.calibration(used.requests["new"]) == fresh.calibration(fresh.requests["new"])
 
@@ -152,7 +175,7 @@ def test_drafting_cost_counts_against_the_tree_and_dear_drafting_backs_off():
     curve = [0.6 * (1 - 0.5 ** (j + 1)) / 0.5 for j in range(16)]  # ~1.2 expected accepted drafts in all
     cheap, dear = BudgetController(max_budget=16), BudgetController(max_budget=16)
     for c in (cheap, dear):
-        c.observe_request("r", 16, accepted=1, curve=curve)
+        c.observe_request("r", 16, accepted_rows=[1], curve=curve)
         c.observe_draft(1, 5.0)  # the first call's one-time costs are not the drafter's
     for _ in range(8):
         for c in (cheap, dear):
@@ -181,7 +204,7 @@ def test_probes_of_many_requests_fall_on_the_same_steps():
     for step in range(400):
         if step < 64:
             rid = f"r{step}"
-            c.observe_request(rid, 4, accepted=0, curve=confident)  # one wrong probe on record
+            c.observe_request(rid, 4, accepted_rows=[], curve=confident)  # one wrong probe on record
             active.append(rid)
         wants = [c.budget(r) > 0 or c.should_draft(r) for r in active]
         if any(wants):

@@ -15,7 +15,7 @@ prefix is a tree) with the largest total gain net of that threshold, capped by t
 One factor per request is not enough: a drafter's confidence is rarely off by the same factor at every level (an
 oracle's top-1 chain is always right while its side branches, at q ~ 0.1, never are; with one factor the side
 branches inherit the chain's over-delivery and fill the tree). So the engine also keeps a reliability curve:
-accepted / predicted per confidence bin (q in (2^-(k+1), 2^-k]), from which nodes of every verified tree were
+accepted / predicted per confidence bin (q in [2^-(k+1), 2^-k)), from which nodes of every verified tree were
 on the accepted path, each bin blended with the engine-wide ratio (BIN_PRIOR predicted drafts of it). A node's
 gain is q_j times its bin's ratio times the request's standing against the engine (c / engine-wide ratio);
 with no bins measured it is c * q_j.
@@ -48,7 +48,7 @@ CHEAP_DRAFT = 0.02  # tokens of throughput a curve-only draft may cost to run ev
 MAX_PROBE_INTERVAL = 256
 SPIKE_CLIP = 4.0  # a drafter call counts at most this many times the running per-request average
 MIN_DRAFT_CALLS = 1  # drafter calls measured before their cost counts (the first is discarded)
-NUM_BINS = 8  # confidence bins of the reliability curve: q in (2^-(k+1), 2^-k], the last holds everything below
+NUM_BINS = 8  # confidence bins of the reliability curve: q in [2^-(k+1), 2^-k), the last holds everything below
 BIN_PRIOR = 0.25  # predicted drafts of the engine-wide ratio behind each bin's own (a bin of q ~ 0.1 sees ~1 a step)
 
 
@@ -57,6 +57,8 @@ class _RequestStats:
     accepted: float = 0.0  # decayed sum of drafts accepted
     predicted: float = 0.0  # decayed sum of the q mass that was verified
     curve: list[float] = field(default_factory=list)  # latest tree: cumulative q of its first 1..B nodes
+    node_q: list[float] = field(default_factory=list)  # the same tree: each node's q, best-first
+    node_bins: list[int] = field(default_factory=list)  # each node's confidence bin
     steps_at_zero: int = 0
     steps_undrafted: int = 0  # steps at budget 0 since the drafter last ran for this request
     draft_interval: int = PROBE_EVERY  # when drafting is not cheap: steps between curve-only drafts
@@ -98,6 +100,7 @@ class BudgetController:
         self.accepted = self.predicted = 0.0  # decayed sums over every request: a new request's calibration
         self.bin_accepted = [0.0] * NUM_BINS  # per confidence bin, decayed when the bin is observed
         self.bin_predicted = [0.0] * NUM_BINS
+        self._reliability: list[float] | None = None  # per bin, from the sums above; None: to be recomputed
         self.clock = 0  # engine steps observed: probes and interval drafts wait for a multiple of PROBE_EVERY
 
     def release(self, request_id: str) -> None:
@@ -139,6 +142,8 @@ class BudgetController:
         the j-th node of the best-first order), and its tree's cumulative q curve (curve[j] = sum of q over the
         first j + 1 nodes, up to the full budget)."""
         stats = self.requests.setdefault(request_id, _RequestStats())
+        stats.curve, stats.node_q = list(curve), _node_q(curve)
+        stats.node_bins = _bins(stats.node_q)
         accepted = len(accepted_rows)
         predicted = curve[budget - 1] if 0 < budget <= len(curve) else 0.0
         stats.accepted = DECAY * stats.accepted + accepted
@@ -146,19 +151,18 @@ class BudgetController:
         if predicted > 0:
             self.accepted = DECAY * self.accepted + accepted
             self.predicted = DECAY * self.predicted + predicted
-            self._observe_bins(_node_q(curve[:budget]), set(accepted_rows))
-        stats.curve = list(curve)
+            self._observe_bins(stats, budget, set(accepted_rows))
+            self._reliability = None
 
-    def _observe_bins(self, node_q: list[float], accepted_rows: set[int]) -> None:
-        acc, pred, seen = [0.0] * NUM_BINS, [0.0] * NUM_BINS, set()
-        for j, q in enumerate(node_q):
-            k = _bin(q)
-            acc[k] += (j + 1) in accepted_rows
-            pred[k] += q
-            seen.add(k)
-        for k in seen:
+    def _observe_bins(self, stats: _RequestStats, budget: int, accepted_rows: set[int]) -> None:
+        """The verified nodes of the request's tree (the one `stats` now describes), by confidence bin."""
+        acc, pred = {}, {}
+        for j, (q, k) in enumerate(zip(stats.node_q[:budget], stats.node_bins)):
+            acc[k] = acc.get(k, 0) + ((j + 1) in accepted_rows)
+            pred[k] = pred.get(k, 0.0) + q
+        for k, q in pred.items():
             self.bin_accepted[k] = DECAY * self.bin_accepted[k] + acc[k]
-            self.bin_predicted[k] = DECAY * self.bin_predicted[k] + pred[k]
+            self.bin_predicted[k] = DECAY * self.bin_predicted[k] + q
 
     # ----------------------------------------------------------------------------------------------- choosing
 
@@ -213,9 +217,11 @@ class BudgetController:
         configured budget): q times its confidence bin's reliability times the request's standing."""
         engine = self.accepted / self.predicted if self.predicted > 0 else 1.0
         standing = self.calibration(stats) / engine if engine > 0 else 0.0
-        reliability = [(a + BIN_PRIOR * engine) / (p + BIN_PRIOR) for a, p in zip(self.bin_accepted,
-                                                                                  self.bin_predicted)]
-        return [q * reliability[_bin(q)] * standing for q in _node_q(stats.curve[:self.max_budget])]
+        if self._reliability is None:
+            self._reliability = [(a + BIN_PRIOR * engine) / (p + BIN_PRIOR)
+                                 for a, p in zip(self.bin_accepted, self.bin_predicted)]
+        reliability, n = self._reliability, self.max_budget
+        return [q * reliability[k] * standing for q, k in zip(stats.node_q[:n], stats.node_bins[:n])]
 
     def calibration(self, stats: _RequestStats) -> float:
         """accepted / predicted drafts: the request's own record, blended with the engine-wide one (weight
@@ -246,13 +252,17 @@ class BudgetController:
 
 
 def _node_q(curve: list[float]) -> list[float]:
-    """Each node's q from the cumulative curve."""
-    return [max(0.0, c - p) for c, p in zip(curve, [0.0] + curve[:-1])]
+    """Each node's q from the cumulative curve (a cumulative sum of non-negative terms never decreases)."""
+    return [c - p for c, p in zip(curve, [0.0] + curve[:-1])]
 
 
-def _bin(q: float) -> int:
-    """The confidence bin of a node's q: k for q in (2^-(k+1), 2^-k]."""
-    return NUM_BINS - 1 if q <= 0 else min(NUM_BINS - 1, max(0, int(-math.log2(q))))
+_BIN_OF_EXPONENT = {e: max(0, -e) for e in range(-NUM_BINS + 2, 2)}  # frexp's exponent -> bin (q = 1: e = 1)
+
+
+def _bins(node_q: list[float]) -> list[int]:
+    """The confidence bin of each q: k for q in [2^-(k+1), 2^-k) (q = 1 in bin 0)."""
+    last = NUM_BINS - 1
+    return [_BIN_OF_EXPONENT.get(math.frexp(q)[1], last) if q > 0 else last for q in node_q]
 
 
 def _best_prefix(gains: list[float], theta: float) -> int:

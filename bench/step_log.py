@@ -57,7 +57,8 @@ def log_steps(llm: LLM, ps: list[list[int]], sp: SamplingParams, profile: tuple[
         print(f"no step profiled: the run took {n} steps, the window starts at step {profile[0]}")
     elif profile is not None:
         out = io.StringIO()
-        pstats.Stats(profiler, stream=out).sort_stats("cumulative").print_stats(40)
+        for key in ("cumulative", "tottime"):
+            pstats.Stats(profiler, stream=out).sort_stats(key).print_stats(40)
         print(out.getvalue())
 
 

@@ -22,8 +22,9 @@ with no bins measured it is c * q_j.
 
 Drafting has a cost of its own (t_draft seconds per drafted request, measured: host time on CPU, CUDA events on
 the GPU): a tree is verified only when its expected accepted drafts beat its rows' cost by more than the
-drafting cost. A request at 0 (a new one included) drafts without verifying (the runner builds its tree for the
-curve only) every step while drafting is cheap (an n-gram lookup), so one whose drafter turns confident
+drafting cost. A new request has no tree of its own yet: its first budget values the tree the drafter last drew
+for another request at the engine-wide record (before any tree was verified it is 0, and the step drafts for
+the curve only). A request at 0 drafts without verifying (the runner builds its tree for the curve only) every step while drafting is cheap (an n-gram lookup), so one whose drafter turns confident
 verifies again the next step; when drafting is not cheap (a DFlash forward), it drafts only every
 PROBE_EVERY steps, and the interval doubles (up to MAX_PROBE_INTERVAL) while those probes keep saying 0, so a
 drafter that does not pay costs a small fraction of a step. When the drafter is confident but the request's
@@ -101,6 +102,7 @@ class BudgetController:
         self.bin_accepted = [0.0] * NUM_BINS  # per confidence bin, decayed when the bin is observed
         self.bin_predicted = [0.0] * NUM_BINS
         self._reliability: list[float] | None = None  # per bin, from the sums above; None: to be recomputed
+        self.latest: _RequestStats | None = None  # the last request whose tree was verified: a new one's guess
         self.clock = 0  # engine steps observed: probes and interval drafts wait for a multiple of PROBE_EVERY
 
     def release(self, request_id: str) -> None:
@@ -153,6 +155,7 @@ class BudgetController:
             self.predicted = DECAY * self.predicted + predicted
             self._observe_bins(stats, budget, set(accepted_rows))
             self._reliability = None
+            self.latest = stats
 
     def _observe_bins(self, stats: _RequestStats, budget: int, accepted_rows: set[int]) -> None:
         """The verified nodes of the request's tree (the one `stats` now describes), by confidence bin."""
@@ -183,12 +186,9 @@ class BudgetController:
             return self.max_budget
         stats = self.requests.get(request_id)
         if stats is None or not stats.curve:
-            return 0  # no draft seen yet: this step drafts without verifying (the runner watches budget 0)
+            return self._first_budget()
         theta = self.threshold()
-        gains = self.gains(stats)
-        chosen = _best_prefix(gains, theta)
-        if chosen and sum(gains[:chosen]) - chosen * theta <= self.draft_tokens():
-            chosen = 0  # the best tree's net gain does not pay for drafting it
+        chosen = self._net_best(self.gains(stats), theta)
         if chosen == 0 and _nodes_above(stats.curve[:self.max_budget], 1.0, theta):
             # the drafter is confident but this request's record says it is wrong: verify a small tree now
             # and then, in case it has become right
@@ -203,6 +203,21 @@ class BudgetController:
             stats.draft_interval = PROBE_EVERY
         return chosen
 
+    def _first_budget(self) -> int:
+        """A request without a draft of its own: the tree the drafter last drew for another request, valued at the
+        engine-wide record (a request's first tree is no worse a guess than its neighbour's); before any tree
+        was verified, 0 (this step drafts without verifying: the runner watches budget 0)."""
+        if self.latest is None:
+            return 0
+        return self._net_best(self.gains(self.latest, standing=1.0), self.threshold())
+
+    def _net_best(self, gains: list[float], theta: float) -> int:
+        """The best prefix, or 0 when its net gain does not pay for drafting it."""
+        chosen = _best_prefix(gains, theta)
+        if chosen and sum(gains[:chosen]) - chosen * theta <= self.draft_tokens():
+            return 0
+        return chosen
+
     def _aligned(self, ahead: bool = False) -> bool:
         """This step is one where probes and interval drafts may run (the same for every request). A step is
         numbered by the steps observed before it; a step planned ahead of its predecessor's results is asked
@@ -212,11 +227,13 @@ class BudgetController:
         under asynchronous scheduling no probe or interval draft ever ran."""
         return (self.clock + ahead) % PROBE_EVERY == 0
 
-    def gains(self, stats: _RequestStats) -> list[float]:
+    def gains(self, stats: _RequestStats, standing: float | None = None) -> list[float]:
         """Expected accepted drafts of each node of the request's latest tree, in best-first order (up to the
-        configured budget): q times its confidence bin's reliability times the request's standing."""
+        configured budget): q times its confidence bin's reliability times the request's standing (its record
+        against the engine's, unless given)."""
         engine = self.accepted / self.predicted if self.predicted > 0 else 1.0
-        standing = self.calibration(stats) / engine if engine > 0 else 0.0
+        if standing is None:
+            standing = self.calibration(stats) / engine if engine > 0 else 0.0
         if self._reliability is None:
             self._reliability = [(a + BIN_PRIOR * engine) / (p + BIN_PRIOR)
                                  for a, p in zip(self.bin_accepted, self.bin_predicted)]

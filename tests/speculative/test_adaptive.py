@@ -105,6 +105,22 @@ def test_side_branches_that_are_never_accepted_drop_out_of_the_tree(monkeypatch)
     assert _nodes_above(curve, single_factor, 0.1) >= 10  # side branches at q >= 0.06 look worth > 0.1 to it
 
 
+def test_a_new_request_starts_from_its_neighbours_tree():
+    """Before any tree was verified a request's first decode step drafts without verifying; after that its first
+    budget comes from the tree the drafter last drew for another request, at the engine-wide record: a tree at
+    once where the drafter has been right, none where it has been wrong."""
+    curve = [sum(0.9 ** d for d in range(1, min(j + 1, 7) + 1)) + 0.01 * max(0, j - 6) for j in range(16)]
+    right, wrong = BudgetController(max_budget=16), BudgetController(max_budget=16)
+    for controller, accepted in ((right, [1, 2, 3, 4, 5, 6, 7]), (wrong, [])):
+        controller.observe_step(8, 0.010, tokens=8)
+        assert controller.budget("first") == 0
+        for _ in range(5):
+            controller.observe_request("old", 7, accepted, curve)
+            controller.observe_step(8, 0.010, tokens=8)
+    assert right.budget("new") == right.budget("old") == 7
+    assert wrong.budget("new") == 0
+
+
 def test_reset_forgets_what_the_controller_learned():
     """After a run whose drafter was always wrong, reset() starts the next run from a fresh controller's prior."""
     curve = [0.9 * (1 - 0.5 ** (j + 1)) / 0.5 for j in range(16)]

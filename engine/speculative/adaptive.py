@@ -24,11 +24,12 @@ Drafting has a cost of its own (t_draft seconds per drafted request, measured: h
 the GPU): a tree is verified only when its expected accepted drafts beat its rows' cost by more than the
 drafting cost. A new request has no tree of its own yet: its first budget values the tree the drafter last drew
 for another request at the engine-wide record (before any tree was verified it is 0, and the step drafts for
-the curve only). A request at 0 drafts without verifying (the runner builds its tree for the curve only) every step while drafting is cheap (an n-gram lookup), so one whose drafter turns confident
-verifies again the next step; when drafting is not cheap (a DFlash forward), it drafts only every
-PROBE_EVERY steps, and the interval doubles (up to MAX_PROBE_INTERVAL) while those probes keep saying 0, so a
-drafter that does not pay costs a small fraction of a step. When the drafter is confident but the request's
-record says it is wrong, a small tree is verified every PROBE_EVERY steps, so the record can recover.
+the curve only). A request at 0 drafts without verifying (the runner builds its tree for the curve only) every
+step while drafting is cheap (an n-gram lookup), so one whose drafter turns confident verifies again the next
+step; when drafting is not cheap (a DFlash forward), it drafts only every PROBE_EVERY steps, and the interval
+doubles (up to MAX_PROBE_INTERVAL) while those probes keep saying 0, so a drafter that does not pay costs a small
+fraction of a step. When the drafter is confident but the request's record says it is wrong, a small tree is
+verified every PROBE_EVERY steps, so the record can recover.
 
 Probes and interval drafts fall on engine-wide steps (the step count a multiple of PROBE_EVERY), not on each
 request's own phase: a step with any tree in it is a tree step for the whole batch (one padded width, no step

@@ -86,8 +86,8 @@ def test_side_branches_that_are_never_accepted_drop_out_of_the_tree(monkeypatch)
     """bench/e2e.py's oracle: its top-1 chain (q = 0.865^d) is always accepted, its second and third choices never
     are. One calibration factor per request credits the side branches with the chain's over-delivery (7 accepted
     for ~4.1 of q once the tree is the chain: a side branch at q = 0.117 looks worth 0.2 tokens, above a 0.1
-    threshold) and verifies most of the 16 nodes every step; the reliability per confidence bin learns that side branches bring nothing and the tree shrinks to
-    the chain, where the chain mode verifies the same drafts with 9 fewer rows."""
+    threshold) and verifies most of the 16 nodes every step; the reliability per confidence bin learns that side
+    branches bring nothing and the tree shrinks to the chain, which verifies the same drafts with 9 fewer rows."""
     monkeypatch.setattr(BudgetController, "threshold", lambda self: 0.1)
     chain = [(0.865 ** d, True) for d in range(1, 8)]
     side = [(0.117 * 0.865 ** d, False) for d in range(7)] + [(0.0158 * 0.865 ** d, False) for d in range(2)]

@@ -424,7 +424,8 @@ class EngineCore:
             accepted_per_position=result.accepted_per_position, prefix_cache_queries=plan.prefix_cache_queries,
             prefix_cache_hits=plan.prefix_cache_hits, kernel_fallbacks=ops.take_reference_fallbacks(),
             spec_budgets=plan.spec_budgets, cuda_graph=result.cuda_graph,
-            num_constrained_requests=self._take_constrained(), num_grammar_pruned=result.num_grammar_pruned)
+            num_constrained_requests=self._take_constrained(), num_grammar_pruned=result.num_grammar_pruned,
+            draft_confidence=self.budgets.take_confidence_counts())
 
     def _take_constrained(self) -> int:
         """Requests admitted with a grammar since the last step's statistics."""

@@ -101,6 +101,9 @@ class StepStats:
     # structured output: requests admitted with a grammar this step, draft nodes the grammars pruned
     num_constrained_requests: int = 0
     num_grammar_pruned: int = 0
+    # the drafter's reliability by confidence: per bin of draft probability (named by its lowest q), the tree
+    # nodes verified this step that were accepted, and the sum of the draft probabilities of all verified nodes
+    draft_confidence: dict[str, tuple[int, float]] = field(default_factory=dict)
 
 
 @dataclass

@@ -101,6 +101,13 @@ class Metrics:
         self.spec_accepted_per_pos = counter("spec_decode_num_accepted_tokens_per_pos",
                                              "Draft tokens accepted at each tree depth (position 0 = depth 1).",
                                              ["position"])
+        self.spec_accepted_by_confidence = counter(
+            "spec_decode_accepted_by_confidence", "Verified draft-tree nodes that were accepted, by the drafter's "
+            "probability for the node (confidence = the bin's lowest probability; bins halve).", ["confidence"])
+        self.spec_probability_by_confidence = counter(
+            "spec_decode_draft_probability_by_confidence", "Sum of the drafter's probabilities of the verified "
+            "draft-tree nodes, by the same bins: accepted / this is the drafter's reliability at that confidence "
+            "(1 = calibrated).", ["confidence"])
         self.http_requests = counter("http_requests", "HTTP responses by status code.", ["status"])
         self.prefix_cache_queries = counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache "
                                             "(first admission of each request).").labels(model_name)
@@ -190,6 +197,9 @@ class Metrics:
             self.step_time.labels(self.model_name, phase).observe(seconds)
         for budget in _get(stats, "spec_budgets", None) or ():
             self.spec_budget.observe(budget)
+        for confidence, (accepted, probability) in (_get(stats, "draft_confidence", None) or {}).items():
+            self.spec_accepted_by_confidence.labels(self.model_name, confidence).inc(accepted)
+            self.spec_probability_by_confidence.labels(self.model_name, confidence).inc(probability)
         graph = _get(stats, "cuda_graph", "")
         if graph:
             mode, _, reason = graph.partition(": ")

@@ -103,6 +103,8 @@ class BudgetController:
         self.bin_accepted = [0.0] * NUM_BINS  # per confidence bin, decayed when the bin is observed
         self.bin_predicted = [0.0] * NUM_BINS
         self._reliability: list[float] | None = None  # per bin, from the sums above; None: to be recomputed
+        self.step_accepted = [0] * NUM_BINS  # undecayed, since the last take_confidence_counts(): for metrics
+        self.step_predicted = [0.0] * NUM_BINS
         self.latest: _RequestStats | None = None  # the last request whose tree was verified: a new one's guess
         self.clock = 0  # engine steps observed: probes and interval drafts wait for a multiple of PROBE_EVERY
 
@@ -167,6 +169,16 @@ class BudgetController:
         for k, q in pred.items():
             self.bin_accepted[k] = DECAY * self.bin_accepted[k] + acc[k]
             self.bin_predicted[k] = DECAY * self.bin_predicted[k] + q
+            self.step_accepted[k] += acc[k]
+            self.step_predicted[k] += q
+
+    def take_confidence_counts(self) -> dict[str, tuple[int, float]]:
+        """Per confidence bin (named by its lowest q) verified since the last call: (accepted nodes, sum of their
+        draft probabilities over all verified nodes); bins without verified nodes are left out."""
+        counts = {CONFIDENCE_LABELS[k]: (self.step_accepted[k], self.step_predicted[k])
+                  for k in range(NUM_BINS) if self.step_predicted[k] > 0}
+        self.step_accepted, self.step_predicted = [0] * NUM_BINS, [0.0] * NUM_BINS
+        return counts
 
     # ----------------------------------------------------------------------------------------------- choosing
 
@@ -275,6 +287,7 @@ def _node_q(curve: list[float]) -> list[float]:
 
 
 _BIN_OF_EXPONENT = {e: max(0, -e) for e in range(-NUM_BINS + 2, 2)}  # frexp's exponent -> bin (q = 1: e = 1)
+CONFIDENCE_LABELS = [f"{2.0 ** -(k + 1):g}" for k in range(NUM_BINS - 1)] + ["0"]  # each bin's lowest q
 
 
 def _bins(node_q: list[float]) -> list[int]:

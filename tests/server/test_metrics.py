@@ -116,6 +116,17 @@ def test_request_record_values_and_itl_spreading():
     assert value(m, "http_requests_total", status=400) == 1 and value(m, "http_requests_total", status=200) == 1
 
 
+def test_drafter_reliability_by_confidence_accumulates_per_bin():
+    m = Metrics("m")
+    for _ in range(2):
+        m.record_step(StepStats(num_running=1, num_waiting=0, kv_cache_usage=0.5, batch_size=1, num_preemptions=0,
+                                timings={}, draft_confidence={"0.5": (3, 2.5), "0.0625": (0, 0.4)}))
+    assert value(m, "spec_decode_accepted_by_confidence_total", confidence="0.5") == 6
+    assert value(m, "spec_decode_draft_probability_by_confidence_total", confidence="0.5") == pytest.approx(5.0)
+    assert value(m, "spec_decode_accepted_by_confidence_total", confidence="0.0625") == 0
+    assert value(m, "spec_decode_draft_probability_by_confidence_total", confidence="0.0625") == pytest.approx(0.8)
+
+
 def test_accepts_the_engines_step_stats():
     import server.metrics
 

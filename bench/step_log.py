@@ -2,7 +2,8 @@
 chosen, tokens emitted, whether it replayed a CUDA graph (or why not), how it was scheduled (ahead of its
 predecessor's results or why not) and the runner's phase timings; then cProfile's view of a window of steps.
 For finding where a benchmark's time goes (admission steps, tails of requests that left the oracle, host work
-per tree step), not a benchmark itself. Prints one JSON line per step.
+per tree step), not a benchmark itself. Prints one JSON line per step, then a summary with the steady state (steps
+where every request decodes and none has finished: ms per step and tokens/s, profiled steps left out).
 
     python bench/step_log.py --model SmolLM2.gguf --batch 64 --mode ddtree
     python bench/step_log.py --model SmolLM2.gguf --batch 8 --mode chain --profile 6 12
@@ -32,6 +33,8 @@ from engine import LLM, SamplingParams  # noqa: E402
 
 def log_steps(llm: LLM, ps: list[list[int]], sp: SamplingParams, profile: tuple[int, int] | None) -> None:
     core, profiler, n = llm.engine, cProfile.Profile(), 0
+    full: list[tuple[float, int]] = []  # (ms, tokens) of unprofiled steps with every request decoding
+    decoding, finished = set(), 0  # requests that produced a token before the step; requests done
     for p in ps:
         core.add_request(p, SamplingParams(**vars(sp)))
     t_all = time.perf_counter()
@@ -45,14 +48,24 @@ def log_steps(llm: LLM, ps: list[list[int]], sp: SamplingParams, profile: tuple[
         if profiled:
             profiler.disable()
         st = core.last_stats
+        tokens = sum(len(d.new_token_ids) for d in deltas)
+        if not profiled and len(decoding) == len(ps) and not finished and not any(d.finished for d in deltas):
+            full.append((ms, tokens))
+        decoding.update(d.request_id for d in deltas if d.new_token_ids)
+        finished += sum(d.finished for d in deltas)
         print(json.dumps(dict(
             step=n, ms=round(ms, 2), batch=st.batch_size if st else None,
             budgets=sorted(set(st.spec_budgets)) if st and st.spec_budgets else None,
-            tokens=sum(len(d.new_token_ids) for d in deltas), graph=st.cuda_graph if st else None,
+            tokens=tokens, graph=st.cuda_graph if st else None,
             scheduling=st.scheduling if st else None,
             phases_ms={k: round(v * 1e3, 2) for k, v in (st.timings.items() if st else [])})), flush=True)
         n += 1
-    print(json.dumps(dict(total_s=round(time.perf_counter() - t_all, 3), steps=n)), flush=True)
+    summary = dict(total_s=round(time.perf_counter() - t_all, 3), steps=n)
+    if full:  # the steady state: every request decoding, none admitted or finished yet (profiled steps left out)
+        ms, tokens = sum(m for m, _ in full), sum(t for _, t in full)
+        summary.update(full_batch_steps=len(full), full_batch_ms_per_step=round(ms / len(full), 3),
+                       full_batch_tok_s=round(tokens / ms * 1e3, 1))
+    print(json.dumps(summary), flush=True)
     if profile is not None and profile[0] >= n:
         print(f"no step profiled: the run took {n} steps, the window starts at step {profile[0]}")
     elif profile is not None:

@@ -150,7 +150,8 @@ class ModelRunner:
     def _forward(self, shape: tuple[int, int] | None, inputs: StepInputs
                  ) -> tuple[torch.Tensor, list[torch.Tensor], str]:
         """The target forward: a CUDA-graph replay when the step is N decoding requests x W rows (shape, from
-        _uniform_shape) and a graph fits, else eager. Returns (hidden, captured layers, "replay" | "eager: <why>" | "" without graphs)."""
+        _uniform_shape) and a graph fits, else eager. Returns (hidden, captured layers, "replay" | "eager: <why>"
+        | "" without graphs)."""
         capture = self.speculator.capture_layer_ids if self.speculator is not None else ()
         mode = ""
         if self.graphs is not None:

@@ -58,8 +58,7 @@ BIN_PRIOR = 0.25  # predicted drafts of the engine-wide ratio behind each bin's 
 class _RequestStats:
     accepted: float = 0.0  # decayed sum of drafts accepted
     predicted: float = 0.0  # decayed sum of the q mass that was verified
-    curve: list[float] = field(default_factory=list)  # latest tree: cumulative q of its first 1..B nodes
-    node_q: list[float] = field(default_factory=list)  # the same tree: each node's q, best-first
+    node_q: list[float] = field(default_factory=list)  # latest tree: each node's q, best-first (empty: no draft yet)
     node_bins: list[int] = field(default_factory=list)  # each node's confidence bin
     steps_at_zero: int = 0
     steps_undrafted: int = 0  # steps at budget 0 since the drafter last ran for this request
@@ -147,7 +146,7 @@ class BudgetController:
         the j-th node of the best-first order), and its tree's cumulative q curve (curve[j] = sum of q over the
         first j + 1 nodes, up to the full budget)."""
         stats = self.requests.setdefault(request_id, _RequestStats())
-        stats.curve, stats.node_q = list(curve), _node_q(curve)
+        stats.node_q = _node_q(curve)
         stats.node_bins = _bins(stats.node_q)
         accepted = len(accepted_rows)
         predicted = curve[budget - 1] if 0 < budget <= len(curve) else 0.0
@@ -198,11 +197,11 @@ class BudgetController:
         if not self.enabled or self.max_budget == 0:
             return self.max_budget
         stats = self.requests.get(request_id)
-        if stats is None or not stats.curve:
+        if stats is None or not stats.node_q:
             return self._first_budget()
         theta = self.threshold()
         chosen = self._net_best(self.gains(stats), theta)
-        if chosen == 0 and _nodes_above(stats.curve[:self.max_budget], 1.0, theta):
+        if chosen == 0 and _nodes_above(stats.node_q[:self.max_budget], theta):
             # the drafter is confident but this request's record says it is wrong: verify a small tree now
             # and then, in case it has become right
             if stats.steps_at_zero + 1 >= PROBE_EVERY and self._aligned(ahead):
@@ -268,7 +267,7 @@ class BudgetController:
         Under asynchronous scheduling (`pipelined`) a draft is never cheap: it needs the request's newest token
         on the host, so the step cannot run ahead of the previous one's results."""
         stats = self.requests.get(request_id)
-        if stats is None or not stats.curve or (self.draft_tokens() <= CHEAP_DRAFT and not self.pipelined):
+        if stats is None or not stats.node_q or (self.draft_tokens() <= CHEAP_DRAFT and not self.pipelined):
             return True
         if stats.steps_undrafted + 1 < stats.draft_interval or not self._aligned(ahead):
             if not dry:
@@ -307,12 +306,12 @@ def _best_prefix(gains: list[float], theta: float) -> int:
     return best
 
 
-def _nodes_above(curve: list[float], calibration: float, theta: float) -> int:
-    """How many leading nodes bring more than theta expected accepted tokens each at this calibration (raw q
-    decreases along the best-first order)."""
-    chosen, previous = 0, 0.0
-    for j, cumulative in enumerate(curve):
-        if calibration * (cumulative - previous) <= theta:
+def _nodes_above(node_q: list[float], theta: float) -> int:
+    """How many leading nodes the drafter itself expects to bring more than theta accepted tokens each (q decreases
+    along the best-first order)."""
+    chosen = 0
+    for q in node_q:
+        if q <= theta:
             break
-        chosen, previous = j + 1, cumulative
+        chosen += 1
     return chosen

@@ -80,6 +80,10 @@ def register() -> None:
     def _(q, k, v, cos, sin, k_cache, v_cache, slot_mapping):
         return None
 
+    @fake("ddtree::qk_norm_rope_write_kv")
+    def _(q, k, v, cos, sin, k_cache, v_cache, slot_mapping, q_norm, k_norm, eps):
+        return None
+
     @fake("ddtree::silu_and_mul")
     def _(x):
         return x.new_empty((x.shape[0], x.shape[1] // 2))

@@ -222,23 +222,61 @@ def int4_dequantize(packed: torch.Tensor, scale: torch.Tensor, group_size: int, 
     return reference.int4_dequantize(packed, scale, group_size, dtype)
 
 
-def rope_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                  k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """rope_inplace(q, k, cos, sin) then write_kv_pair(k_cache, v_cache, k, v, slot_mapping) in one launch, for
-    caches [blocks, block_size, Hk, D] in q's dtype; other caches (another dtype) take the two ops."""
-    ops = _cuda_ops(q)
-    if (ops is not None and q.dim() == 3 and k.dim() == 3 and v.shape == k.shape and cos.dim() == 2
+def _rope_write_kv_fits(q, k, v, cos, sin, k_cache, v_cache, slot_mapping) -> bool:
+    """The fused rope + cache write kernel takes these inputs (caches in q's dtype, unit last strides)."""
+    return (q.dim() == 3 and k.dim() == 3 and v.shape == k.shape and cos.dim() == 2
             and q.dtype in _FLOATS and k.dtype == q.dtype and v.dtype == q.dtype and cos.dtype == q.dtype
             and sin.dtype == q.dtype and k_cache.dtype == q.dtype and v_cache.dtype == q.dtype
             and q.stride(-1) == 1 and k.stride(-1) == 1 and v.stride(-1) == 1 and q.shape[-1] % 2 == 0
             and k_cache.dim() == 4 and k_cache.shape == v_cache.shape and k_cache.shape[2:] == k.shape[1:]
             and k_cache.is_contiguous() and v_cache.is_contiguous() and slot_mapping.dtype == torch.int64
-            and all(t.device == q.device for t in (k, v, cos, sin, k_cache, v_cache, slot_mapping))):
+            and all(t.device == q.device for t in (k, v, cos, sin, k_cache, v_cache, slot_mapping)))
+
+
+def rope_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                  k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """rope_inplace(q, k, cos, sin) then write_kv_pair(k_cache, v_cache, k, v, slot_mapping) in one launch, for
+    caches [blocks, block_size, Hk, D] in q's dtype; other caches (another dtype) take the two ops."""
+    ops = _cuda_ops(q)
+    if ops is not None and _rope_write_kv_fits(q, k, v, cos, sin, k_cache, v_cache, slot_mapping):
         _served("rope_write_kv", ops)
         ops.rope_write_kv(q, k, v, _rows(cos), _rows(sin), k_cache, v_cache, slot_mapping.contiguous())
         return
     rope_inplace(q, k, cos, sin)
     write_kv_pair(k_cache, v_cache, k, v, slot_mapping)
+
+
+def _qk_norm_fits(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                  caches: tuple[torch.Tensor, torch.Tensor], weights: tuple[torch.Tensor, torch.Tensor]) -> bool:
+    """The norm variant's extra needs (ext/csrc/kernels.h RopeParams): weights [D] in q's dtype, every row
+    16-byte aligned, and a head's half in 16-byte vectors a power of two <= 16 (its lanes reduce in one warp)."""
+    d, vec = q.shape[-1], 16 // q.element_size()
+    chunks = d // 2 // vec
+    return (d % (2 * vec) == 0 and 0 < chunks <= 16 and chunks & (chunks - 1) == 0
+            and all(w.dim() == 1 and w.shape[0] == d and w.dtype == q.dtype and w.is_contiguous()
+                    and w.device == q.device for w in weights)
+            and all(t.stride(i) % vec == 0 for t in (q, k, v) for i in (0, 1))
+            and all(t.stride(0) % vec == 0 for t in (cos, sin))
+            and all(t.data_ptr() % 16 == 0 for t in (q, k, v, cos, sin, *caches, *weights)))
+
+
+def qk_norm_rope_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                          k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
+                          q_weight: torch.Tensor, k_weight: torch.Tensor, eps: float) -> None:
+    """Qwen3's per-head RMSNorm of q and k in place (fused_add_rmsnorm's math, weights [D]), then rope_write_kv:
+    one launch where the kernel takes the shapes (bit for bit the norm kernel then the rope kernel), else the
+    norms (copied back into q and k) and rope_write_kv."""
+    ops = _cuda_ops(q)
+    caches, weights = (k_cache, v_cache), (q_weight, k_weight)
+    if (ops is not None and _rope_write_kv_fits(q, k, v, cos, sin, k_cache, v_cache, slot_mapping)
+            and _qk_norm_fits(q, k, v, _rows(cos), _rows(sin), caches, weights)):
+        _served("qk_norm_rope_write_kv", ops)
+        ops.qk_norm_rope_write_kv(q, k, v, _rows(cos), _rows(sin), k_cache, v_cache, slot_mapping.contiguous(),
+                                  q_weight, k_weight, float(eps))
+        return
+    for x, w in ((q, q_weight), (k, k_weight)):
+        x.copy_(fused_add_rmsnorm(x, None, w, eps)[0])
+    rope_write_kv(q, k, v, cos, sin, k_cache, v_cache, slot_mapping)
 
 
 # At most this many rows go through the GEMV kernel. bench/kernels.py --only gemv on the H200 (docs/BENCHMARKS.md):

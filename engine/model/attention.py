@@ -1,5 +1,5 @@
-"""GQA self-attention over the paged KV cache (Llama, Qwen3): projections, optional per-head q/k RMSNorm
-(Qwen3), rope at explicit positions (q and k rotated in place, one op), the K and V cache write (one op), then
+"""GQA self-attention over the paged KV cache (Llama, Qwen3): projections, then in one op the optional per-head
+q/k RMSNorm (Qwen3), rope at explicit positions (q and k in place) and the K and V cache write, then
 `ext.ops.paged_attention`."""
 from __future__ import annotations
 
@@ -64,9 +64,11 @@ class GQAttention(nn.Module):
         q = q.view(num_tokens, self.num_heads, self.head_dim)
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.reshape(num_tokens, self.num_kv_heads, self.head_dim)
+        # q/k are views of the projection's output: (Qwen3: normalised per head and) roped in place, k and v cached
         if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        # q/k are views of the projection's output (or the norms' fresh outputs): roped in place, k and v cached
-        ops.rope_write_kv(q, k, v, cos, sin, kv_cache[0], kv_cache[1], meta.slot_mapping)
+            ops.qk_norm_rope_write_kv(q, k, v, cos, sin, kv_cache[0], kv_cache[1], meta.slot_mapping,
+                                      self.q_norm.weight, self.k_norm.weight, self.q_norm.eps)
+        else:
+            ops.rope_write_kv(q, k, v, cos, sin, kv_cache[0], kv_cache[1], meta.slot_mapping)
         out = ops.paged_attention(q, kv_cache[0], kv_cache[1], meta, self.scale)
         return self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_dim))

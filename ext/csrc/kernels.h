@@ -135,6 +135,12 @@ struct RopeParams {
   const void* v;
   int64_t v_stride_t, v_stride_h;
   const int64_t* slots;
+  // optional (q_norm != nullptr): Qwen3's per-head RMSNorm of q and k before the rope, weights [D] in `dtype`,
+  // in rms_norm's rounding and order of the sum of squares (bit for bit rms_norm then rope). Needs the vectorized
+  // path with (D / 2) / (16 / sizeof(dtype)) a power of two <= 16; cudaErrorInvalidValue otherwise.
+  const void* q_norm;
+  const void* k_norm;
+  float norm_eps;
   bool pdl;  // programmatic dependent launch (common.cuh)
 };
 cudaError_t rope_inplace(const RopeParams& p, DType dtype, cudaStream_t stream);

@@ -166,7 +166,35 @@ cudaError_t rms_norm_weight(const RmsNormParams& p, DType wd, cudaStream_t strea
 // out_{i+h} = x_{i+h}*cos_{i+h} + x_i*sin_{i+h}, each product and the sum rounded to T as the eager code does.
 // With a cache (p.k_cache): roped k rows are also stored at the token's slot, and further items copy v's VEC-wide
 // chunks there, so rope and the K+V cache write are one launch.
+// NORM (Qwen3): each head is RMS-normalised first. A head's `chunks` items are consecutive lanes of one warp (chunks
+// divides 32 and the block is whole warps), so they reduce its sum of squares with shuffles, in rms_norm_kernel's
+// warp-per-row order: there lane i holds the row's vector i, here item c holds vectors c and c + chunks, and the
+// warp's butterfly adds exactly those two first (the offsets above `chunks` add zeros), then halves down.
 template <typename T, int VEC>
+__device__ __forceinline__ void rms_norm_head(const T* weight, int c, int half, int chunks, float eps,
+                                              float (&x1)[VEC], float (&x2)[VEC]) {
+  float a = 0.f, b = 0.f;
+#pragma unroll
+  for (int j = 0; j < VEC; ++j) {
+    a = __fadd_rn(a, __fmul_rn(x1[j], x1[j]));
+    b = __fadd_rn(b, __fmul_rn(x2[j], x2[j]));
+  }
+  float ss = __fadd_rn(a, b);
+  const unsigned lane = threadIdx.x & 31u;
+  const unsigned group = chunks == 32 ? 0xffffffffu : ((1u << chunks) - 1u) << (lane & ~static_cast<unsigned>(chunks - 1));
+  for (int off = chunks / 2; off > 0; off >>= 1) ss += __shfl_xor_sync(group, ss, off);
+  const float inv = rsqrtf(__fadd_rn(__fdiv_rn(ss, static_cast<float>(2 * half)), eps));
+  float w1[VEC], w2[VEC];
+  load_f<T, VEC>(weight + c, w1);
+  load_f<T, VEC>(weight + half + c, w2);
+#pragma unroll
+  for (int j = 0; j < VEC; ++j) {
+    x1[j] = round_to<T>(__fmul_rn(w1[j], round_to<T>(__fmul_rn(x1[j], inv))));
+    x2[j] = round_to<T>(__fmul_rn(w2[j], round_to<T>(__fmul_rn(x2[j], inv))));
+  }
+}
+
+template <typename T, int VEC, bool NORM>
 __global__ void __launch_bounds__(256) rope_kernel(RopeParams p) {
   pdl_wait();  // q, k and v are the previous kernel's outputs
   pdl_trigger();
@@ -191,6 +219,9 @@ __global__ void __launch_bounds__(256) rope_kernel(RopeParams p) {
     float x1[VEC], x2[VEC], c1[VEC], c2[VEC], s1[VEC], s2[VEC], o1[VEC], o2[VEC];
     load_f<T, VEC>(x + c, x1);
     load_f<T, VEC>(x + half + c, x2);
+    if constexpr (NORM)
+      rms_norm_head<T, VEC>(static_cast<const T*>(h < p.num_q_heads ? p.q_norm : p.k_norm), c, half, chunks,
+                            p.norm_eps, x1, x2);
     load_f<T, VEC>(cos + c, c1);
     load_f<T, VEC>(cos + half + c, c2);
     load_f<T, VEC>(sin + c, s1);
@@ -223,8 +254,14 @@ cudaError_t rope_typed(const RopeParams& p, cudaStream_t stream) {
   const int cache_items = p.k_cache != nullptr ? p.num_k_heads * p.head_dim : 0;  // v chunks, counted in pairs
   const int items = (p.num_q_heads + p.num_k_heads) * (vec ? half / V : half) + (vec ? cache_items / V : cache_items);
   const int threads = items >= 256 ? 256 : (items + 31) / 32 * 32;
-  if (vec) return launch(rope_kernel<T, V>, p.num_tokens, threads, stream, p.pdl, p);
-  return launch(rope_kernel<T, 1>, p.num_tokens, threads, stream, p.pdl, p);
+  if (p.q_norm != nullptr) {
+    const int chunks = half / V;
+    if (!vec || chunks > 16 || (chunks & (chunks - 1)) != 0 || !aligned(p.q_norm, 16) || !aligned(p.k_norm, 16))
+      return cudaErrorInvalidValue;
+    return launch(rope_kernel<T, V, true>, p.num_tokens, threads, stream, p.pdl, p);
+  }
+  if (vec) return launch(rope_kernel<T, V, false>, p.num_tokens, threads, stream, p.pdl, p);
+  return launch(rope_kernel<T, 1, false>, p.num_tokens, threads, stream, p.pdl, p);
 }
 
 // ---- SiLU and mul ----------------------------------------------------------------------------------------------

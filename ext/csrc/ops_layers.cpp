@@ -113,30 +113,57 @@ void rope_inplace(Tensor q, Tensor k, Tensor cos, Tensor sin) {
   check(ddtree::rope_inplace(p, dtype_of(q), stream()), "rope_inplace");
 }
 
-// rope_inplace, then k and v [T, Hk, D] into k_cache / v_cache (contiguous [blocks, block_size, Hk, D], q's dtype)
-// at slot_mapping (-1 skipped): one launch.
-void rope_write_kv(Tensor q, Tensor k, Tensor v, Tensor cos, Tensor sin, Tensor k_cache, Tensor v_cache,
-                   Tensor slot_mapping) {
-  ddtree::RopeParams p = rope_params(q, k, cos, sin, "rope_write_kv");
+// The rope_write_kv parameters: q, k, cos, sin as rope_params checks them, then v [T, Hk, D] and the caches
+// (contiguous [blocks, block_size, Hk, D], q's dtype) at slot_mapping (-1 skipped).
+ddtree::RopeParams rope_write_kv_params(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& cos,
+                                       const Tensor& sin, const Tensor& k_cache, const Tensor& v_cache,
+                                       const Tensor& slot_mapping, const char* op) {
+  ddtree::RopeParams p = rope_params(q, k, cos, sin, op);
   CHECK_CUDA(v); CHECK_CUDA(k_cache); CHECK_CUDA(v_cache); CHECK_CUDA(slot_mapping);
   CHECK_TYPE(slot_mapping, at::kLong);
   TORCH_CHECK(v.sizes() == k.sizes() && v.scalar_type() == q.scalar_type() && v.stride(2) == 1,
-              "ddtree::rope_write_kv: v must match k (shape, dtype) with a unit last stride");
+              "ddtree::", op, ": v must match k (shape, dtype) with a unit last stride");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.sizes() == v_cache.sizes() &&
               k_cache.dim() == 4 && k_cache.size(2) == k.size(1) && k_cache.size(3) == k.size(2) &&
               k_cache.scalar_type() == q.scalar_type() && v_cache.scalar_type() == q.scalar_type(),
-              "ddtree::rope_write_kv: caches must be contiguous [blocks, block_size, Hk, D] in q's dtype");
+              "ddtree::", op, ": caches must be contiguous [blocks, block_size, Hk, D] in q's dtype");
   TORCH_CHECK(slot_mapping.numel() == k.size(0) && slot_mapping.is_contiguous(),
-              "ddtree::rope_write_kv: one contiguous slot per token");
+              "ddtree::", op, ": one contiguous slot per token");
   TORCH_CHECK(v.device() == q.device() && k_cache.device() == q.device() && v_cache.device() == q.device() &&
-              slot_mapping.device() == q.device(), "ddtree::rope_write_kv: all inputs must be on one device");
-  if (p.num_tokens == 0) return;
-  c10::cuda::CUDAGuard guard(q.device());
+              slot_mapping.device() == q.device(), "ddtree::", op, ": all inputs must be on one device");
   p.k_cache = k_cache.data_ptr(); p.v_cache = v_cache.data_ptr();
   p.v = v.data_ptr(); p.v_stride_t = v.stride(0); p.v_stride_h = v.stride(1);
   p.slots = slot_mapping.data_ptr<int64_t>();
+  return p;
+}
+
+// rope_inplace, then k and v into the caches at slot_mapping: one launch.
+void rope_write_kv(Tensor q, Tensor k, Tensor v, Tensor cos, Tensor sin, Tensor k_cache, Tensor v_cache,
+                   Tensor slot_mapping) {
+  ddtree::RopeParams p = rope_write_kv_params(q, k, v, cos, sin, k_cache, v_cache, slot_mapping, "rope_write_kv");
+  if (p.num_tokens == 0) return;
+  c10::cuda::CUDAGuard guard(q.device());
   p.pdl = pdl_enabled();
   check(ddtree::rope_inplace(p, dtype_of(q), stream()), "rope_write_kv");
+}
+
+// Qwen3: q and k RMS-normalised per head in place (weights [D] in q's dtype, one eps), then rope_write_kv: one
+// launch. The kernel needs 16-byte aligned rows and (D / 2) / (16 / element size) a power of two <= 16.
+void qk_norm_rope_write_kv(Tensor q, Tensor k, Tensor v, Tensor cos, Tensor sin, Tensor k_cache, Tensor v_cache,
+                           Tensor slot_mapping, Tensor q_norm, Tensor k_norm, double eps) {
+  const char* op = "qk_norm_rope_write_kv";
+  ddtree::RopeParams p = rope_write_kv_params(q, k, v, cos, sin, k_cache, v_cache, slot_mapping, op);
+  CHECK_CUDA(q_norm); CHECK_CUDA(k_norm);
+  TORCH_CHECK(q_norm.dim() == 1 && k_norm.dim() == 1 && q_norm.size(0) == q.size(2) && k_norm.size(0) == q.size(2) &&
+              q_norm.is_contiguous() && k_norm.is_contiguous() && q_norm.scalar_type() == q.scalar_type() &&
+              k_norm.scalar_type() == q.scalar_type() && q_norm.device() == q.device() &&
+              k_norm.device() == q.device(), "ddtree::", op, ": norm weights must be contiguous [D] in q's dtype");
+  if (p.num_tokens == 0) return;
+  c10::cuda::CUDAGuard guard(q.device());
+  p.q_norm = q_norm.data_ptr(); p.k_norm = k_norm.data_ptr();
+  p.norm_eps = static_cast<float>(eps);
+  p.pdl = pdl_enabled();
+  check(ddtree::rope_inplace(p, dtype_of(q), stream()), op);
 }
 
 Tensor silu_and_mul(Tensor x) {
@@ -280,6 +307,8 @@ TORCH_LIBRARY_FRAGMENT(ddtree, m) {
   m.def("rope_inplace(Tensor(a!) q, Tensor(b!) k, Tensor cos, Tensor sin) -> ()");
   m.def("rope_write_kv(Tensor(a!) q, Tensor(b!) k, Tensor v, Tensor cos, Tensor sin, Tensor(c!) k_cache, "
         "Tensor(d!) v_cache, Tensor slot_mapping) -> ()");
+  m.def("qk_norm_rope_write_kv(Tensor(a!) q, Tensor(b!) k, Tensor v, Tensor cos, Tensor sin, Tensor(c!) k_cache, "
+        "Tensor(d!) v_cache, Tensor slot_mapping, Tensor q_norm, Tensor k_norm, float eps) -> ()");
   m.def("silu_and_mul(Tensor x) -> Tensor");
   m.def("gemv(Tensor x, Tensor weight, Tensor? bias, bool silu_mul) -> Tensor");
   m.def("quantize_fp8_blockwise(Tensor x, int padded_rows, float amax_floor) -> (Tensor, Tensor)");
@@ -293,6 +322,7 @@ TORCH_LIBRARY_IMPL(ddtree, CUDA, m) {
   m.impl("fused_add_rmsnorm", &fused_add_rmsnorm);
   m.impl("rope_inplace", &rope_inplace);
   m.impl("rope_write_kv", &rope_write_kv);
+  m.impl("qk_norm_rope_write_kv", &qk_norm_rope_write_kv);
   m.impl("silu_and_mul", &silu_and_mul);
   m.impl("gemv", &gemv);
   m.impl("quantize_fp8_blockwise", &quantize_fp8_blockwise);

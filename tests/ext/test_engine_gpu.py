@@ -48,10 +48,12 @@ def test_ddtree_equals_plain_with_cuda_ops(tiny_checkpoints, plain_cuda, family,
                       block_size=block_size)) == ref
     used = {k: v - before.get(k, 0) for k, v in ops.cuda_calls().items()}
     mla = family == "deepseek_v3"
-    attention, kv_write = ("mla_paged_attention", "write_kv") if mla else ("paged_attention", "rope_write_kv")
+    # Qwen3 folds its q/k norms into the rope + cache write
+    rope = "qk_norm_rope_write_kv" if family.startswith("qwen3") else "rope_write_kv"
+    attention, kv_write = ("mla_paged_attention", "write_kv") if mla else ("paged_attention", rope)
     assert used.get(attention, 0) > 0 and used.get(kv_write, 0) > 0, used
     # the decoder-layer ops (DeepSeek-V3 keeps its own interleaved-capable rope)
-    layer_ops = ("fused_add_rmsnorm", "silu_and_mul") if mla else ("fused_add_rmsnorm", "silu_and_mul", "rope_write_kv")
+    layer_ops = ("fused_add_rmsnorm", "silu_and_mul") if mla else ("fused_add_rmsnorm", "silu_and_mul", rope)
     assert all(used.get(op, 0) > 0 for op in layer_ops), used
     # demoted golden tokens: accepted paths leave the spine; the whole round ran through the extension
     assert used.get("kv_compact_tree", 0) > 0 and used.get("tree_accept", 0) > 0, used

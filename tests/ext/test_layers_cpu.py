@@ -79,6 +79,40 @@ def test_cpu_ops_are_the_twins():
     assert ops.take_reference_fallbacks() == {} and ops.cuda_calls() == before
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_qk_norm_rope_write_kv_is_qwen3s_attention_prologue(dtype):
+    """Qwen3's q/k norm, rope and cache write in one op, in place on views of the qkv projection: equal to
+    transformers' own Qwen3RMSNorm and apply_rotary_pos_emb on the same inputs (the cache gets the roped k, v)."""
+    from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm, apply_rotary_pos_emb
+
+    gen = torch.Generator().manual_seed(3)
+    t, hq, hk, d, eps = 5, 4, 2, 32, 1e-6
+    qkv = torch.randn(t, (hq + 2 * hk) * d, generator=gen).to(dtype)
+    q, k, v = qkv[:, :hq * d].view(t, hq, d), qkv[:, hq * d:(hq + hk) * d].view(t, hk, d), qkv[:, (hq + hk) * d:]
+    v = v.view(t, hk, d)
+    cos, sin = torch.randn(t, d, generator=gen).to(dtype), torch.randn(t, d, generator=gen).to(dtype)
+    norms = []
+    for _ in range(2):
+        norm = Qwen3RMSNorm(d, eps=eps).to(dtype)
+        with torch.no_grad():
+            norm.weight.copy_(1 + 0.1 * torch.randn(d, generator=gen))
+        norms.append(norm)
+    with torch.no_grad():  # HF's layout: [batch, heads, tokens, head_dim]
+        hf_q, hf_k = apply_rotary_pos_emb(norms[0](q).transpose(0, 1)[None], norms[1](k).transpose(0, 1)[None],
+                                          cos[None], sin[None])
+    want_v = v.clone()
+    caches = torch.zeros(2, 3, 4, hk, d, dtype=dtype)
+    slots = torch.tensor([0, 5, -1, 11, 2])
+    ops.qk_norm_rope_write_kv(q, k, v, cos, sin, caches[0], caches[1], slots, norms[0].weight.detach(),
+                              norms[1].weight.detach(), eps)
+    tol = dict(rtol=0, atol=0) if dtype == torch.float32 else dict(rtol=1e-2, atol=1e-2)
+    torch.testing.assert_close(q, hf_q[0].transpose(0, 1), **tol)
+    torch.testing.assert_close(k, hf_k[0].transpose(0, 1), **tol)
+    written = slots >= 0
+    assert torch.equal(caches[0].view(-1, hk, d)[slots[written]], k[written])
+    assert torch.equal(caches[1].view(-1, hk, d)[slots[written]], want_v[written])
+
+
 def test_rmsnorm_module_keeps_its_one_argument_form():
     norm = RMSNorm(32, 1e-6)
     x, r = torch.randn(3, 32), torch.randn(3, 32)
@@ -105,8 +139,13 @@ def test_layer_op_fallbacks_are_counted(monkeypatch, caplog):
         ops.rope_write_kv(x.view(4, 2, 16), x.clone().view(4, 2, 16), x.view(4, 2, 16), torch.ones(4, 16),
                           torch.zeros(4, 16), torch.zeros(2, 4, 2, 16), torch.zeros(2, 4, 2, 16),
                           torch.tensor([0, 1, -1, 7]))
-    assert ops.take_reference_fallbacks() == {"fused_add_rmsnorm": 2, "rope_inplace": 2, "silu_and_mul": 1,
-                                              "write_kv_pair": 2}
+        # Qwen3's norms + rope + cache write: the norms' and the rope + cache write's reference halves
+        ops.qk_norm_rope_write_kv(x.clone().view(4, 2, 16), x.clone().view(4, 2, 16), x.view(4, 2, 16),
+                                  torch.ones(4, 16), torch.zeros(4, 16), torch.zeros(2, 4, 2, 16),
+                                  torch.zeros(2, 4, 2, 16), torch.tensor([0, 1, -1, 7]), torch.ones(16),
+                                  torch.ones(16), 1e-6)
+    assert ops.take_reference_fallbacks() == {"fused_add_rmsnorm": 4, "rope_inplace": 3, "silu_and_mul": 1,
+                                              "write_kv_pair": 3}
     assert len([r for r in caplog.records if r.name == "ddtree.ext"]) == 4
 
 

@@ -182,6 +182,53 @@ def test_rope_write_kv_equals_rope_then_the_cache_write(case):
     assert torch.equal(caches.nan_to_num(7.0), want_caches.nan_to_num(7.0))
 
 
+QK_NORM_CASES = [  # (dtype, tokens, q heads, kv heads, head_dim): fused where a head's half is 1-16 vectors
+    (torch.bfloat16, 1, 32, 8, 128),   # Qwen3-8B decode
+    (torch.bfloat16, 37, 16, 8, 128),
+    (torch.bfloat16, 3, 9, 3, 64),
+    (torch.float16, 19, 16, 16, 256),
+    (torch.float32, 40, 4, 2, 128),
+    (torch.float32, 2, 4, 2, 16),      # two vectors a half
+    (torch.bfloat16, 5, 4, 2, 48),     # three vectors a half: the norm and rope_write_kv kernels
+    (torch.float32, 3, 2, 1, 256),     # 32 vectors a half: the same
+]
+
+
+@pytest.mark.parametrize("case", range(len(QK_NORM_CASES)))
+def test_qk_norm_rope_write_kv_equals_the_norm_then_rope_kernels(case):
+    """Qwen3's q/k norm folded into the rope + cache write launch: bit for bit the rms_norm kernel on each head
+    followed by rope_write_kv (the norm's sum of squares in the same order), over views of one qkv row; shapes
+    the fused kernel does not take run those two kernels instead."""
+    r, gen = rng()
+    dtype, t, hq, hk, d = QK_NORM_CASES[case]
+    nb, bs = -(-t // 4) + 3, 4
+    qkv = randn(gen, t, (hq + 2 * hk) * d, dtype=dtype, scale=3.0)
+    cos, sin = randn(gen, t, d, dtype=dtype), randn(gen, t, d, dtype=dtype)
+    qw, kw = randn(gen, d, dtype=dtype) + 1, randn(gen, d, dtype=dtype) + 1
+    slots = torch.randperm(nb * bs, generator=gen)[:t]
+    slots[torch.rand(t, generator=gen) < 0.25] = -1
+    slots = slots.to(DEV)
+    caches = torch.full((2, nb, bs, hk, d), float("nan")).to(DEV, dtype)
+    want_qkv, want_caches = qkv.clone(), caches.clone()
+
+    def split(x):
+        return (x[:, :hq * d].view(t, hq, d), x[:, hq * d:(hq + hk) * d].view(t, hk, d),
+                x[:, (hq + hk) * d:].view(t, hk, d))
+
+    wq, wk, wv = split(want_qkv)
+    wq.copy_(served("fused_add_rmsnorm", lambda: ops.fused_add_rmsnorm(wq, None, qw, 1e-6))[0])
+    wk.copy_(served("fused_add_rmsnorm", lambda: ops.fused_add_rmsnorm(wk, None, kw, 1e-6))[0])
+    served("rope_write_kv", lambda: ops.rope_write_kv(wq, wk, wv, cos, sin, want_caches[0], want_caches[1], slots))
+    fused = d // 2 // (16 // qkv.element_size()) in (1, 2, 4, 8, 16)
+    before = ops.cuda_calls()
+    ops.qk_norm_rope_write_kv(*split(qkv), cos, sin, caches[0], caches[1], slots, qw, kw, 1e-6)
+    used = {k: v - before.get(k, 0) for k, v in ops.cuda_calls().items() if v != before.get(k, 0)}
+    assert used == ({"qk_norm_rope_write_kv": 1} if fused else {"fused_add_rmsnorm": 2, "rope_write_kv": 1}), used
+    assert torch.equal(qkv, want_qkv)
+    assert torch.equal(caches.nan_to_num(7.0), want_caches.nan_to_num(7.0))
+    assert ops.reference_fallbacks().get("qk_norm_rope_write_kv", 0) == 0
+
+
 # ---- silu_and_mul ----------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("dtype,rows,inter,row_pad", [
@@ -306,6 +353,10 @@ def test_opcheck_layer_ops(cuda_ops):
     torch.library.opcheck(cuda_ops.rope_write_kv.default,
                           (q, k, randn(gen, 5, 3, 64, dtype=torch.bfloat16), cos, sin, kv[0], kv[1],
                            torch.tensor([5, -1, 9, 0, 63], device=DEV)), test_utils=utils)
+    q8, k8 = randn(gen, 5, 8, 64, dtype=torch.bfloat16), randn(gen, 5, 3, 64, dtype=torch.bfloat16)
+    torch.library.opcheck(cuda_ops.qk_norm_rope_write_kv.default,
+                          (q8, k8, randn(gen, 5, 3, 64, dtype=torch.bfloat16), cos, sin, kv[0], kv[1],
+                           torch.tensor([5, -1, 9, 0, 63], device=DEV), w[:64], w[64:128], 1e-6), test_utils=utils)
     torch.library.opcheck(cuda_ops.silu_and_mul.default, (randn(gen, 5, 2 * 96),), test_utils=utils)
     gw = randn(gen, 96, 576, dtype=torch.bfloat16)
     torch.library.opcheck(cuda_ops.gemv.default, (x[:3], gw, None, False), test_utils=utils)

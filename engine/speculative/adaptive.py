@@ -102,6 +102,7 @@ class BudgetController:
         self.bin_accepted = [0.0] * NUM_BINS  # per confidence bin, decayed when the bin is observed
         self.bin_predicted = [0.0] * NUM_BINS
         self._reliability: list[float] | None = None  # per bin, from the sums above; None: to be recomputed
+        self._costs: tuple[float, float] | None = None  # (threshold, draft_tokens) until the next observation
         self.step_accepted = [0] * NUM_BINS  # undecayed, since the last take_confidence_counts(): for metrics
         self.step_predicted = [0.0] * NUM_BINS
         self.latest: _RequestStats | None = None  # the last request whose tree was verified: a new one's guess
@@ -115,6 +116,7 @@ class BudgetController:
     def observe_step(self, rows: int, seconds: float, tokens: int) -> None:
         """One engine step: rows through the target, its wall time, tokens it produced."""
         self.clock += 1
+        self._costs = None
         if rows <= 0 or seconds <= 0:
             return
         if self.fit.n == 0:  # the prior: t_row = share * T / rows
@@ -126,6 +128,7 @@ class BudgetController:
 
     def observe_draft(self, num_requests: int, seconds: float) -> None:
         """The drafter ran for num_requests requests this step and took `seconds`."""
+        self._costs = None
         if num_requests > 0:
             self.draft_calls += 1
             if self.draft_calls == 1:
@@ -137,6 +140,15 @@ class BudgetController:
 
     def draft_tokens(self) -> float:
         """Throughput one drafted request costs, in tokens: t_draft * tokens per second of the last step."""
+        return self._step_costs()[1]
+
+    def _step_costs(self) -> tuple[float, float]:
+        """(threshold, draft_tokens), computed once between observations: every request's budget asks for both."""
+        if self._costs is None:
+            self._costs = (self._threshold(), self._draft_tokens())
+        return self._costs
+
+    def _draft_tokens(self) -> float:
         if self.draft_calls <= MIN_DRAFT_CALLS or self.last_seconds <= 0:
             return 0.0  # too few measurements: drafting counts as free until then
         return self.draft_s / self.drafted * self.last_tokens / self.last_seconds
@@ -183,6 +195,9 @@ class BudgetController:
 
     def threshold(self) -> float:
         """Expected accepted tokens a verify row must bring: t_row * throughput of the last step."""
+        return self._step_costs()[0]
+
+    def _threshold(self) -> float:
         if self.last_seconds <= 0:
             return MIN_GAIN
         t_row = self.fit.slope()
@@ -200,7 +215,7 @@ class BudgetController:
         if stats is None or not stats.node_q:
             return self._first_budget()
         theta = self.threshold()
-        chosen = self._net_best(self.gains(stats), theta)
+        chosen = self._net_best(stats, theta)
         if chosen == 0 and _nodes_above(stats.node_q[:self.max_budget], theta):
             # the drafter is confident but this request's record says it is wrong: verify a small tree now
             # and then, in case it has become right
@@ -221,14 +236,22 @@ class BudgetController:
         was verified, 0 (this step drafts without verifying: the runner watches budget 0)."""
         if self.latest is None:
             return 0
-        return self._net_best(self.gains(self.latest, standing=1.0), self.threshold())
+        return self._net_best(self.latest, self.threshold(), standing=1.0)
 
-    def _net_best(self, gains: list[float], theta: float) -> int:
-        """The best prefix, or 0 when its net gain does not pay for drafting it."""
-        chosen = _best_prefix(gains, theta)
-        if chosen and sum(gains[:chosen]) - chosen * theta <= self.draft_tokens():
-            return 0
-        return chosen
+    def _net_best(self, stats: _RequestStats, theta: float, standing: float | None = None) -> int:
+        """How many leading nodes of the request's latest tree to verify, or 0 when that does not pay for drafting.
+        A node's gain (expected accepted drafts) is q times its confidence bin's reliability times the request's
+        standing (its record against the engine's, unless given); the budget is the prefix of the best-first order
+        (every prefix is a tree) with the largest total gain net of theta per node (gains need not decrease once
+        the reliability curve bends), provided that net beats the drafting cost. One pass, no lists: at batch 64
+        this runs 64 times a step on the host's critical path."""
+        reliability, standing = self._bin_reliability(), self._standing(stats, standing)
+        best, best_net, net = 0, 0.0, 0.0
+        for j, (q, k) in enumerate(zip(stats.node_q[:self.max_budget], stats.node_bins)):
+            net += q * reliability[k] * standing - theta
+            if net > best_net:
+                best, best_net = j + 1, net
+        return best if best and best_net > self.draft_tokens() else 0
 
     def _aligned(self, ahead: bool = False) -> bool:
         """This step is one where probes and interval drafts may run (the same for every request). A step is
@@ -239,18 +262,24 @@ class BudgetController:
         under asynchronous scheduling no probe or interval draft ever ran."""
         return (self.clock + ahead) % PROBE_EVERY == 0
 
-    def gains(self, stats: _RequestStats, standing: float | None = None) -> list[float]:
-        """Expected accepted drafts of each node of the request's latest tree, in best-first order (up to the
-        configured budget): q times its confidence bin's reliability times the request's standing (its record
-        against the engine's, unless given)."""
-        engine = self.accepted / self.predicted if self.predicted > 0 else 1.0
-        if standing is None:
-            standing = self.calibration(stats) / engine if engine > 0 else 0.0
+    def _engine_ratio(self) -> float:
+        return self.accepted / self.predicted if self.predicted > 0 else 1.0
+
+    def _standing(self, stats: _RequestStats, standing: float | None) -> float:
+        """The request's record against the engine's (given: as is)."""
+        if standing is not None:
+            return standing
+        engine = self._engine_ratio()
+        return self.calibration(stats) / engine if engine > 0 else 0.0
+
+    def _bin_reliability(self) -> list[float]:
+        """accepted / predicted per confidence bin, each blended with the engine-wide ratio; recomputed only after
+        a tree was observed."""
         if self._reliability is None:
+            engine = self._engine_ratio()
             self._reliability = [(a + BIN_PRIOR * engine) / (p + BIN_PRIOR)
                                  for a, p in zip(self.bin_accepted, self.bin_predicted)]
-        reliability, n = self._reliability, self.max_budget
-        return [q * reliability[k] * standing for q, k in zip(stats.node_q[:n], stats.node_bins[:n])]
+        return self._reliability
 
     def calibration(self, stats: _RequestStats) -> float:
         """accepted / predicted drafts: the request's own record, blended with the engine-wide one (weight
@@ -293,17 +322,6 @@ def _bins(node_q: list[float]) -> list[int]:
     """The confidence bin of each q: k for q in [2^-(k+1), 2^-k) (q = 1 in bin 0)."""
     last = NUM_BINS - 1
     return [_BIN_OF_EXPONENT.get(math.frexp(q)[1], last) if q > 0 else last for q in node_q]
-
-
-def _best_prefix(gains: list[float], theta: float) -> int:
-    """How many leading nodes to verify: the prefix with the largest total gain net of theta per node (gains need
-    not decrease once the reliability curve bends, and only a prefix of the best-first order is a tree)."""
-    best, best_net, net = 0, 0.0, 0.0
-    for j, gain in enumerate(gains):
-        net += gain - theta
-        if net > best_net:
-            best, best_net = j + 1, net
-    return best
 
 
 def _nodes_above(node_q: list[float], theta: float) -> int:

@@ -20,7 +20,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from ext import build, ops, reference  # noqa: E402
+from ext import build, ops, prefill, reference  # noqa: E402
 from ext.metadata import AttentionMetadata  # noqa: E402
 
 DEV = "cuda"
@@ -205,7 +205,8 @@ def bench_prefill(flops: float) -> None:
     backend, dense, is_causal) on the same shapes."""
     print("\n## 9. GQA prefill attention, one Qwen3-8B layer (32 q / 8 kv heads, d = 128, bf16), causal chunk of Q "
           "new tokens after C cached ones")
-    print(f"{'C':>6} {'Q':>5} {'ours ms':>8} {'TFLOP/s':>8} {'% GEMM':>7} {'SDPA ms':>8} {'TFLOP/s':>8}")
+    print(f"{'C':>6} {'Q':>5} {'ours ms':>8} {'TFLOP/s':>8} {'% GEMM':>7} {'SDPA ms':>8} {'TFLOP/s':>8} "
+          f"{'engine ms':>9}")
     hkv, d, hq, page = 8, 128, 32, 16
     for ctx, q_len in ((0, 2048), (0, 8192), (30720, 2048)):
         seq = ctx + q_len
@@ -230,9 +231,14 @@ def bench_prefill(flops: float) -> None:
             mask = torch.ones(q_len, seq, dtype=torch.bool, device=DEV).tril(ctx)
             ts = event_ms(lambda: F.scaled_dot_product_attention(qd, k, v, attn_mask=mask, enable_gqa=True))
         tf, tfs = work / (t * 1e-3) / 1e12, work / (ts * 1e-3) / 1e12
-        print(f"{ctx:>6} {q_len:>5} {t:8.3f} {tf:8.1f} {100 * tf * 1e12 / flops:6.1f}% {ts:8.3f} {tfs:8.1f}")
+        routed = float("nan")  # what the engine runs: a whole prompt goes to torch's attention (ext/prefill.py)
+        if ctx == 0 and q_len >= prefill.DENSE_PREFILL_MIN_TOKENS:
+            kd, vd = k[0].transpose(0, 1), v[0].transpose(0, 1)  # the layer's dense new rows [Q, kv heads, d]
+            routed = event_ms(lambda: ops.paged_attention(q, k_cache, v_cache, meta, d**-0.5, k=kd, v=vd))
+        print(f"{ctx:>6} {q_len:>5} {t:8.3f} {tf:8.1f} {100 * tf * 1e12 / flops:6.1f}% {ts:8.3f} {tfs:8.1f} "
+              f"{routed:9.3f}")
         record("prefill", C=ctx, Q=q_len, ms=t, TFLOPs=tf, pct_flops=100 * tf * 1e12 / flops, sdpa_ms=ts,
-               sdpa_TFLOPs=tfs)
+               sdpa_TFLOPs=tfs, engine_ms=routed)
         del k_cache, v_cache
         torch.cuda.empty_cache()
 

@@ -32,6 +32,7 @@ class AttentionMetadata:
     # device-side, derived once per step on first use: tree_mask packed to [num_tokens, ceil(max_query_len/64)]
     # int64 words (bit j of word w = new token 64*w + j), what the CUDA attention kernels read
     _tree_bits: torch.Tensor | None = field(default=None, repr=False)
+    _prefixes: dict = field(default_factory=dict, repr=False)  # num_seqs -> the metadata of the first num_seqs
 
     @property
     def num_seqs(self) -> int:
@@ -46,6 +47,20 @@ class AttentionMetadata:
 
             self._tree_bits = ops.pack_tree_mask(self.tree_mask)
         return self._tree_bits
+
+    def prefix(self, num_seqs: int) -> "AttentionMetadata":
+        """The metadata of the step's first num_seqs sequences and their rows (slices, cached per step; causal
+        steps only: a tree mask's rows would need its own slice)."""
+        if num_seqs not in self._prefixes:
+            if self.tree_mask is not None:
+                raise ValueError("prefix(): tree-verify steps are not split")
+            rows = sum(self.query_lens_host[:num_seqs])
+            self._prefixes[num_seqs] = AttentionMetadata(
+                positions=self.positions[:rows], slot_mapping=self.slot_mapping[:rows],
+                query_start_loc=self.query_start_loc[: num_seqs + 1], seq_lens=self.seq_lens[:num_seqs],
+                block_tables=self.block_tables[:num_seqs], block_size=self.block_size,
+                query_lens_host=self.query_lens_host[:num_seqs], seq_lens_host=self.seq_lens_host[:num_seqs])
+        return self._prefixes[num_seqs]
 
     def kv_slots(self, seq: int) -> torch.Tensor:
         """Cache slots of sequence `seq`'s logical KV positions 0..seq_len-1, computed once per step."""

@@ -12,7 +12,7 @@ from collections import Counter
 import torch
 import torch.nn.functional as F
 
-from ext import reference
+from ext import prefill, reference
 from ext.metadata import AttentionMetadata
 
 logger = logging.getLogger("ddtree.ext")
@@ -333,9 +333,20 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     return reference.silu_and_mul(x)
 
 
-def paged_attention(q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-    """GQA attention of q [num_tokens, num_heads, head_dim] over the paged cache -> [num_tokens, num_heads, head_dim]."""
+def paged_attention(q, k_cache, v_cache, meta: AttentionMetadata, scale: float,
+                    k: torch.Tensor | None = None, v: torch.Tensor | None = None) -> torch.Tensor:
+    """GQA attention of q [num_tokens, num_heads, head_dim] over the paged cache -> [num_tokens, num_heads, head_dim].
+    k, v [num_tokens, num_kv_heads, head_dim]: the step's new keys and values as the layer holds them densely;
+    with them, on CUDA, long whole prompts at the end of the step take torch's FlashAttention (ext/prefill.py)."""
     ops = _cuda_ops(q)
+    if (k is not None and ops is not None and q.dtype in _FLOATS and k.dtype == v.dtype == q.dtype
+            and q.shape[-1] % 8 == 0 and q.shape[-1] <= 256 and v.shape[-1] == q.shape[-1]
+            and not torch.cuda.is_current_stream_capturing()):
+        first = prefill.dense_suffix(meta, prefill.DENSE_PREFILL_MIN_TOKENS)
+        if first < meta.num_seqs:
+            _calls["dense_prefill_attention"] += meta.num_seqs - first
+            return prefill.split_attention(q, k, v, meta, first, scale,
+                                           lambda rows, sub: paged_attention(rows, k_cache, v_cache, sub, scale))
     if (ops is not None and q.dtype in _FLOATS and k_cache.dtype == q.dtype == v_cache.dtype
             and max(q.shape[-1], v_cache.shape[-1]) <= 1024 and k_cache.dim() == 4
             and k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1):

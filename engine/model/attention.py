@@ -70,5 +70,5 @@ class GQAttention(nn.Module):
                                       self.q_norm.weight, self.k_norm.weight, self.q_norm.eps)
         else:
             ops.rope_write_kv(q, k, v, cos, sin, kv_cache[0], kv_cache[1], meta.slot_mapping)
-        out = ops.paged_attention(q, kv_cache[0], kv_cache[1], meta, self.scale)
+        out = ops.paged_attention(q, kv_cache[0], kv_cache[1], meta, self.scale, k=k, v=v)
         return self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_dim))

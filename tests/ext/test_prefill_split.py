@@ -1,0 +1,55 @@
+"""The dense-prefill split on CPU: which sequences take torch's attention (a suffix of long whole prompts), and
+that splitting a step there gives the paged attention of the whole step (the reference on both sides)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ext import ops, prefill, reference
+from tests.ext.prefill_cases import mixed_step
+
+
+@pytest.mark.parametrize("specs,first", [
+    ([(1, 40), (1, 7), (300, 0), (260, 0)], 2),   # decodes, then two whole prompts
+    ([(1, 40), (300, 0), (50, 0)], 3),            # a short prompt last: no suffix
+    ([(300, 0), (1, 9), (280, 0)], 2),            # a prompt before a decode stays paged
+    ([(1, 40), (300, 20)], 2),                    # a chunk after cached context stays paged
+    ([(256, 0)], 0),
+])
+def test_the_dense_suffix_is_long_whole_prompts_at_the_end(specs, first):
+    *_, meta = mixed_step(torch.Generator().manual_seed(0), specs)
+    assert prefill.dense_suffix(meta, 256) == first
+
+
+def test_tree_verify_steps_are_never_split():
+    *_, meta = mixed_step(torch.Generator().manual_seed(0), [(1, 9), (300, 0)])
+    meta.tree_mask = torch.ones(301, 300, dtype=torch.bool).tril()
+    assert prefill.dense_suffix(meta, 256) == meta.num_seqs
+    with pytest.raises(ValueError):
+        meta.prefix(1)
+
+
+@pytest.mark.parametrize("specs", [
+    [(1, 40), (3, 17), (300, 0), (270, 0)],
+    [(280, 0)],
+    [(1, 33), (5, 0), (290, 0)],
+])
+def test_a_split_step_equals_the_paged_attention_of_the_whole_step(specs):
+    gen = torch.Generator().manual_seed(len(specs))
+    q, k, v, k_cache, v_cache, meta = mixed_step(gen, specs)
+    first = prefill.dense_suffix(meta, 256)
+    assert first < meta.num_seqs
+    scale = 32 ** -0.5
+    want = reference.paged_attention(q, k_cache, v_cache, meta, scale)
+    got = prefill.split_attention(q, k, v, meta, first, scale,
+                                  lambda rows, sub: reference.paged_attention(rows, k_cache, v_cache, sub, scale))
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_cpu_attention_ignores_the_dense_rows():
+    """On CPU the reference serves every sequence: passing the dense rows changes nothing."""
+    q, k, v, k_cache, v_cache, meta = mixed_step(torch.Generator().manual_seed(5), [(1, 12), (2100, 0)])
+    before = ops.cuda_calls()
+    got = ops.paged_attention(q, k_cache, v_cache, meta, 0.2, k=k, v=v)
+    assert torch.equal(got, reference.paged_attention(q, k_cache, v_cache, meta, 0.2))
+    assert ops.cuda_calls() == before

@@ -158,25 +158,31 @@ def test_rope_inplace(case, table):
         assert torch.equal(qkv[:, (hq + hk) * d:], v_before)  # V untouched
 
 
+def cache_write_inputs(gen, dtype, t, hq, hk, d, scale=1.0):
+    """One qkv row per token, rope tables, slots (a quarter -1) and NaN-filled caches; split(x) -> the q, k, v
+    views of a qkv tensor as the attention layer passes them."""
+    nb, bs = -(-t // 4) + 3, 4
+    qkv = randn(gen, t, (hq + 2 * hk) * d, dtype=dtype, scale=scale)
+    cos, sin = randn(gen, t, d, dtype=dtype), randn(gen, t, d, dtype=dtype)
+    slots = torch.randperm(nb * bs, generator=gen)[:t]
+    slots[torch.rand(t, generator=gen) < 0.25] = -1
+    caches = torch.full((2, nb, bs, hk, d), float("nan")).to(DEV, dtype)
+
+    def split(x):
+        return (x[:, :hq * d].view(t, hq, d), x[:, hq * d:(hq + hk) * d].view(t, hk, d),
+                x[:, (hq + hk) * d:].view(t, hk, d))
+
+    return qkv, cos, sin, slots.to(DEV), caches, split
+
+
 @pytest.mark.parametrize("case", range(len(ROPE_CASES)))
 def test_rope_write_kv_equals_rope_then_the_cache_write(case):
     """One launch: q and k roped in place (bit for bit what rope_inplace gives) and the roped k and v written at
     the slots (-1 skipped), over views of one qkv row as the attention layer passes them."""
     r, gen = rng()
     dtype, t, hq, hk, d, _ = ROPE_CASES[case]
-    nb, bs = -(-t // 4) + 3, 4
-    qkv = randn(gen, t, (hq + 2 * hk) * d, dtype=dtype)
-    cos, sin = randn(gen, t, d, dtype=dtype), randn(gen, t, d, dtype=dtype)
-    slots = torch.randperm(nb * bs, generator=gen)[:t]
-    slots[torch.rand(t, generator=gen) < 0.25] = -1
-    slots = slots.to(DEV)
-    caches = torch.full((2, nb, bs, hk, d), float("nan")).to(DEV, dtype)
+    qkv, cos, sin, slots, caches, split = cache_write_inputs(gen, dtype, t, hq, hk, d)
     want_qkv, want_caches = qkv.clone(), caches.clone()
-
-    def split(x):
-        return (x[:, :hq * d].view(t, hq, d), x[:, hq * d:(hq + hk) * d].view(t, hk, d),
-                x[:, (hq + hk) * d:].view(t, hk, d))
-
     reference.rope_write_kv(*split(want_qkv), cos, sin, want_caches[0], want_caches[1], slots)
     served("rope_write_kv", lambda: ops.rope_write_kv(*split(qkv), cos, sin, caches[0], caches[1], slots))
     assert torch.equal(qkv, want_qkv)
@@ -202,20 +208,9 @@ def test_qk_norm_rope_write_kv_equals_the_norm_then_rope_kernels(case):
     the fused kernel does not take run those two kernels instead."""
     r, gen = rng()
     dtype, t, hq, hk, d = QK_NORM_CASES[case]
-    nb, bs = -(-t // 4) + 3, 4
-    qkv = randn(gen, t, (hq + 2 * hk) * d, dtype=dtype, scale=3.0)
-    cos, sin = randn(gen, t, d, dtype=dtype), randn(gen, t, d, dtype=dtype)
+    qkv, cos, sin, slots, caches, split = cache_write_inputs(gen, dtype, t, hq, hk, d, scale=3.0)
     qw, kw = randn(gen, d, dtype=dtype) + 1, randn(gen, d, dtype=dtype) + 1
-    slots = torch.randperm(nb * bs, generator=gen)[:t]
-    slots[torch.rand(t, generator=gen) < 0.25] = -1
-    slots = slots.to(DEV)
-    caches = torch.full((2, nb, bs, hk, d), float("nan")).to(DEV, dtype)
     want_qkv, want_caches = qkv.clone(), caches.clone()
-
-    def split(x):
-        return (x[:, :hq * d].view(t, hq, d), x[:, hq * d:(hq + hk) * d].view(t, hk, d),
-                x[:, (hq + hk) * d:].view(t, hk, d))
-
     wq, wk, wv = split(want_qkv)
     wq.copy_(served("fused_add_rmsnorm", lambda: ops.fused_add_rmsnorm(wq, None, qw, 1e-6))[0])
     wk.copy_(served("fused_add_rmsnorm", lambda: ops.fused_add_rmsnorm(wk, None, kw, 1e-6))[0])

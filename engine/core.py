@@ -93,7 +93,7 @@ class EngineCore:
         self.blocks = BlockManager(self.kv_plan.num_blocks, config.block_size,
                                    enable_prefix_caching=config.enable_prefix_caching and not needs_features)
         self.runner = ModelRunner(self.model, self.kv_plan.num_blocks, config.block_size, config.device, self.dtype,
-                                  self.sampler, self.speculator)
+                                  self.sampler, self.speculator, config.dense_prefill_min_tokens)
         adaptive = self.speculator is not None and config.spec.adaptive and not config.spec.chain
         self.budgets = BudgetController(max_budget, enabled=adaptive)
         self.runner.watch = self.budgets.should_draft if adaptive else None
@@ -172,7 +172,8 @@ class EngineCore:
         req = Request(prompt, SamplingParams(max_tokens=1, detokenize=False))
         req.block_ids = list(range(num_blocks))
         sampler = Sampler(vocab, config.device)
-        runner = ModelRunner(self.model, num_blocks, block_size, config.device, self.dtype, sampler)
+        runner = ModelRunner(self.model, num_blocks, block_size, config.device, self.dtype, sampler,
+                             dense_prefill_min_tokens=config.dense_prefill_min_tokens)
         runner.execute(StepPlan([ScheduledSeq(req, num_tokens, sample=True)]))
         budget = self.speculator.max_budget if self.speculator is not None else 0
         num_rows = min(num_tokens, config.max_num_seqs * (budget + 1))

@@ -25,8 +25,10 @@ EAGER_PAD_ROWS = 64
 
 class ModelRunner:
     def __init__(self, model, num_blocks: int, block_size: int, device: str, dtype: torch.dtype,
-                 sampler: Sampler | None = None, speculator: Speculator | None = None):
+                 sampler: Sampler | None = None, speculator: Speculator | None = None,
+                 dense_prefill_min_tokens: int = 0):
         self.model, self.device, self.dtype = model, torch.device(device), dtype
+        self.dense_prefill_min_tokens = dense_prefill_min_tokens  # ext/prefill.py; 0 = off
         self.num_blocks, self.block_size = num_blocks, block_size
         self.sampler = sampler if sampler is not None else Sampler(model.vocab_size, device)
         self.speculator = speculator
@@ -64,6 +66,7 @@ class ModelRunner:
     def prepare(self, plan: StepPlan) -> tuple[torch.Tensor, object, list[tuple[int, int]]]:
         """Inputs of a plan without trees: (input ids, attention metadata, (first row, rows) per sequence)."""
         inputs = prepare_inputs(plan.seqs, None, self.block_size, self.device)
+        inputs.meta.dense_prefill_min_tokens = self.dense_prefill_min_tokens
         return inputs.input_ids, inputs.meta, inputs.plain_rows
 
     @torch.inference_mode()
@@ -102,6 +105,7 @@ class ModelRunner:
         shape = _uniform_shape(plain, batch)  # None: a mixed step, never a graph replay
         pad_to = self.eager_pad_to if (self.graphs is None or shape is None) and ahead_ids is None else 0
         inputs = prepare_inputs(plain, batch, self.block_size, self.device, self.staging, pad_to)
+        inputs.meta.dense_prefill_min_tokens = self.dense_prefill_min_tokens
         if ahead_ids is not None:
             inputs.input_ids = ahead_ids
         hidden, captured, graph_mode = self._forward(shape, inputs)

@@ -28,6 +28,9 @@ class AttentionMetadata:
     # host copies, so the reference path and the runner never sync on device tensors
     query_lens_host: list[int] = field(default_factory=list)
     seq_lens_host: list[int] = field(default_factory=list)
+    # prefill chunks of at least this many tokens with no cached context (and the sequences after them) attend
+    # through torch's FlashAttention when the op is given the dense new rows (ext/prefill.py); 0 = never
+    dense_prefill_min_tokens: int = 0
     _kv_slots: list[torch.Tensor] | None = field(default=None, repr=False)
     # device-side, derived once per step on first use: tree_mask packed to [num_tokens, ceil(max_query_len/64)]
     # int64 words (bit j of word w = new token 64*w + j), what the CUDA attention kernels read

@@ -337,12 +337,14 @@ def paged_attention(q, k_cache, v_cache, meta: AttentionMetadata, scale: float,
                     k: torch.Tensor | None = None, v: torch.Tensor | None = None) -> torch.Tensor:
     """GQA attention of q [num_tokens, num_heads, head_dim] over the paged cache -> [num_tokens, num_heads, head_dim].
     k, v [num_tokens, num_kv_heads, head_dim]: the step's new keys and values as the layer holds them densely;
-    with them, on CUDA, long whole prompts at the end of the step take torch's FlashAttention (ext/prefill.py)."""
+    with them, on CUDA and meta.dense_prefill_min_tokens set, long whole prompts at the end of the step take
+    torch's FlashAttention (ext/prefill.py)."""
     ops = _cuda_ops(q)
-    if (k is not None and ops is not None and q.dtype in _FLOATS and k.dtype == v.dtype == q.dtype
+    if (k is not None and meta.dense_prefill_min_tokens and ops is not None and q.dtype in _FLOATS
+            and k.dtype == v.dtype == q.dtype
             and q.shape[-1] % 8 == 0 and q.shape[-1] <= 256 and v.shape[-1] == q.shape[-1]
             and not torch.cuda.is_current_stream_capturing()):
-        first = prefill.dense_suffix(meta, prefill.DENSE_PREFILL_MIN_TOKENS)
+        first = prefill.dense_suffix(meta, meta.dense_prefill_min_tokens)
         if first < meta.num_seqs:
             _calls["dense_prefill_attention"] += meta.num_seqs - first
             return prefill.split_attention(q, k, v, meta, first, scale,

@@ -3,12 +3,14 @@
 A prefill chunk with no cached context (the first chunk of a prompt that missed the prefix cache) attends only
 to its own new tokens, whose keys and values the attention layer holds densely before they reach the cache. On
 the H200 torch's FlashAttention runs that causal attention 4-5x faster than our paged mma.sync kernel
-(docs/BENCHMARKS.md, "Prefill attention against the tensor-core peak"), so such sequences take it. Only long
-ones (DENSE_PREFILL_MIN_TOKENS): each is one SDPA call per layer, whose host cost a short prompt would not repay.
+(docs/BENCHMARKS.md, "Prefill attention against the tensor-core peak"), so such sequences take it when the
+engine asks (EngineConfig.dense_prefill_min_tokens, carried by the step's AttentionMetadata; off by default).
 
-The sequences that qualify must be a suffix of the step's sequence list (the scheduler appends newly admitted
-prompts after the running requests), so everything else is a prefix of the step's rows and of its metadata:
-slices, no gathers. Steps with a tree mask (tree verify) and CUDA-graph captures never take this path.
+The sequences taken are the step's trailing run of whole prompts (the scheduler appends newly admitted prompts
+after the running requests; an eager CUDA step's padding rows are one more such sequence at the end), from the
+first long one on (each is one SDPA call per layer, whose host cost a short prompt alone would not repay).
+Everything before is a prefix of the step's rows and of its metadata: slices, no gathers. Steps with a tree
+mask (tree verify) and CUDA-graph captures never take this path.
 """
 from __future__ import annotations
 
@@ -20,20 +22,22 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from ext.metadata import AttentionMetadata
 
-DENSE_PREFILL_MIN_TOKENS = 2048
 # Not cuDNN (an execution plan per new sequence length, ~14 ms each on the H200) and not the math backend (it
 # materializes the [heads, L, L] scores); FlashAttention for bf16/fp16, the memory-efficient kernel for fp32.
 _BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION]
 
 
 def dense_suffix(meta: AttentionMetadata, min_tokens: int) -> int:
-    """Index of the first sequence of the step's longest suffix of whole prompts (no cached context, at least
-    min_tokens new tokens): num_seqs when there is none."""
+    """Index of the first sequence taken: in the step's trailing run of whole prompts (no cached context), the
+    first with at least min_tokens new tokens; num_seqs when there is none."""
     first = meta.num_seqs
-    if meta.tree_mask is not None:
+    if meta.tree_mask is not None or min_tokens <= 0:
         return first
-    while first > 0 and meta.query_lens_host[first - 1] == meta.seq_lens_host[first - 1] >= min_tokens:
-        first -= 1
+    for seq in range(meta.num_seqs - 1, -1, -1):
+        if meta.query_lens_host[seq] != meta.seq_lens_host[seq]:
+            break
+        if meta.query_lens_host[seq] >= min_tokens:
+            first = seq
     return first
 
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
-from ext import ops, prefill, reference
+from ext import ops, reference
 from tests.ext.gpu_util import cuda_ops, rng  # noqa: F401 (cuda_ops: an autouse fixture)
 from tests.ext.prefill_cases import mixed_step
 
@@ -24,6 +24,7 @@ def test_long_prompts_take_flash_attention_as_accurately_as_the_kernel(dtype):
     q, k, v, k_cache, v_cache, meta = mixed_step(gen, specs, device="cuda", dtype=dtype, heads=8, kv_heads=2,
                                                  head_dim=128)
     scale = 128 ** -0.5
+    meta.dense_prefill_min_tokens = 2048
     exact = reference.paged_attention(q.float(), k_cache.float(), v_cache.float(), meta, scale)
     before = ops.cuda_calls().get("dense_prefill_attention", 0)
     routed = ops.paged_attention(q, k_cache, v_cache, meta, scale, k=k, v=v)
@@ -37,17 +38,17 @@ def test_long_prompts_take_flash_attention_as_accurately_as_the_kernel(dtype):
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
-def test_greedy_decoding_of_long_prompts_is_unchanged_by_the_route(tiny_checkpoints, monkeypatch, family):
+def test_greedy_decoding_of_long_prompts_is_unchanged_by_the_route(tiny_checkpoints, family):
     folder, _ = tiny_checkpoints(family)
     gen = torch.Generator().manual_seed(11)
     prompts = [torch.randint(0, 1000, (n,), generator=gen).tolist() for n in (5, 300, 260)]  # admitted in this order: the prompts last
     sp = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
 
-    def run(threshold: int) -> list[list[int]]:
-        monkeypatch.setattr(prefill, "DENSE_PREFILL_MIN_TOKENS", threshold)
-        return [o.token_ids for o in LLM(folder, dtype="fp32", device="cuda").generate(prompts, sp)]
+    def run(min_tokens: int) -> list[list[int]]:
+        llm = LLM(folder, dtype="fp32", device="cuda", dense_prefill_min_tokens=min_tokens)
+        return [o.token_ids for o in llm.generate(prompts, sp)]
 
     before = ops.cuda_calls().get("dense_prefill_attention", 0)
     routed = run(64)
     assert ops.cuda_calls().get("dense_prefill_attention", 0) > before
-    assert routed == run(10**9)
+    assert routed == run(0)

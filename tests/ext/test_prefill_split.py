@@ -5,20 +5,26 @@ from __future__ import annotations
 import pytest
 import torch
 
+from engine import LLM, SamplingParams
+from engine.config import EngineConfig
 from ext import ops, prefill, reference
 from tests.ext.prefill_cases import mixed_step
 
 
 @pytest.mark.parametrize("specs,first", [
     ([(1, 40), (1, 7), (300, 0), (260, 0)], 2),   # decodes, then two whole prompts
-    ([(1, 40), (300, 0), (50, 0)], 3),            # a short prompt last: no suffix
+    ([(1, 40), (300, 0), (50, 0)], 1),            # a short prompt after a long one (or padding rows) goes along
+    ([(1, 40), (50, 0), (300, 0), (12, 0)], 2),   # a short prompt before the first long one stays paged
+    ([(1, 40), (50, 0), (60, 0)], 3),             # no long prompt: nothing
     ([(300, 0), (1, 9), (280, 0)], 2),            # a prompt before a decode stays paged
     ([(1, 40), (300, 20)], 2),                    # a chunk after cached context stays paged
     ([(256, 0)], 0),
+    ([(1, 40), (300, 0)], 1),
 ])
 def test_the_dense_suffix_is_long_whole_prompts_at_the_end(specs, first):
     *_, meta = mixed_step(torch.Generator().manual_seed(0), specs)
     assert prefill.dense_suffix(meta, 256) == first
+    assert prefill.dense_suffix(meta, 0) == meta.num_seqs  # 0: off
 
 
 def test_tree_verify_steps_are_never_split():
@@ -33,6 +39,7 @@ def test_tree_verify_steps_are_never_split():
     [(1, 40), (3, 17), (300, 0), (270, 0)],
     [(280, 0)],
     [(1, 33), (5, 0), (290, 0)],
+    [(1, 33), (290, 0), (40, 0)],  # padding rows after the prompt
 ])
 def test_a_split_step_equals_the_paged_attention_of_the_whole_step(specs):
     gen = torch.Generator().manual_seed(len(specs))
@@ -49,7 +56,27 @@ def test_a_split_step_equals_the_paged_attention_of_the_whole_step(specs):
 def test_cpu_attention_ignores_the_dense_rows():
     """On CPU the reference serves every sequence: passing the dense rows changes nothing."""
     q, k, v, k_cache, v_cache, meta = mixed_step(torch.Generator().manual_seed(5), [(1, 12), (2100, 0)])
+    meta.dense_prefill_min_tokens = 1024
     before = ops.cuda_calls()
     got = ops.paged_attention(q, k_cache, v_cache, meta, 0.2, k=k, v=v)
     assert torch.equal(got, reference.paged_attention(q, k_cache, v_cache, meta, 0.2))
     assert ops.cuda_calls() == before
+
+
+def test_the_engine_setting_reaches_every_layers_attention(tiny_checkpoints, monkeypatch):
+    """--dense-prefill-min-tokens travels in each step's metadata to every GQA layer, which passes its dense new
+    rows along (on CPU the reference then serves them all)."""
+    folder, _ = tiny_checkpoints("qwen3")
+    seen = []
+    paged = ops.paged_attention
+
+    def spy(q, k_cache, v_cache, meta, scale, k=None, v=None):
+        seen.append((meta.dense_prefill_min_tokens, k is not None and v is not None and k.shape[0] == q.shape[0]))
+        return paged(q, k_cache, v_cache, meta, scale, k=k, v=v)
+
+    monkeypatch.setattr(ops, "paged_attention", spy)
+    llm = LLM(folder, dtype="fp32", dense_prefill_min_tokens=64)
+    llm.generate([list(range(1, 90))], SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))
+    assert seen and set(seen) == {(64, True)}
+    with pytest.raises(ValueError, match="dense_prefill_min_tokens"):
+        EngineConfig(dense_prefill_min_tokens=-1)

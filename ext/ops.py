@@ -343,7 +343,7 @@ def paged_attention(q, k_cache, v_cache, meta: AttentionMetadata, scale: float,
     if (k is not None and meta.dense_prefill_min_tokens and ops is not None and q.dtype in _FLOATS
             and k.dtype == v.dtype == q.dtype
             and q.shape[-1] % 8 == 0 and q.shape[-1] <= 256 and v.shape[-1] == q.shape[-1]
-            and not torch.cuda.is_current_stream_capturing()):
+            and not (q.is_cuda and torch.cuda.is_current_stream_capturing())):
         first = prefill.dense_suffix(meta, meta.dense_prefill_min_tokens)
         if first < meta.num_seqs:
             _calls["dense_prefill_attention"] += meta.num_seqs - first

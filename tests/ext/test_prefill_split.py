@@ -80,3 +80,39 @@ def test_the_engine_setting_reaches_every_layers_attention(tiny_checkpoints, mon
     assert seen and set(seen) == {(64, True)}
     with pytest.raises(ValueError, match="dense_prefill_min_tokens"):
         EngineConfig(dense_prefill_min_tokens=-1)
+
+
+class _KernelStandIn:
+    """The extension's paged_attention signature served by the reference on CPU tensors (the CUDA door's routing
+    and metadata handling run as on the GPU; only the kernel is swapped)."""
+
+    def __init__(self):
+        self.calls = []
+
+    def paged_attention(self, q, k_cache, v_cache, qsl, seq_lens, tables, tree_bits, max_q, max_kv, scale):
+        from ext.metadata import AttentionMetadata
+
+        assert qsl.dtype == seq_lens.dtype == tables.dtype == torch.int32 and tree_bits is None
+        lens = seq_lens.tolist()
+        query_lens = (qsl[1:] - qsl[:-1]).tolist()
+        self.calls.append((q.shape[0], query_lens, max_q, max_kv))
+        meta = AttentionMetadata(positions=torch.zeros(q.shape[0], dtype=torch.int64), slot_mapping=torch.zeros(
+            q.shape[0], dtype=torch.int64), query_start_loc=qsl, seq_lens=seq_lens, block_tables=tables,
+            block_size=k_cache.shape[1], query_lens_host=query_lens, seq_lens_host=lens)
+        return reference.paged_attention(q, k_cache, v_cache, meta, scale)
+
+
+def test_the_cuda_door_routes_the_suffix_and_hands_the_kernel_the_prefix(monkeypatch):
+    stand_in = _KernelStandIn()
+    monkeypatch.setattr(ops, "_cuda_ops", lambda t: stand_in)
+    specs = [(1, 40), (7, 30), (300, 0), (20, 0)]  # decodes, a chunk after context, a prompt, padding rows
+    q, k, v, k_cache, v_cache, meta = mixed_step(torch.Generator().manual_seed(9), specs)
+    meta.dense_prefill_min_tokens = 256
+    before = ops.cuda_calls().get("dense_prefill_attention", 0)
+    got = ops.paged_attention(q, k_cache, v_cache, meta, 0.25, k=k, v=v)
+    assert ops.cuda_calls().get("dense_prefill_attention", 0) == before + 2
+    assert stand_in.calls == [(8, [1, 7], 7, 41)]  # the kernel saw the first two sequences only
+    torch.testing.assert_close(got, reference.paged_attention(q, k_cache, v_cache, meta, 0.25), rtol=1e-5, atol=1e-5)
+    meta.dense_prefill_min_tokens = 0  # off: the kernel takes the whole step
+    ops.paged_attention(q, k_cache, v_cache, meta, 0.25, k=k, v=v)
+    assert stand_in.calls[-1][1] == [1, 7, 300, 20]

@@ -1,85 +1,24 @@
 """The single door to every custom op: one Python signature each. The CUDA extension serves an op when it is
-loaded and the tensors are on CUDA; otherwise `ext.reference` does, with the same signature and semantics.
-`cuda_calls()` counts the calls the CUDA extension served (per op name), so tests can prove it ran;
-`reference_fallbacks()` counts the calls on CUDA tensors that the reference served instead (the extension is not
-loaded, or the inputs are outside what the kernel supports), and the first one of each op logs a warning."""
+loaded and the tensors are on CUDA; otherwise `ext.reference` does, with the same signature and semantics
+(ext/dispatch.py decides and counts: `cuda_calls()`, `reference_fallbacks()`). Here: attention, the DDTree round
+(top-K, tree build, accept, KV compaction, sampling) and the quantized linears; the decoder layer's ops live in
+ext/layer_ops.py and are re-exported from here."""
 from __future__ import annotations
 
 import functools
-import logging
-from collections import Counter
 
 import torch
-import torch.nn.functional as F
 
 from ext import prefill, reference
+from ext.dispatch import (_FLOATS, _calls, _cuda_ops, _fallback, _rows, _served, cuda_calls,  # noqa: F401
+                          reference_fallbacks, take_reference_fallbacks)
+from ext.layer_ops import (GEMV_MAX_ROWS, fused_add_rmsnorm, linear, linear_silu_mul,  # noqa: F401
+                           qk_norm_rope_write_kv, rope_inplace, rope_write_kv, silu_and_mul, write_kv, write_kv_pair)
 from ext.metadata import AttentionMetadata
 
-logger = logging.getLogger("ddtree.ext")
-_calls: Counter = Counter()
-_fallbacks: Counter = Counter()  # whole process
-_pending: Counter = Counter()  # since the last take_reference_fallbacks()
-_warned: set[str] = set()
 _TOPK_MAX_K = 1024  # ext/csrc kernels.h kTopkMaxK
 _SAMPLE_MAX_VOCAB = 1 << 30  # kernels.h kSampleMaxVocab
 _SMEM_LIMIT = 227 * 1024  # ops.cpp's bound (H100/H200); smaller GPUs report less
-_FLOATS = (torch.float32, torch.float16, torch.bfloat16)
-
-
-def cuda_calls() -> dict[str, int]:
-    """op name -> calls served by the CUDA extension in this process."""
-    return dict(_calls)
-
-
-def reference_fallbacks() -> dict[str, int]:
-    """op name -> calls on CUDA tensors that the PyTorch reference served, in this process."""
-    return dict(_fallbacks)
-
-
-def take_reference_fallbacks() -> dict[str, int]:
-    """op name -> reference-served CUDA calls since the previous take (per engine step), then reset."""
-    global _pending
-    taken, _pending = _pending, Counter()
-    return dict(taken)
-
-
-def _on_cuda(t: torch.Tensor) -> bool:
-    return t.device.type == "cuda"
-
-
-def _cuda_ops(t: torch.Tensor):
-    """The built extension's op namespace when `t` is on CUDA and the extension loads, else None."""
-    if not _on_cuda(t):
-        return None
-    from ext import build  # imported lazily: CPU machines never touch the toolchain
-
-    return build.load_ops()
-
-
-def _served(name: str, ops) -> bool:
-    if ops is None:
-        return False
-    _calls[name] += 1
-    return True
-
-
-def _fallback(name: str, t: torch.Tensor, ops) -> None:
-    """Called where the reference is about to serve `name`: counts it when `t` is on CUDA (warns once per op)."""
-    if not _on_cuda(t):
-        return
-    _fallbacks[name] += 1
-    _pending[name] += 1
-    if name in _warned:
-        return
-    _warned.add(name)
-    if ops is None:
-        from ext import build
-
-        why = f"the CUDA extension is not loaded ({build.load_error() or 'unknown reason'})"
-    else:
-        why = "the inputs are outside what its CUDA kernel supports"
-    logger.warning("ext op %s runs its PyTorch reference on %s: %s; counted in ext.ops.reference_fallbacks()",
-                   name, t.device, why)
 
 
 @functools.lru_cache(maxsize=None)
@@ -101,83 +40,6 @@ def _metadata_tensors(meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tens
     if not max_kv:
         max_kv = int(tables.shape[1]) * meta.block_size
     return qsl, seq_lens, tables, max_q, max_kv
-
-
-def _rows(t: torch.Tensor) -> torch.Tensor:
-    """The kernels read query rows with arbitrary token/head strides but a unit last-dim stride."""
-    return t if t.stride(-1) == 1 else t.contiguous()
-
-
-def write_kv(cache: torch.Tensor, rows: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """Scatter rows [num_tokens, ...] into cache [num_blocks, block_size, ...] at slot_mapping (-1 skips)."""
-    ops = _cuda_ops(cache)
-    if (ops is not None and cache.is_contiguous() and rows.is_cuda and slot_mapping.is_cuda
-            and slot_mapping.dtype == torch.int64 and rows.dtype in _FLOATS and cache.dtype in _FLOATS):
-        _served("write_kv", ops)
-        ops.write_kv(cache, rows, slot_mapping)
-        return
-    _fallback("write_kv", cache, ops)
-    reference.write_kv(cache, rows, slot_mapping)
-
-
-def write_kv_pair(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                  slot_mapping: torch.Tensor) -> None:
-    """write_kv of k into k_cache and of v into v_cache at the same slots, in one launch."""
-    ops = _cuda_ops(k_cache)
-    if (ops is not None and k_cache.is_contiguous() and v_cache.is_contiguous() and k_cache.dtype in _FLOATS
-            and v_cache.dtype == k_cache.dtype and k.dtype in _FLOATS and v.dtype == k.dtype and k.is_cuda
-            and v.is_cuda and slot_mapping.is_cuda and slot_mapping.dtype == torch.int64):
-        _served("write_kv_pair", ops)
-        ops.write_kv_pair(k_cache, v_cache, k, v, slot_mapping)
-        return
-    _fallback("write_kv_pair", k_cache, ops)
-    reference.write_kv_pair(k_cache, v_cache, k, v, slot_mapping)
-
-
-# ---- decoder-layer ops (the eager math they reproduce: ext/reference/layers.py) ----------------------------------
-
-def _norm_rows(t: torch.Tensor) -> torch.Tensor:
-    """Any [..., H] as the kernel's [rows, H] or [tokens, heads, H] with a unit last stride."""
-    if t.dim() == 1:
-        t = t.unsqueeze(0)
-    elif t.dim() > 3:
-        t = t.flatten(0, -3)
-    return t if t.stride(-1) == 1 or t.shape[-1] == 1 else t.contiguous()
-
-
-def fused_add_rmsnorm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
-                      eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """(out, new_residual): new_residual = x + residual in x's dtype (x itself when residual is None), out =
-    weight * RMSNorm(new_residual) normalised in fp32 and cast back before the weight multiply. x [..., H]
-    (Qwen3's per-head q/k norm passes [T, heads, head_dim] views)."""
-    ops = _cuda_ops(x)
-    if (ops is not None and x.dim() >= 1 and x.dtype in _FLOATS and weight.dtype in _FLOATS and weight.dim() == 1
-            and weight.shape[0] == x.shape[-1] and weight.device == x.device and x.shape[-1] < 2**31
-            and (residual is None or (residual.shape == x.shape and residual.dtype == x.dtype
-                                      and residual.device == x.device))):
-        _served("fused_add_rmsnorm", ops)
-        rows = _norm_rows(x)
-        if residual is None:
-            return ops.rms_norm(rows, weight, float(eps)).view(x.shape), x
-        out, new_residual = ops.fused_add_rmsnorm(rows, _norm_rows(residual), weight, float(eps))
-        return out.view(x.shape), new_residual.view(x.shape)
-    _fallback("fused_add_rmsnorm", x, ops)
-    return reference.fused_add_rmsnorm(x, residual, weight, eps)
-
-
-def rope_inplace(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
-    """Neox (rotate-half) rope of q [T, Hq, D] and k [T, Hk, D] in place, one launch; cos/sin [T, D]. q and k may
-    be views of the fused qkv projection (any token and head strides, unit last stride)."""
-    ops = _cuda_ops(q)
-    if (ops is not None and q.dim() == 3 and k.dim() == 3 and cos.dim() == 2 and sin.dim() == 2
-            and q.dtype in _FLOATS and k.dtype == q.dtype and cos.dtype == q.dtype and sin.dtype == q.dtype
-            and q.stride(-1) == 1 and k.stride(-1) == 1 and q.shape[-1] % 2 == 0
-            and k.device == q.device and cos.device == q.device and sin.device == q.device):
-        _served("rope_inplace", ops)
-        ops.rope_inplace(q, k, _rows(cos), _rows(sin))
-        return
-    _fallback("rope_inplace", q, ops)
-    reference.rope_inplace(q, k, cos, sin)
 
 
 def quantize_fp8_blockwise(x: torch.Tensor, padded_rows: int, amax_floor: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -220,117 +82,6 @@ def int4_dequantize(packed: torch.Tensor, scale: torch.Tensor, group_size: int, 
         return ops.int4_dequantize(packed, scale, group_size, dtype)
     _fallback("int4_dequantize", packed, ops)
     return reference.int4_dequantize(packed, scale, group_size, dtype)
-
-
-def _rope_write_kv_fits(q, k, v, cos, sin, k_cache, v_cache, slot_mapping) -> bool:
-    """The fused rope + cache write kernel takes these inputs (caches in q's dtype, unit last strides)."""
-    return (q.dim() == 3 and k.dim() == 3 and v.shape == k.shape and cos.dim() == 2
-            and q.dtype in _FLOATS and k.dtype == q.dtype and v.dtype == q.dtype and cos.dtype == q.dtype
-            and sin.dtype == q.dtype and k_cache.dtype == q.dtype and v_cache.dtype == q.dtype
-            and q.stride(-1) == 1 and k.stride(-1) == 1 and v.stride(-1) == 1 and q.shape[-1] % 2 == 0
-            and k_cache.dim() == 4 and k_cache.shape == v_cache.shape and k_cache.shape[2:] == k.shape[1:]
-            and k_cache.is_contiguous() and v_cache.is_contiguous() and slot_mapping.dtype == torch.int64
-            and all(t.device == q.device for t in (k, v, cos, sin, k_cache, v_cache, slot_mapping)))
-
-
-def rope_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                  k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """rope_inplace(q, k, cos, sin) then write_kv_pair(k_cache, v_cache, k, v, slot_mapping) in one launch, for
-    caches [blocks, block_size, Hk, D] in q's dtype; other caches (another dtype) take the two ops."""
-    ops = _cuda_ops(q)
-    if ops is not None and _rope_write_kv_fits(q, k, v, cos, sin, k_cache, v_cache, slot_mapping):
-        _served("rope_write_kv", ops)
-        ops.rope_write_kv(q, k, v, _rows(cos), _rows(sin), k_cache, v_cache, slot_mapping.contiguous())
-        return
-    rope_inplace(q, k, cos, sin)
-    write_kv_pair(k_cache, v_cache, k, v, slot_mapping)
-
-
-def _qk_norm_fits(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                  caches: tuple[torch.Tensor, torch.Tensor], weights: tuple[torch.Tensor, torch.Tensor]) -> bool:
-    """The norm variant's extra needs (ext/csrc/kernels.h RopeParams): weights [D] in q's dtype, every row
-    16-byte aligned, and a head's half in 16-byte vectors a power of two <= 16 (its lanes reduce in one warp)."""
-    d, vec = q.shape[-1], 16 // q.element_size()
-    chunks = d // 2 // vec
-    return (d % (2 * vec) == 0 and 0 < chunks <= 16 and chunks & (chunks - 1) == 0
-            and all(w.dim() == 1 and w.shape[0] == d and w.dtype == q.dtype and w.is_contiguous()
-                    and w.device == q.device for w in weights)
-            and all(t.stride(i) % vec == 0 for t in (q, k, v) for i in (0, 1))
-            and all(t.stride(0) % vec == 0 for t in (cos, sin))
-            and all(t.data_ptr() % 16 == 0 for t in (q, k, v, cos, sin, *caches, *weights)))
-
-
-def qk_norm_rope_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                          k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
-                          q_weight: torch.Tensor, k_weight: torch.Tensor, eps: float) -> None:
-    """Qwen3's per-head RMSNorm of q and k in place (fused_add_rmsnorm's math, weights [D]), then rope_write_kv:
-    one launch where the kernel takes the shapes (bit for bit the norm kernel then the rope kernel), else the
-    norms (copied back into q and k) and rope_write_kv."""
-    ops = _cuda_ops(q)
-    caches, weights = (k_cache, v_cache), (q_weight, k_weight)
-    if (ops is not None and _rope_write_kv_fits(q, k, v, cos, sin, k_cache, v_cache, slot_mapping)
-            and _qk_norm_fits(q, k, v, _rows(cos), _rows(sin), caches, weights)):
-        _served("qk_norm_rope_write_kv", ops)
-        ops.qk_norm_rope_write_kv(q, k, v, _rows(cos), _rows(sin), k_cache, v_cache, slot_mapping.contiguous(),
-                                  q_weight, k_weight, float(eps))
-        return
-    for x, w in ((q, q_weight), (k, k_weight)):
-        x.copy_(fused_add_rmsnorm(x, None, w, eps)[0])
-    rope_write_kv(q, k, v, cos, sin, k_cache, v_cache, slot_mapping)
-
-
-# At most this many rows go through the GEMV kernel. bench/kernels.py --only gemv on the H200 (docs/BENCHMARKS.md):
-# at one row it takes 0.64-0.97x cuBLAS's time on the SmolLM2 and Qwen3-8B layer projections (1.01x on Qwen3's
-# gate_up, both at the weight-read floor); at two rows 0.71-1.03x on SmolLM2's and 0.93-1.16x on Qwen3-8B's; at
-# four it loses on nearly all. Two rows, not one: a row's GEMV result does not depend on the other rows, and a seeded request must
-# sample the same tokens alone and as choice 0 of n = 2 (cuBLAS and the GEMV round differently).
-GEMV_MAX_ROWS = 2
-
-
-def _gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, silu_mul: bool) -> torch.Tensor | None:
-    """The GEMV kernel's result when it serves this call (CUDA, up to GEMV_MAX_ROWS rows, bf16/fp16, aligned),
-    else None: other shapes, dtypes and layouts are cuBLAS's by design; a missing extension counts as a fallback."""
-    if not _on_cuda(x) or not 1 <= x.numel() // max(x.shape[-1], 1) <= GEMV_MAX_ROWS:
-        return None
-    ops = _cuda_ops(x)
-    if ops is None:
-        _fallback("gemv", x, ops)
-        return None
-    rows = x.reshape(-1, x.shape[-1])
-    if not (x.dtype in (torch.bfloat16, torch.float16) and weight.dtype == x.dtype and weight.dim() == 2
-            and weight.is_contiguous() and weight.device == x.device and x.shape[-1] % 8 == 0
-            and rows.stride(1) == 1 and rows.stride(0) % 8 == 0 and rows.data_ptr() % 16 == 0
-            and weight.data_ptr() % 16 == 0 and (not silu_mul or weight.shape[0] % 2 == 0)
-            and (bias is None or (bias.dtype == x.dtype and bias.is_contiguous() and bias.device == x.device))):
-        return None
-    _served("gemv", ops)
-    out = ops.gemv(rows, weight, bias, silu_mul)
-    return out.view(*x.shape[:-1], out.shape[-1])
-
-
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [..., K] @ weight [N, K]^T (+ bias) -> [..., N]: the GEMV kernel for up to GEMV_MAX_ROWS rows on CUDA
-    (launch- and latency-bound shapes), cuBLAS through F.linear for more rows and off CUDA."""
-    out = _gemv(x, weight, bias, False)
-    return out if out is not None else F.linear(x, weight, bias)
-
-
-def linear_silu_mul(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """silu_and_mul(linear(x, weight)) for a fused [gate; up] weight [2I, K] -> [..., I]: one GEMV launch for up to
-    GEMV_MAX_ROWS rows on CUDA (bit-identical to the two ops), else the two ops."""
-    out = _gemv(x, weight, None, True)
-    return out if out is not None else silu_and_mul(F.linear(x, weight))
-
-
-def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
-    """x [..., 2I] (the fused gate_up projection) -> silu(x[..., :I]) * x[..., I:] [..., I]."""
-    ops = _cuda_ops(x)
-    if ops is not None and x.dim() >= 1 and x.dtype in _FLOATS and x.shape[-1] % 2 == 0 and x.shape[-1] < 2**31:
-        _served("silu_and_mul", ops)
-        rows = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
-        return ops.silu_and_mul(rows).view(*x.shape[:-1], x.shape[-1] // 2)
-    _fallback("silu_and_mul", x, ops)
-    return reference.silu_and_mul(x)
 
 
 def paged_attention(q, k_cache, v_cache, meta: AttentionMetadata, scale: float,

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from ext import build, ops, prebuilt, reference
+from ext import build, dispatch, ops, prebuilt, reference
 from ext.metadata import build_metadata, pack_bits
 
 
@@ -263,10 +263,10 @@ def test_load_without_a_device(monkeypatch):
 def test_reference_fallbacks_are_counted_and_warned_once(monkeypatch, caplog):
     """Pretend the tensors are on CUDA with no extension: every op is served by the reference, counted per op,
     and warned about once per op with load_error()'s reason."""
-    monkeypatch.setattr(ops, "_on_cuda", lambda t: True)
+    monkeypatch.setattr(dispatch, "_on_cuda", lambda t: True)
     monkeypatch.setattr(build, "load_ops", lambda verbose=False: None)
     monkeypatch.setattr(build, "load_error", lambda: "no CUDA compiler (test)")
-    monkeypatch.setattr(ops, "_warned", set())
+    monkeypatch.setattr(dispatch, "_warned", set())
     before = ops.reference_fallbacks()
     ops.take_reference_fallbacks()
     logits = torch.randn(3, 40)

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from engine.model.layers import RMSNorm
-from ext import build, ops, reference
+from ext import build, dispatch, ops, reference
 from tests.ext.layer_cases import (SMOLLM2_135M, old_apply_rope, old_forward, old_rms_norm, old_silu_and_mul,
                                    step_inputs, tiny_model)
 
@@ -123,10 +123,10 @@ def test_rmsnorm_module_keeps_its_one_argument_form():
 
 def test_layer_op_fallbacks_are_counted(monkeypatch, caplog):
     """CUDA-looking tensors without the extension: every decoder-layer op runs its twin, counted and warned."""
-    monkeypatch.setattr(ops, "_on_cuda", lambda t: True)
+    monkeypatch.setattr(dispatch, "_on_cuda", lambda t: True)
     monkeypatch.setattr(build, "load_ops", lambda verbose=False: None)
     monkeypatch.setattr(build, "load_error", lambda: "no CUDA compiler (test)")
-    monkeypatch.setattr(ops, "_warned", set())
+    monkeypatch.setattr(dispatch, "_warned", set())
     ops.take_reference_fallbacks()
     x = torch.randn(4, 32)
     with caplog.at_level(logging.WARNING, logger="ddtree.ext"):

@@ -46,8 +46,10 @@ def padding_rows(num_rows: int, pad_to: int) -> int:
 
 
 def prepare_inputs(plain: list[ScheduledSeq], batch: TreeBatch | None, block_size: int,
-                   device: torch.device, stage: Staging | None = None, pad_to: int = 0) -> StepInputs:
-    """pad_to: round the step's rows up to a multiple of it (an eager step on CUDA: cuBLAS chooses its kernels
+                   device: torch.device, stage: Staging | None = None, pad_to: int = 0,
+                   dense_prefill_min_tokens: int = 0) -> StepInputs:
+    """dense_prefill_min_tokens: carried in the metadata for the attention op (ext/prefill.py; 0 = off).
+    pad_to: round the step's rows up to a multiple of it (an eager step on CUDA: cuBLAS chooses its kernels
     once per row count, ~0.2 ms a projection shape on the H200, so row counts that repeat are cheaper). The
     padding rows form one extra sequence after the verify rows: token 0 at positions 0.., causal, reading block
     0 (finite values: caches start zeroed) and writing nowhere (slot -1); nothing samples them."""
@@ -119,6 +121,7 @@ def prepare_inputs(plain: list[ScheduledSeq], batch: TreeBatch | None, block_siz
                              max(query_lens, default=1), device, pad_pos_d if pad else None),
         query_lens_host=query_lens,
         seq_lens_host=seq_lens,
+        dense_prefill_min_tokens=dense_prefill_min_tokens,
     )
     return StepInputs(input_ids, meta, rows, tree_row0, tree_slots)
 

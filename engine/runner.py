@@ -65,8 +65,8 @@ class ModelRunner:
 
     def prepare(self, plan: StepPlan) -> tuple[torch.Tensor, object, list[tuple[int, int]]]:
         """Inputs of a plan without trees: (input ids, attention metadata, (first row, rows) per sequence)."""
-        inputs = prepare_inputs(plan.seqs, None, self.block_size, self.device)
-        inputs.meta.dense_prefill_min_tokens = self.dense_prefill_min_tokens
+        inputs = prepare_inputs(plan.seqs, None, self.block_size, self.device,
+                                dense_prefill_min_tokens=self.dense_prefill_min_tokens)
         return inputs.input_ids, inputs.meta, inputs.plain_rows
 
     @torch.inference_mode()
@@ -104,8 +104,8 @@ class ModelRunner:
         t1 = time.perf_counter()
         shape = _uniform_shape(plain, batch)  # None: a mixed step, never a graph replay
         pad_to = self.eager_pad_to if (self.graphs is None or shape is None) and ahead_ids is None else 0
-        inputs = prepare_inputs(plain, batch, self.block_size, self.device, self.staging, pad_to)
-        inputs.meta.dense_prefill_min_tokens = self.dense_prefill_min_tokens
+        inputs = prepare_inputs(plain, batch, self.block_size, self.device, self.staging, pad_to,
+                                self.dense_prefill_min_tokens)
         if ahead_ids is not None:
             inputs.input_ids = ahead_ids
         hidden, captured, graph_mode = self._forward(shape, inputs)

@@ -231,11 +231,11 @@ def bench_prefill(flops: float) -> None:
             mask = torch.ones(q_len, seq, dtype=torch.bool, device=DEV).tril(ctx)
             ts = event_ms(lambda: F.scaled_dot_product_attention(qd, k, v, attn_mask=mask, enable_gqa=True))
         tf, tfs = work / (t * 1e-3) / 1e12, work / (ts * 1e-3) / 1e12
-        routed = float("nan")  # the engine's path for a whole prompt with --dense-prefill-min-tokens (ext/prefill.py)
-        if ctx == 0:  # as with --dense-prefill-min-tokens up to Q
-            kd, vd = k[0].transpose(0, 1), v[0].transpose(0, 1)  # the layer's dense new rows [Q, kv heads, d]
-            meta.dense_prefill_min_tokens = q_len
-            routed = event_ms(lambda: ops.paged_attention(q, k_cache, v_cache, meta, d**-0.5, k=kd, v=vd))
+        # the engine's path with --dense-prefill-min-tokens up to Q (ext/prefill.py): cuDNN on a whole prompt,
+        # FlashAttention over the context gathered from the cache after cached context
+        kd, vd = k[0, :, ctx:].transpose(0, 1), v[0, :, ctx:].transpose(0, 1)  # the layer's new rows [Q, kv heads, d]
+        meta.dense_prefill_min_tokens = q_len
+        routed = event_ms(lambda: ops.paged_attention(q, k_cache, v_cache, meta, d**-0.5, k=kd, v=vd))
         print(f"{ctx:>6} {q_len:>5} {t:8.3f} {tf:8.1f} {100 * tf * 1e12 / flops:6.1f}% {ts:8.3f} {tfs:8.1f} "
               f"{routed:9.3f}")
         record("prefill", C=ctx, Q=q_len, ms=t, TFLOPs=tf, pct_flops=100 * tf * 1e12 / flops, sdpa_ms=ts,

@@ -2,7 +2,7 @@
 extension loads and the tensors are on CUDA), `cuda_calls()` (calls it served, per op name, so tests can prove
 it ran) and `reference_fallbacks()` (calls on CUDA tensors that the PyTorch reference served instead: the
 extension is not loaded or the inputs are outside what the kernel supports; the first one of each op logs a
-warning). Every door module (ext/ops.py, ext/layer_ops.py) decides through these."""
+warning; ext/prefill.py adds its cuDNN declines through count_slow_path). Every door module (ext/ops.py, ext/layer_ops.py) decides through these."""
 from __future__ import annotations
 
 import logging
@@ -53,6 +53,13 @@ def _served(name: str, ops) -> bool:
         return False
     _calls[name] += 1
     return True
+
+
+def count_slow_path(name: str) -> None:
+    """Counts a call on CUDA that a slower path than `name`'s fast one served (the caller logs why, once);
+    reported with the reference fallbacks (metric kernel_reference_fallbacks, label op=name)."""
+    _fallbacks[name] += 1
+    _pending[name] += 1
 
 
 def _fallback(name: str, t: torch.Tensor, ops) -> None:

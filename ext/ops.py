@@ -88,8 +88,8 @@ def paged_attention(q, k_cache, v_cache, meta: AttentionMetadata, scale: float,
                     k: torch.Tensor | None = None, v: torch.Tensor | None = None) -> torch.Tensor:
     """GQA attention of q [num_tokens, num_heads, head_dim] over the paged cache -> [num_tokens, num_heads, head_dim].
     k, v [num_tokens, num_kv_heads, head_dim]: the step's new keys and values as the layer holds them densely;
-    with them, on CUDA and meta.dense_prefill_min_tokens set, long whole prompts at the end of the step take
-    torch's FlashAttention (ext/prefill.py)."""
+    with them, on CUDA and meta.dense_prefill_min_tokens set, long prefill chunks at the end of the step take
+    torch's fused attention (ext/prefill.py)."""
     ops = _cuda_ops(q)
     if (k is not None and meta.dense_prefill_min_tokens and ops is not None and q.dtype in _FLOATS
             and k.dtype == v.dtype == q.dtype
@@ -98,7 +98,7 @@ def paged_attention(q, k_cache, v_cache, meta: AttentionMetadata, scale: float,
         first = prefill.dense_suffix(meta, meta.dense_prefill_min_tokens)
         if first < meta.num_seqs:
             _calls["dense_prefill_attention"] += meta.num_seqs - first
-            return prefill.split_attention(q, k, v, meta, first, scale,
+            return prefill.split_attention(q, k, v, k_cache, v_cache, meta, first, scale,
                                            lambda rows, sub: paged_attention(rows, k_cache, v_cache, sub, scale))
     if (ops is not None and q.dtype in _FLOATS and k_cache.dtype == q.dtype == v_cache.dtype
             and max(q.shape[-1], v_cache.shape[-1]) <= 1024 and k_cache.dim() == 4

@@ -121,7 +121,9 @@ class Metrics:
         self.alloc_retries = counter("cuda_alloc_retries", "Times the CUDA caching allocator failed an allocation, "
                                      "freed its cache and retried (a stall; should stay 0).").labels(model_name)
         self.kernel_fallbacks = counter("kernel_reference_fallbacks", "Calls of an ext op on a CUDA tensor that "
-                                        "ran its PyTorch reference (only with --reference-kernels).", ["op"])
+                                        "ran its PyTorch reference (only with --reference-kernels), or that a "
+                                        "slower fused path served (op dense_prefill_cudnn: FlashAttention where "
+                                        "cuDNN declined a prompt).", ["op"])
 
         self.time_to_first_token = histogram("time_to_first_token_seconds", "Time to first output token.",
                                              REQUEST_LATENCY_BUCKETS).labels(model_name)

@@ -1,4 +1,4 @@
-"""The dense-prefill split on CPU: which sequences take torch's attention (a suffix of long whole prompts), and
+"""The dense-prefill split on CPU: which sequences take torch's attention (a suffix of long prefill chunks), and
 that splitting a step there gives the paged attention of the whole step (the reference on both sides)."""
 from __future__ import annotations
 
@@ -17,7 +17,10 @@ from tests.ext.prefill_cases import mixed_step
     ([(1, 40), (50, 0), (300, 0), (12, 0)], 2),   # a short prompt before the first long one stays paged
     ([(1, 40), (50, 0), (60, 0)], 3),             # no long prompt: nothing
     ([(300, 0), (1, 9), (280, 0)], 2),            # a prompt before a decode stays paged
-    ([(1, 40), (300, 20)], 2),                    # a chunk after cached context stays paged
+    ([(1, 40), (300, 20)], 1),                    # a long chunk after cached context is taken
+    ([(1, 40), (300, 20), (40, 0)], 1),           # ... with a short prompt after it
+    ([(1, 40), (50, 20), (300, 0)], 2),           # a short chunk after cached context stays paged
+    ([(300, 20), (50, 10), (280, 0)], 2),         # ... and ends the run
     ([(256, 0)], 0),
     ([(1, 40), (300, 0)], 1),
 ])
@@ -40,6 +43,8 @@ def test_tree_verify_steps_are_never_split():
     [(280, 0)],
     [(1, 33), (5, 0), (290, 0)],
     [(1, 33), (290, 0), (40, 0)],  # padding rows after the prompt
+    [(1, 33), (300, 20)],          # a chunk after cached context: its context gathered from the cache
+    [(7, 0), (270, 45), (300, 0), (30, 0)],
 ])
 def test_a_split_step_equals_the_paged_attention_of_the_whole_step(specs):
     gen = torch.Generator().manual_seed(len(specs))
@@ -48,7 +53,7 @@ def test_a_split_step_equals_the_paged_attention_of_the_whole_step(specs):
     assert first < meta.num_seqs
     scale = 32 ** -0.5
     want = reference.paged_attention(q, k_cache, v_cache, meta, scale)
-    got = prefill.split_attention(q, k, v, meta, first, scale,
+    got = prefill.split_attention(q, k, v, k_cache, v_cache, meta, first, scale,
                                   lambda rows, sub: reference.paged_attention(rows, k_cache, v_cache, sub, scale))
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 

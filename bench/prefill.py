@@ -1,8 +1,9 @@
 """Time to first token of one long prompt, measured in the engine (no HTTP): the paged attention kernel for every
 prefill chunk (--dense-prefill-min-tokens 0) against the dense-prefill route (whole prompts through torch's cuDNN
 attention, else FlashAttention) in the same run. A prompt longer than the step budget is chunked: its first chunk
-takes the route, later chunks (after cached context) stay on the kernel. The first prompt of each length is
-timed apart (it builds cuDNN's plan for its padded length). Prints JSON lines and a table; not a test.
+takes the route, later chunks (after cached context) gather their context and take FlashAttention. The first
+prompt of each length is timed apart (a cuDNN plan or cuBLAS choice not made at startup shows there). Prints JSON
+lines and a table; not a test.
 
     python bench/prefill.py --qwen3-8b --lengths 2048 4096 8192 16384 32768
 """
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import statistics
 import sys
@@ -57,6 +59,8 @@ def main() -> None:
     p.add_argument("--min-tokens", type=int, default=2048, help="--dense-prefill-min-tokens of the routed run")
     p.add_argument("--repeats", type=int, default=5, help="timed prompts per length, after the first")
     args = p.parse_args()
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s: %(message)s")
+    logging.getLogger("ddtree.engine").setLevel(logging.INFO)  # the warm-up's timings
 
     model, load_format = args.model, "auto"
     if model is None:

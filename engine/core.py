@@ -18,7 +18,7 @@ from engine.detokenizer import OutputText
 from engine.memory import AllocatorWatch, measure_cuda_peak, plan_kv_cache
 from engine.messages import Delta, RequestError, StepStats
 from engine.model.loader import default_sampling, load_model, resolve_dtype
-from engine.plan import ScheduledSeq, StepPlan
+from engine.plan import StepPlan
 from engine.request import Request, SamplingParams, next_request_id
 from engine.runner import ModelRunner, PendingStep
 from engine.sampler import RequestFault, Sampler, needs_penalty
@@ -27,6 +27,7 @@ from engine.speculative.adaptive import BudgetController
 from engine.speculative.drafter import make_drafter
 from engine.speculative.speculator import Speculator
 from engine.startup import check_extension, eos_token_ids, signed64
+from engine.warmup import warm_up
 
 logger = logging.getLogger("ddtree.engine")
 
@@ -83,7 +84,9 @@ class EngineCore:
         self.speculator = self.make_speculator(drafter)
         max_budget = 0 if self.speculator is None else self.speculator.max_budget
         per_block = ModelRunner.kv_bytes_per_block(self.model, config.block_size, self.dtype)
-        measure = (lambda: measure_cuda_peak(torch.device(config.device), self._warmup)) if config.is_cuda else None
+        measure = (lambda: measure_cuda_peak(torch.device(config.device),
+                                             lambda: warm_up(config, self.model, self.dtype, max_budget))) \
+            if config.is_cuda else None
         self.kv_plan = plan_kv_cache(config, per_block, self.max_model_len, max_budget, measure)
         if tp is not None:  # every rank's cache has the same blocks: the smallest that fits on each device
             self.kv_plan = replace(self.kv_plan, num_blocks=tp.min_int(self.kv_plan.num_blocks))
@@ -159,36 +162,6 @@ class EngineCore:
             graphs.capture()
         self.runner.graphs = graphs
         self.runner.uniform_trees = self.scheduler.uniform_trees = self.speculator is not None
-
-    def _warmup(self) -> None:
-        """The largest step shape on a scratch cache: a max_num_batched_tokens forward, then the sampler over
-        as many rows as a step can sample with every sampling feature on (what engine.memory measures)."""
-        t0 = time.perf_counter()
-        config, vocab = self.config, self.model.vocab_size
-        num_tokens, block_size = config.max_num_batched_tokens, config.block_size
-        num_blocks = -(-num_tokens // block_size)
-        gen = torch.Generator().manual_seed(0)
-        prompt = torch.randint(0, vocab, (num_tokens,), generator=gen).tolist()
-        req = Request(prompt, SamplingParams(max_tokens=1, detokenize=False))
-        req.block_ids = list(range(num_blocks))
-        sampler = Sampler(vocab, config.device)
-        runner = ModelRunner(self.model, num_blocks, block_size, config.device, self.dtype, sampler,
-                             dense_prefill_min_tokens=config.dense_prefill_min_tokens)
-        runner.execute(StepPlan([ScheduledSeq(req, num_tokens, sample=True)]))
-        budget = self.speculator.max_budget if self.speculator is not None else 0
-        num_rows = min(num_tokens, config.max_num_seqs * (budget + 1))
-        hidden = torch.randn(num_rows, self.model.hidden_size, device=config.device, dtype=self.dtype, generator=None)
-        params = SamplingParams(temperature=1.0, top_p=0.9, top_k=50, min_p=0.05, repetition_penalty=1.1,
-                                logprobs=20, detokenize=False)
-        rows = [Request([t], params, request_id=f"warmup-{i}") for i, t in enumerate(prompt[:num_rows])]
-        for r in rows:
-            r.output_token_ids = [0]
-        from engine.sampler import SamplingBatch
-
-        sampler(self.model.compute_logits(hidden), SamplingBatch(rows, [1] * num_rows))
-        del runner, sampler
-        logger.info("warm-up at the largest step shape (%d tokens, %d sampled rows) took %.1f s", num_tokens,
-                    num_rows, time.perf_counter() - t0)
 
     @property
     def vocab_size(self) -> int:

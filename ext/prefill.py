@@ -84,6 +84,23 @@ def causal_self_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sca
         return _sdpa(q, k, v, scale)
 
 
+def warm_up(shapes: set[tuple[int, int, int]], dtype: torch.dtype, device: torch.device, min_tokens: int,
+            max_tokens: int) -> list[int]:
+    """Builds cuDNN's plans for every padded length a whole prompt of min_tokens..max_tokens tokens can take, for
+    each (q heads, kv heads, head dim) in shapes, so no request pays ~40 ms for one. Returns the lengths (none
+    where cuDNN is not asked: off CUDA, fp32, the route off)."""
+    if torch.device(device).type != "cuda" or dtype not in (torch.float16, torch.bfloat16) or min_tokens <= 0:
+        return []
+    step = CUDNN_LENGTH_STEP
+    lengths = list(range(-(-min_tokens // step) * step, -(-max_tokens // step) * step + 1, step))
+    for num_heads, num_kv_heads, head_dim in sorted(shapes):
+        for length in lengths:
+            q = torch.zeros(length, num_heads, head_dim, dtype=dtype, device=device)
+            kv = torch.zeros(length, num_kv_heads, head_dim, dtype=dtype, device=device)
+            causal_self_attention(q, kv, kv, head_dim ** -0.5)
+    return lengths
+
+
 def _cudnn_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
     num_rows = q.shape[0]
     pad = -num_rows % CUDNN_LENGTH_STEP

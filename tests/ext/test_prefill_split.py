@@ -121,3 +121,7 @@ def test_the_cuda_door_routes_the_suffix_and_hands_the_kernel_the_prefix(monkeyp
     meta.dense_prefill_min_tokens = 0  # off: the kernel takes the whole step
     ops.paged_attention(q, k_cache, v_cache, meta, 0.25, k=k, v=v)
     assert stand_in.calls[-1][1] == [1, 7, 300, 20]
+
+
+def test_warm_up_asks_nothing_off_cuda():
+    assert prefill.warm_up({(8, 2, 64)}, torch.bfloat16, torch.device("cpu"), 1000, 2100) == []

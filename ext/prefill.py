@@ -86,18 +86,19 @@ def causal_self_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sca
 
 def warm_up(shapes: set[tuple[int, int, int]], dtype: torch.dtype, device: torch.device, min_tokens: int,
             max_tokens: int) -> list[int]:
-    """Builds cuDNN's plans for every padded length a whole prompt of min_tokens..max_tokens tokens can take, for
-    each (q heads, kv heads, head dim) in shapes, so no request pays ~40 ms for one. Returns the lengths (none
-    where cuDNN is not asked: off CUDA, fp32, the route off)."""
+    """Builds cuDNN's plans for every padded length a routed whole prompt of up to max_tokens tokens can take
+    (short ones too: a whole prompt after a long one goes along, e.g. an eager step's padding rows), for each
+    (q heads, kv heads, head dim) in shapes, so no request pays ~40 ms for one. Returns the lengths (none where
+    cuDNN is not asked: off CUDA, fp32, the route off)."""
     if torch.device(device).type != "cuda" or dtype not in (torch.float16, torch.bfloat16) or min_tokens <= 0:
         return []
     step = CUDNN_LENGTH_STEP
-    lengths = list(range(-(-min_tokens // step) * step, -(-max_tokens // step) * step + 1, step))
+    lengths = list(range(step, -(-max_tokens // step) * step + 1, step))
     for num_heads, num_kv_heads, head_dim in sorted(shapes):
         for length in lengths:
             q = torch.zeros(length, num_heads, head_dim, dtype=dtype, device=device)
-            kv = torch.zeros(length, num_kv_heads, head_dim, dtype=dtype, device=device)
-            causal_self_attention(q, kv, kv, head_dim ** -0.5)
+            k, v = (torch.zeros(length, num_kv_heads, head_dim, dtype=dtype, device=device) for _ in range(2))
+            causal_self_attention(q, k, v, head_dim ** -0.5)
     return lengths
 
 
@@ -106,6 +107,8 @@ def _cudnn_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
     pad = -num_rows % CUDNN_LENGTH_STEP
     if pad:
         q, k, v = (torch.cat([t, t.new_zeros(pad, *t.shape[1:])]) for t in (q, k, v))
+    else:  # cuDNN's plan cache keys on strides: the layer's q/k/v are views of one projection, warm_up's are not
+        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
         return _sdpa(q, k, v, scale, enable_gqa=q.shape[1] != k.shape[1])[:num_rows]
 

@@ -33,6 +33,31 @@ COPY_PROMPT = ("Repeat this list exactly, twice: apple, banana, cherry, date, el
                "kiwi, lemon, mango, nectarine, orange, papaya, quince, raspberry, strawberry, tangerine.")
 
 
+def add_shape_args(p: argparse.ArgumentParser) -> None:
+    """--model, or a dummy-weight shape: --qwen3-8b, --smollm2, --dummy-config (one required)."""
+    shape = p.add_mutually_exclusive_group(required=True)
+    shape.add_argument("--model", help="HF folder or GGUF")
+    shape.add_argument("--qwen3-8b", action="store_true", help="Qwen3-8B shape, dummy bf16 weights")
+    shape.add_argument("--smollm2", action="store_true", help="SmolLM2-135M shape, dummy bf16 weights")
+    shape.add_argument("--dummy-config", help="a config.json of any supported shape, dummy weights")
+
+
+def shape_model(args, prefix: str) -> tuple[str, str]:
+    """(model path, load format) for add_shape_args' choice: a temporary folder holding the shape's config.json
+    (load_format "dummy") unless --model was given."""
+    if args.model is not None:
+        return args.model, "auto"
+    if args.dummy_config:
+        with open(args.dummy_config) as f:
+            cfg = json.load(f)
+    else:
+        cfg = QWEN3_8B if args.qwen3_8b else SMOLLM2_135M
+    folder = tempfile.mkdtemp(prefix=prefix)
+    with open(os.path.join(folder, "config.json"), "w") as f:
+        json.dump(cfg, f)
+    return folder, "dummy"
+
+
 def capacity(args) -> None:
     folder = tempfile.mkdtemp(prefix="qwen3-8b-shape-")
     with open(os.path.join(folder, "config.json"), "w") as f:

@@ -15,7 +15,6 @@ import logging
 import os
 import statistics
 import sys
-import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -23,7 +22,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch  # noqa: E402
 
-from bench.gpu_serving import QWEN3_8B, SMOLLM2_135M  # noqa: E402
+from bench.gpu_serving import add_shape_args, shape_model  # noqa: E402
 from engine import LLM, SamplingParams  # noqa: E402
 from ext import ops  # noqa: E402
 
@@ -50,10 +49,7 @@ def time_to_first_token(llm: LLM, prompt: list[int]) -> float:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    shape = p.add_mutually_exclusive_group(required=True)
-    shape.add_argument("--model", help="HF folder or GGUF")
-    shape.add_argument("--qwen3-8b", action="store_true", help="Qwen3-8B shape, dummy bf16 weights")
-    shape.add_argument("--smollm2", action="store_true", help="SmolLM2-135M shape, dummy bf16 weights")
+    add_shape_args(p)
     p.add_argument("--device", default="cuda")
     p.add_argument("--lengths", type=int, nargs="+", default=[2048, 4096, 8192, 16384])
     p.add_argument("--min-tokens", type=int, default=2048, help="--dense-prefill-min-tokens of the routed run")
@@ -62,11 +58,7 @@ def main() -> None:
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s: %(message)s")
     logging.getLogger("ddtree.engine").setLevel(logging.INFO)  # the warm-up's timings
 
-    model, load_format = args.model, "auto"
-    if model is None:
-        model, load_format = tempfile.mkdtemp(prefix="prefill-shape-"), "dummy"
-        with open(os.path.join(model, "config.json"), "w") as f:
-            json.dump(QWEN3_8B if args.qwen3_8b else SMOLLM2_135M, f)
+    model, load_format = shape_model(args, "prefill-shape-")
     rows = []
     for min_tokens in (0, args.min_tokens):
         llm = LLM(model, load_format=load_format, device=args.device, max_num_seqs=1, enable_prefix_caching=False,

@@ -26,7 +26,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch  # noqa: E402
 
-from bench.gpu_serving import QWEN3_8B, SMOLLM2_135M  # noqa: E402
+from bench.gpu_serving import add_shape_args, shape_model  # noqa: E402
 from engine import LLM, SamplingParams  # noqa: E402
 
 class FixedTreeDrafter:
@@ -131,11 +131,7 @@ def llm_vocab(model: str, load_format: str) -> int:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    shape = p.add_mutually_exclusive_group(required=True)
-    shape.add_argument("--model", help="HF folder or GGUF")
-    shape.add_argument("--qwen3-8b", action="store_true", help="Qwen3-8B shape, dummy bf16 weights")
-    shape.add_argument("--smollm2", action="store_true", help="SmolLM2-135M shape, dummy bf16 weights")
-    shape.add_argument("--dummy-config", help="a config.json of any supported shape, dummy weights")
+    add_shape_args(p)
     p.add_argument("--device", default="cuda")
     p.add_argument("--lengths", type=int, nargs="+", default=[1024, 4096, 16384, 32768])
     p.add_argument("--budgets", type=int, nargs="+", default=[0, 16, 64])
@@ -150,16 +146,7 @@ def main() -> None:
     p.add_argument("--top-kernels", type=int, default=0, help="print the N device kernels with most time per step")
     args = p.parse_args()
 
-    model, load_format = args.model, "auto"
-    if args.model is None:
-        model, load_format = tempfile.mkdtemp(prefix="step-shape-"), "dummy"
-        if args.dummy_config:
-            with open(args.dummy_config) as f:
-                cfg = json.load(f)
-        else:
-            cfg = QWEN3_8B if args.qwen3_8b else SMOLLM2_135M
-        with open(os.path.join(model, "config.json"), "w") as f:
-            json.dump(cfg, f)
+    model, load_format = shape_model(args, "step-shape-")
     common = dict(device=args.device, load_format=load_format, max_num_seqs=1, enforce_eager=args.enforce_eager,
                   max_model_len=max(args.lengths) + 64 * (args.warmup + 2 * args.steps + 4),
                   enable_prefix_caching=False)

@@ -1,6 +1,6 @@
 """The engine's warm-up before it serves (CUDA): one step at the largest shape on a scratch cache, which is what
 engine.memory measures to size the KV cache, and cuDNN's attention plans for every prompt length the
-dense-prefill route can see (ext/prefill.py), so no request pays for building one."""
+dense-prefill route can see (ext/prefill.py), so that requests find them built."""
 from __future__ import annotations
 
 import logging

@@ -2,7 +2,8 @@
 extension loads and the tensors are on CUDA), `cuda_calls()` (calls it served, per op name, so tests can prove
 it ran) and `reference_fallbacks()` (calls on CUDA tensors that the PyTorch reference served instead: the
 extension is not loaded or the inputs are outside what the kernel supports; the first one of each op logs a
-warning; ext/prefill.py adds its cuDNN declines through count_slow_path). Every door module (ext/ops.py, ext/layer_ops.py) decides through these."""
+warning; ext/prefill.py adds its cuDNN declines through count_slow_path). Every door module (ext/ops.py,
+ext/layer_ops.py) decides through these."""
 from __future__ import annotations
 
 import logging

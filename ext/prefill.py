@@ -3,7 +3,8 @@
 A prefill chunk with no cached context (the first chunk of a prompt that missed the prefix cache) attends only
 to its own new tokens, whose keys and values the attention layer holds densely before they reach the cache; a
 long chunk after cached context (a long prompt's later chunks, a prompt after a prefix-cache hit) gathers its
-context's keys and values from the paged cache into dense tensors first (a copy, ~2% of its attention). On
+context's keys and values from the paged cache into dense tensors first (a copy: ~2% of its attention by a
+bandwidth estimate). On
 the H200 torch's FlashAttention runs that causal attention 4-5x faster than our paged mma.sync kernel
 (docs/BENCHMARKS.md, "Prefill attention against the tensor-core peak"), and its cuDNN backend 1.6-2.5x faster
 again, so such sequences take them when the engine asks (EngineConfig.dense_prefill_min_tokens, carried by the
@@ -76,20 +77,15 @@ def causal_self_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sca
         count_slow_path("dense_prefill_cudnn")
     if q.is_cuda:
         _calls["dense_prefill_flash"] += 1
-    group = q.shape[1] // k.shape[1]
-    if group > 1:  # GQA as plain multi-head attention (every backend and torch version takes it)
-        k = k.repeat_interleave(group, dim=1)
-        v = v.repeat_interleave(group, dim=1)
-    with sdpa_kernel(_FALLBACK_BACKENDS):
-        return _sdpa(q, k, v, scale)
+    return _sdpa(q, k, v, scale, _FALLBACK_BACKENDS)
 
 
 def warm_up(shapes: set[tuple[int, int, int]], dtype: torch.dtype, device: torch.device, min_tokens: int,
             max_tokens: int) -> list[int]:
     """Builds cuDNN's plans for every padded length a routed whole prompt of up to max_tokens tokens can take
     (short ones too: a whole prompt after a long one goes along, e.g. an eager step's padding rows), for each
-    (q heads, kv heads, head dim) in shapes, so no request pays ~40 ms for one. Returns the lengths (none where
-    cuDNN is not asked: off CUDA, fp32, the route off)."""
+    (q heads, kv heads, head dim) in shapes, so that requests find them built (~40 ms each). Returns the lengths
+    (none where cuDNN is not asked: off CUDA, fp32, the route off)."""
     if torch.device(device).type != "cuda" or dtype not in (torch.float16, torch.bfloat16) or min_tokens <= 0:
         return []
     step = CUDNN_LENGTH_STEP
@@ -109,14 +105,24 @@ def _cudnn_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
         q, k, v = (torch.cat([t, t.new_zeros(pad, *t.shape[1:])]) for t in (q, k, v))
     else:  # cuDNN's plan cache keys on strides: the layer's q/k/v are views of one projection, warm_up's are not
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-    with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
-        return _sdpa(q, k, v, scale, enable_gqa=q.shape[1] != k.shape[1])[:num_rows]
+    return _sdpa(q, k, v, scale, [SDPBackend.CUDNN_ATTENTION])[:num_rows]
 
 
-def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, **kw) -> torch.Tensor:
-    out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
-                                         is_causal=True, scale=scale, **kw)
-    return out[0].transpose(0, 1)  # [L, Hq, D]
+def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, backends: list[SDPBackend],
+          causal=True) -> torch.Tensor:
+    """q [Lq, Hq, D], k and v [Lk, Hk, D] -> [Lq, Hq, D] through torch's SDPA restricted to `backends`. causal:
+    True (square, top-left) or a CausalBias. GQA is read in place in bf16/fp16; the memory-efficient kernel
+    (fp32) takes only as many kv heads as q heads, so there K/V are repeated."""
+    group = q.shape[1] // k.shape[1]
+    gqa = group > 1 and q.dtype in (torch.float16, torch.bfloat16)
+    if group > 1 and not gqa:
+        k = k.repeat_interleave(group, dim=1)
+        v = v.repeat_interleave(group, dim=1)
+    with sdpa_kernel(backends):
+        out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
+                                             attn_mask=None if causal is True else causal, is_causal=causal is True,
+                                             scale=scale, enable_gqa=gqa)
+    return out[0].transpose(0, 1)
 
 
 def context_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
@@ -130,16 +136,7 @@ def context_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     v = v_cache.index_select(0, blocks).flatten(0, 1)[:seq_len]
     if q.is_cuda:
         _calls["dense_prefill_context"] += 1
-    group = q.shape[1] // k.shape[1]
-    gqa = group > 1 and q.dtype in (torch.float16, torch.bfloat16)  # FlashAttention reads GQA in place
-    if group > 1 and not gqa:  # the memory-efficient kernel (fp32) takes only as many kv heads as q heads
-        k = k.repeat_interleave(group, dim=1)
-        v = v.repeat_interleave(group, dim=1)
-    with sdpa_kernel(_FALLBACK_BACKENDS):
-        out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
-                                             attn_mask=causal_lower_right(q.shape[0], seq_len), scale=scale,
-                                             enable_gqa=gqa)
-    return out[0].transpose(0, 1)  # [Q, Hq, D]
+    return _sdpa(q, k, v, scale, _FALLBACK_BACKENDS, causal_lower_right(q.shape[0], seq_len))
 
 
 def split_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

@@ -122,6 +122,7 @@ def prepare_inputs(plain: list[ScheduledSeq], batch: TreeBatch | None, block_siz
         query_lens_host=query_lens,
         seq_lens_host=seq_lens,
         dense_prefill_min_tokens=dense_prefill_min_tokens,
+        padded=pad,
     )
     return StepInputs(input_ids, meta, rows, tree_row0, tree_slots)
 

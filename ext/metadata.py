@@ -31,11 +31,14 @@ class AttentionMetadata:
     # prefill chunks of at least this many tokens with no cached context (and the sequences after them) attend
     # through torch's FlashAttention when the op is given the dense new rows (ext/prefill.py); 0 = never
     dense_prefill_min_tokens: int = 0
+    # the last sequence is an eager step's padding rows (engine.inputs.padding_rows): nothing reads its output
+    padded: bool = False
     _kv_slots: list[torch.Tensor] | None = field(default=None, repr=False)
     # device-side, derived once per step on first use: tree_mask packed to [num_tokens, ceil(max_query_len/64)]
     # int64 words (bit j of word w = new token 64*w + j), what the CUDA attention kernels read
     _tree_bits: torch.Tensor | None = field(default=None, repr=False)
     _prefixes: dict = field(default_factory=dict, repr=False)  # num_seqs -> the metadata of the first num_seqs
+    _row_starts: list[int] | None = field(default=None, repr=False)
 
     @property
     def num_seqs(self) -> int:
@@ -64,6 +67,14 @@ class AttentionMetadata:
                 block_tables=self.block_tables[:num_seqs], block_size=self.block_size,
                 query_lens_host=self.query_lens_host[:num_seqs], seq_lens_host=self.seq_lens_host[:num_seqs])
         return self._prefixes[num_seqs]
+
+    def row_starts(self) -> list[int]:
+        """First row of every sequence, and the row count last: the host twin of query_start_loc."""
+        if self._row_starts is None:
+            self._row_starts = [0]
+            for n in self.query_lens_host:
+                self._row_starts.append(self._row_starts[-1] + n)
+        return self._row_starts
 
     def kv_slots(self, seq: int) -> torch.Tensor:
         """Cache slots of sequence `seq`'s logical KV positions 0..seq_len-1, computed once per step."""

@@ -97,7 +97,7 @@ def paged_attention(q, k_cache, v_cache, meta: AttentionMetadata, scale: float,
             and not (q.is_cuda and torch.cuda.is_current_stream_capturing())):
         first = prefill.dense_suffix(meta, meta.dense_prefill_min_tokens)
         if first < meta.num_seqs:
-            _calls["dense_prefill_attention"] += meta.num_seqs - first
+            _calls["dense_prefill_attention"] += meta.num_seqs - first - int(meta.padded)  # padding: no call
             return prefill.split_attention(q, k, v, k_cache, v_cache, meta, first, scale,
                                            lambda rows, sub: paged_attention(rows, k_cache, v_cache, sub, scale))
     if (ops is not None and q.dtype in _FLOATS and k_cache.dtype == q.dtype == v_cache.dtype

@@ -11,8 +11,9 @@ again, so such sequences take them when the engine asks (EngineConfig.dense_pref
 step's AttentionMetadata).
 
 The sequences taken are the step's trailing run of prefill chunks (the scheduler appends prefills after the
-running requests; an eager CUDA step's padding rows are one more whole prompt at the end), from the first long
-one on (each is one SDPA call per layer, whose host cost a short prompt alone would not repay).
+running requests; an eager CUDA step's padding rows are one more whole prompt at the end, whose output nothing
+reads, so the route writes zeros there), from the first long one on (each is one SDPA call per layer, whose host
+cost a short prompt alone would not repay).
 Everything before is a prefix of the step's rows and of its metadata: slices, no gathers. Steps with a tree
 mask (tree verify) and CUDA-graph captures never take this path.
 """
@@ -83,7 +84,7 @@ def causal_self_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sca
 def warm_up(shapes: set[tuple[int, int, int]], dtype: torch.dtype, device: torch.device, min_tokens: int,
             max_tokens: int) -> list[int]:
     """Builds cuDNN's plans for every padded length a routed whole prompt of up to max_tokens tokens can take
-    (short ones too: a whole prompt after a long one goes along, e.g. an eager step's padding rows), for each
+    (short ones too: a whole prompt after a long one goes along), for each
     (q heads, kv heads, head dim) in shapes, so that requests find them built (~40 ms each). Returns the lengths
     (none where cuDNN is not asked: off CUDA, fp32, the route off)."""
     if torch.device(device).type != "cuda" or dtype not in (torch.float16, torch.bfloat16) or min_tokens <= 0:
@@ -144,16 +145,16 @@ def split_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
                     paged: Callable[[torch.Tensor, AttentionMetadata], torch.Tensor]) -> torch.Tensor:
     """Attention of the step's rows: sequences before `first` through `paged(q_rows, their metadata)`, from
     `first` on whole prompts through causal_self_attention of their own dense rows and chunks after cached
-    context through context_attention."""
-    starts = [0]
-    for n in meta.query_lens_host:
-        starts.append(starts[-1] + n)
+    context through context_attention; an eager step's padding rows (meta.padded: the last sequence) get zeros."""
+    starts = meta.row_starts()
     out = torch.empty_like(q)  # [num_tokens, num_heads, head_dim]
     if first > 0:
         out[: starts[first]] = paged(q[: starts[first]], meta.prefix(first))
     for seq in range(first, meta.num_seqs):
         rows = slice(starts[seq], starts[seq + 1])
-        if meta.query_lens_host[seq] == meta.seq_lens_host[seq]:
+        if meta.padded and seq == meta.num_seqs - 1:
+            out[rows] = 0
+        elif meta.query_lens_host[seq] == meta.seq_lens_host[seq]:
             out[rows] = causal_self_attention(q[rows], k[rows], v[rows], scale)
         else:
             out[rows] = context_attention(q[rows], k_cache, v_cache, meta, seq, scale)

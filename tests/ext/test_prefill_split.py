@@ -125,3 +125,30 @@ def test_the_cuda_door_routes_the_suffix_and_hands_the_kernel_the_prefix(monkeyp
 
 def test_warm_up_asks_nothing_off_cuda():
     assert prefill.warm_up({(8, 2, 64)}, torch.bfloat16, torch.device("cpu"), 1000, 2100) == []
+
+
+def test_an_eager_steps_padding_rows_take_no_attention_call(monkeypatch):
+    """An eager step's padding rows (the last sequence, flagged in the metadata) get zeros, not a cuDNN call per
+    layer: nothing reads their output. The real rows are unchanged."""
+    monkeypatch.setattr(ops, "_cuda_ops", lambda t: _KernelStandIn())
+    q, k, v, k_cache, v_cache, meta = mixed_step(torch.Generator().manual_seed(3), [(1, 40), (300, 0), (20, 0)])
+    meta.dense_prefill_min_tokens, meta.padded = 256, True
+    before = ops.cuda_calls().get("dense_prefill_attention", 0)
+    got = ops.paged_attention(q, k_cache, v_cache, meta, 0.25, k=k, v=v)
+    assert ops.cuda_calls().get("dense_prefill_attention", 0) == before + 1  # the prompt only
+    assert torch.count_nonzero(got[301:]) == 0
+    torch.testing.assert_close(got[:301], reference.paged_attention(q, k_cache, v_cache, meta, 0.25)[:301],
+                               rtol=1e-5, atol=1e-5)
+
+
+def test_prepare_inputs_flags_the_padding_rows():
+    from engine.inputs import prepare_inputs
+    from engine.plan import ScheduledSeq
+    from engine.request import Request
+
+    req = Request(list(range(1, 12)), SamplingParams(max_tokens=1))
+    req.block_ids = [0]
+    seq = ScheduledSeq(req, num_new_tokens=11, sample=True)
+    assert prepare_inputs([seq], None, 16, torch.device("cpu"), pad_to=8).meta.padded
+    assert prepare_inputs([seq], None, 16, torch.device("cpu"), pad_to=8).meta.query_lens_host == [11, 5]
+    assert not prepare_inputs([seq], None, 16, torch.device("cpu")).meta.padded

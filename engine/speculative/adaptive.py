@@ -158,8 +158,7 @@ class BudgetController:
         the j-th node of the best-first order), and its tree's cumulative q curve (curve[j] = sum of q over the
         first j + 1 nodes, up to the full budget)."""
         stats = self.requests.setdefault(request_id, _RequestStats())
-        stats.node_q = _node_q(curve)
-        stats.node_bins = _bins(stats.node_q)
+        stats.node_q, stats.node_bins = _node_q_and_bins(curve)
         accepted = len(accepted_rows)
         predicted = curve[budget - 1] if 0 < budget <= len(curve) else 0.0
         stats.accepted = DECAY * stats.accepted + accepted
@@ -167,21 +166,28 @@ class BudgetController:
         if predicted > 0:
             self.accepted = DECAY * self.accepted + accepted
             self.predicted = DECAY * self.predicted + predicted
-            self._observe_bins(stats, budget, set(accepted_rows))
+            self._observe_bins(stats, budget, accepted_rows)
             self._reliability = None
             self.latest = stats
 
-    def _observe_bins(self, stats: _RequestStats, budget: int, accepted_rows: set[int]) -> None:
-        """The verified nodes of the request's tree (the one `stats` now describes), by confidence bin."""
-        acc, pred = {}, {}
-        for j, (q, k) in enumerate(zip(stats.node_q[:budget], stats.node_bins)):
-            acc[k] = acc.get(k, 0) + ((j + 1) in accepted_rows)
-            pred[k] = pred.get(k, 0.0) + q
-        for k, q in pred.items():
-            self.bin_accepted[k] = DECAY * self.bin_accepted[k] + acc[k]
-            self.bin_predicted[k] = DECAY * self.bin_predicted[k] + q
-            self.step_accepted[k] += acc[k]
-            self.step_predicted[k] += q
+    def _observe_bins(self, stats: _RequestStats, budget: int, accepted_rows: list[int]) -> None:
+        """The verified nodes of the request's tree (the one `stats` now describes), by confidence bin. Lists
+        indexed by bin, not dicts: at batch 64 this runs 64 times a step on the host's critical path."""
+        bins = stats.node_bins
+        verified = min(budget, len(bins))
+        acc, pred, seen = [0] * NUM_BINS, [0.0] * NUM_BINS, [False] * NUM_BINS
+        for q, k in zip(stats.node_q[:verified], bins):
+            pred[k] += q
+            seen[k] = True
+        for row in set(accepted_rows):  # row j >= 1 is node j - 1
+            if 1 <= row <= verified:
+                acc[bins[row - 1]] += 1
+        for k in range(NUM_BINS):
+            if seen[k]:
+                self.bin_accepted[k] = DECAY * self.bin_accepted[k] + acc[k]
+                self.bin_predicted[k] = DECAY * self.bin_predicted[k] + pred[k]
+                self.step_accepted[k] += acc[k]
+                self.step_predicted[k] += pred[k]
 
     def take_confidence_counts(self) -> dict[str, tuple[int, float]]:
         """Per confidence bin (named by its lowest q) verified since the last call: (accepted nodes, sum of their
@@ -309,19 +315,21 @@ class BudgetController:
         return True
 
 
-def _node_q(curve: list[float]) -> list[float]:
-    """Each node's q from the cumulative curve (a cumulative sum of non-negative terms never decreases)."""
-    return [c - p for c, p in zip(curve, [0.0] + curve[:-1])]
-
-
 _BIN_OF_EXPONENT = {e: max(0, -e) for e in range(-NUM_BINS + 2, 2)}  # frexp's exponent -> bin (q = 1: e = 1)
 CONFIDENCE_LABELS = [f"{2.0 ** -(k + 1):g}" for k in range(NUM_BINS - 1)] + ["0"]  # each bin's lowest q
 
 
-def _bins(node_q: list[float]) -> list[int]:
-    """The confidence bin of each q: k for q in [2^-(k+1), 2^-k) (q = 1 in bin 0)."""
-    last = NUM_BINS - 1
-    return [_BIN_OF_EXPONENT.get(math.frexp(q)[1], last) if q > 0 else last for q in node_q]
+def _node_q_and_bins(curve: list[float]) -> tuple[list[float], list[int]]:
+    """Each node's q from the cumulative curve (a cumulative sum of non-negative terms never decreases) and its
+    confidence bin: k for q in [2^-(k+1), 2^-k) (q = 1 in bin 0), the last bin for q below them or 0."""
+    last, bin_of, frexp = NUM_BINS - 1, _BIN_OF_EXPONENT.get, math.frexp
+    node_q, bins, prev = [], [], 0.0
+    for c in curve:
+        q = c - prev
+        prev = c
+        node_q.append(q)
+        bins.append(bin_of(frexp(q)[1], last) if q > 0 else last)
+    return node_q, bins
 
 
 def _nodes_above(node_q: list[float], theta: float) -> int:

@@ -26,7 +26,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch  # noqa: E402
 
-from bench.gpu_serving import QWEN3_8B, SMOLLM2_135M  # noqa: E402
+from bench.gpu_serving import QWEN3_8B, SMOLLM2_135M, free_engine_memory  # noqa: E402
 from engine import LLM, SamplingParams  # noqa: E402
 
 
@@ -138,6 +138,7 @@ def run_ours(args, model_path: str, load_format: str) -> None:
         emit(bench="ours", mode="plain, synchronous steps", batch=batch, tok_s=round(tokens / elapsed, 1),
              ms_per_step=round(elapsed / args.new_tokens * 1e3, 3))
     del plain, sync
+    free_engine_memory()
     oracle = DeviceOracle(goldens[args.batch[0]], args.prompt_len, vocab, args.depth, args.device)
     for mode, kwargs in (("chain", dict(chain=True)), ("ddtree", dict(spec_budget=args.budget))):
         llm = LLM(model_path, drafter=oracle, **kwargs, **common)
@@ -156,6 +157,7 @@ def run_ours(args, model_path: str, load_format: str) -> None:
             elapsed, outs = timed(llm, ps, args.new_tokens)
             emit_spec(mode, batch, elapsed, outs, diverged_from_plain=diverged)
         del llm
+        free_engine_memory()
 
 
 def emit_spec(mode: str, batch: int, elapsed: float, outs: list, **extra) -> None:
@@ -218,7 +220,7 @@ def main() -> None:
         hf_source = lambda: transformers.AutoModelForCausalLM.from_pretrained(  # noqa: E731
             folder, gguf_file=name, dtype=torch.bfloat16)
     if not args.skip_transformers:
-        torch.cuda.empty_cache()
+        free_engine_memory()
         run_transformers(args, hf_source)
 
 

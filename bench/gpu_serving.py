@@ -9,6 +9,7 @@ lines; not a test.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import sys
@@ -56,6 +57,17 @@ def shape_model(args, prefix: str) -> tuple[str, str]:
     with open(os.path.join(folder, "config.json"), "w") as f:
         json.dump(cfg, f)
     return folder, "dummy"
+
+
+def free_engine_memory() -> None:
+    """After the last reference to an LLM is dropped: an engine holds reference cycles (the scheduler's budget
+    callback, for one), so its weights and KV cache go only at a garbage collection. Collects now and hands the
+    freed blocks back to the device, so the next engine of the run sizes its KV cache from the whole memory."""
+    gc.collect()
+    import torch
+
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
 def capacity(args) -> None:

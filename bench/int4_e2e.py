@@ -22,7 +22,7 @@ import torch.nn.functional as F  # noqa: E402
 
 from bench.e2e import emit, prompts, timed, weight_bytes  # noqa: E402
 from bench.fp8_gemm import graph_time_ms  # noqa: E402
-from bench.gpu_serving import QWEN3_8B  # noqa: E402
+from bench.gpu_serving import QWEN3_8B, free_engine_memory  # noqa: E402
 from engine import LLM  # noqa: E402
 from engine.model.int4_linear import Int4Linear, int4_modules  # noqa: E402
 
@@ -75,7 +75,7 @@ def decode(args, folder: str, load_format: str, label: str) -> None:
         emit(bench="int4_e2e", model=label, mode="plain", batch=batch, tok_s=round(tokens / elapsed, 1),
              ms_per_step=round(elapsed / args.new_tokens * 1e3, 3))
     del llm
-    torch.cuda.empty_cache()
+    free_engine_memory()
 
 
 def layers(args) -> None:

@@ -22,7 +22,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch  # noqa: E402
 
-from bench.gpu_serving import add_shape_args, shape_model  # noqa: E402
+from bench.gpu_serving import add_shape_args, free_engine_memory, shape_model  # noqa: E402
 from engine import LLM, SamplingParams  # noqa: E402
 from ext import ops  # noqa: E402
 
@@ -78,8 +78,7 @@ def main() -> None:
             rows.append(row)
             print(json.dumps({k: round(v, 2) if isinstance(v, float) else v for k, v in row.items()}), flush=True)
         del llm
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
+        free_engine_memory()
     print("\n| L | TTFT ms, paged kernel | TTFT ms, dense route | speedup | first prompt ms (kernel / route) |")
     print("|---|---|---|---|---|")
     for length in args.lengths:

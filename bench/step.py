@@ -26,7 +26,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch  # noqa: E402
 
-from bench.gpu_serving import add_shape_args, shape_model  # noqa: E402
+from bench.gpu_serving import add_shape_args, free_engine_memory, shape_model  # noqa: E402
 from engine import LLM, SamplingParams  # noqa: E402
 
 class FixedTreeDrafter:
@@ -175,8 +175,7 @@ def main() -> None:
             rows.append(r)
             print(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in r.items()}), flush=True)
         del llm
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
+        free_engine_memory()
     print("\n| L | B | wall ms/step | GPU busy ms | GPU idle ms | kernels/step | verify/decode (wall, GPU) |")
     print("|---|---|---|---|---|---|---|")
     base = {r["L"]: r for r in rows if r["B"] == 0 and r["async_scheduling"]}  # plain decoding as it ships

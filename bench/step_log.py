@@ -25,9 +25,8 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-import torch  # noqa: E402
-
 from bench.e2e import DeviceOracle, prompts  # noqa: E402
+from bench.gpu_serving import free_engine_memory  # noqa: E402
 from engine import LLM, SamplingParams  # noqa: E402
 
 
@@ -100,8 +99,7 @@ def main() -> None:
     golden = {tuple(q): q + o.token_ids for q, o in zip(ps, outs)}
     vocab = plain.engine.vocab_size
     del plain
-    if args.device.startswith("cuda"):
-        torch.cuda.empty_cache()
+    free_engine_memory()
     oracle = DeviceOracle(golden, args.prompt_len, vocab, args.depth, args.device)
     kwargs = dict(chain=True) if args.mode == "chain" else dict(spec_budget=args.budget)
     llm = LLM(args.model, drafter=oracle, **kwargs, **common)

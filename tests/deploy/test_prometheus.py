@@ -97,8 +97,12 @@ def server(tmp_path_factory):
     port = free_port()
     env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
     log = tmp_path_factory.mktemp("server") / "server.log"
+    # --no-adaptive: every decoding request verifies its n-gram tree, so the speculative panels have data however
+    # loaded the host is (the adaptive budget, tested on its own, may choose plain decoding on a busy 2-core CI
+    # machine and leave them empty)
     proc = Process([sys.executable, "-m", "server", "serve", "--host", "127.0.0.1", "--port", str(port),
-                    "--max-model-len", "2048", "--kv-cache-memory", "256M", "--drain-timeout", "5"], log, env)
+                    "--max-model-len", "2048", "--kv-cache-memory", "256M", "--drain-timeout", "5",
+                    "--no-adaptive"], log, env)
     base = f"http://127.0.0.1:{port}"
     try:
         wait_until("the server's /health", lambda: httpx.get(f"{base}/health", timeout=5).status_code == 200,

@@ -37,6 +37,7 @@ template <typename T, int DK, int DV, int WM, int WN, int BN, bool SHARED_KV, in
 __global__ void __launch_bounds__(32 * WM * WN) attn_mma_kernel(const AttnParams p) {
   using C = MmaCfg<DK, DV, WM, WN, BN, SHARED_KV, sizeof(T), STAGES>;
   pdl_trigger();  // the next kernel (the output projection's GEMV) may prefetch its weight meanwhile
+  pdl_wait();     // launched as a programmatic dependent (p.pdl): q and the cache are the previous kernels' outputs
   constexpr int BM = C::BM, KSTR = C::KSTR, VSTR = C::VSTR, PSTR = C::PSTR, NTHREADS = C::NTHREADS;
   extern __shared__ __align__(16) unsigned char smem_raw[];
   T* Qs = reinterpret_cast<T*>(smem_raw);
@@ -369,17 +370,18 @@ cudaError_t launch_attn_mma(const AttnParams& p, cudaStream_t stream) {
     cfg.blockDim = dim3(C::NTHREADS);
     cfg.dynamicSmemBytes = C::SMEM;
     cfg.stream = stream;
-    cudaLaunchAttribute attr[1];
+    cudaLaunchAttribute attr[2];
     attr[0].id = cudaLaunchAttributeClusterDimension;
     attr[0].val.clusterDim.x = 1;
     attr[0].val.clusterDim.y = 1;
     attr[0].val.clusterDim.z = static_cast<unsigned>(p.num_splits);
+    attr[1].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attr[1].val.programmaticStreamSerializationAllowed = 1;
     cfg.attrs = attr;
-    cfg.numAttrs = 1;
+    cfg.numAttrs = p.pdl ? 2 : 1;
     return cudaLaunchKernelEx(&cfg, kernel, p);
   }
-  kernel<<<grid, C::NTHREADS, C::SMEM, stream>>>(p);
-  return cudaGetLastError();
+  return launch_smem(kernel, grid, dim3(C::NTHREADS), C::SMEM, stream, p.pdl != 0, p);
 }
 
 }  // namespace ddtree

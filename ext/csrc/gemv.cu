@@ -7,8 +7,8 @@
 // I + n, rounds both to T (the projection's output dtype) and applies silu_and_mul's rounding steps, so it equals
 // silu_and_mul(gemv(x, w)) bit for bit.
 //
-// Launched as a programmatic dependent (p.pdl, sm_90, weights up to kGemvPdlMaxBytes): the block prefetches the
-// start of its weight rows into L2 while the kernel producing x still runs, then waits for it.
+// Launched as a programmatic dependent (p.pdl, sm_90): blocks become resident while the kernel producing x still
+// runs; with weights up to kGemvPrefetchMaxBytes they also prefetch the start of their weight rows into L2 first.
 #include "common.cuh"
 #include "kernels.h"
 
@@ -18,11 +18,11 @@ namespace {
 
 constexpr int kGemvWarps = 4;   // warps (output rows) per block: small blocks spread short outputs over many SMs
 constexpr int kGemvUnroll = 4;  // 16-byte weight loads in flight per lane
-// Weights up to this size launch as programmatic dependents with the L2 prefetch (a decode step of a small model
-// is a chain of few-microsecond kernels, where starting early pays). Larger ones launch normally: on the H200 a
-// Qwen3-8B step took 0.4 ms longer with theirs too (their first wave's prefetch, ~2 KB per weight row, competes
-// with the running kernel's stream and L2).
-constexpr int64_t kGemvPdlMaxBytes = int64_t{8} << 20;
+// Weights up to this size prefetch into L2 before waiting (a decode step of a small model is a chain of
+// few-microsecond kernels, where starting early pays). Larger ones only launch early: on the H200 a Qwen3-8B step
+// (bench/step.py, L = 512) took 4.68 ms with no prefetch, 4.68 with 512 bytes a row and 4.82 with 2 KB a row
+// (their first wave's prefetch competes with the running kernel's stream and L2).
+constexpr int64_t kGemvPrefetchMaxBytes = int64_t{8} << 20;
 
 template <typename T>
 __device__ __forceinline__ float dot8(const uint4& a, const uint4& b, float acc) {
@@ -52,7 +52,7 @@ __global__ void __launch_bounds__(kGemvWarps * 32) gemv_kernel(const GemvParams 
   for (int u = 0; u < kGemvUnroll; ++u)
 #pragma unroll
     for (int r = 0; r < R; ++r)
-      if (lane + 32 * u < vecs) prefetch_l2(wrow[r] + lane + 32 * u);
+      if (u < p.prefetch && lane + 32 * u < vecs) prefetch_l2(wrow[r] + lane + 32 * u);
   pdl_wait();
   pdl_trigger();
   const T* x = static_cast<const T*>(p.x);
@@ -116,10 +116,12 @@ __global__ void __launch_bounds__(kGemvWarps * 32) gemv_kernel(const GemvParams 
 }
 
 template <typename T, bool SILU>
-cudaError_t gemv_typed(const GemvParams& p, cudaStream_t stream) {
+cudaError_t gemv_typed(GemvParams p, cudaStream_t stream) {
   const unsigned blocks = static_cast<unsigned>((p.n_out + kGemvWarps - 1) / kGemvWarps);
   const dim3 block(kGemvWarps * 32);
-  const bool pdl = p.pdl && p.n_out * (SILU ? 2 : 1) * p.k * static_cast<int64_t>(sizeof(T)) <= kGemvPdlMaxBytes;
+  const bool pdl = p.pdl;
+  const bool small = p.n_out * (SILU ? 2 : 1) * p.k * static_cast<int64_t>(sizeof(T)) <= kGemvPrefetchMaxBytes;
+  p.prefetch = pdl && small ? kGemvUnroll : 0;
   if (p.rows <= 1) return launch(gemv_kernel<T, 1, SILU>, blocks, block, stream, pdl, p);
   if (p.rows <= 2) return launch(gemv_kernel<T, 2, SILU>, blocks, block, stream, pdl, p);
   if (p.rows <= 4) return launch(gemv_kernel<T, 4, SILU>, blocks, block, stream, pdl, p);

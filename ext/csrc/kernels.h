@@ -42,6 +42,7 @@ struct AttnParams {
                               // positions over min(num_splits, its length / 2 tiles) of them)
   int cluster_combine;        // 1: the splits of a tile form one thread-block cluster and combine through
                               // distributed shared memory (sm_90, tensor-core GQA, at most kMaxClusterSplits)
+  int pdl;                    // tensor-core kernels launch as programmatic dependents (they wait before any read)
 };
 
 constexpr int kMaxClusterSplits = 8;  // the portable cluster size
@@ -179,7 +180,9 @@ struct GemvParams {
   int64_t n_out, k;
   void* out;           // [rows, n_out], rows out_stride elements apart
   int64_t out_stride;
-  bool pdl;            // programmatic dependent launch: the weight prefetch overlaps the previous kernel
+  bool pdl;            // programmatic dependent launch: the launch (and, for small weights, an L2 prefetch of
+                       // the weight) overlaps the previous kernel
+  int prefetch;        // set by gemv(): 16-byte loads per lane prefetched into L2 before waiting
 };
 cudaError_t gemv(const GemvParams& p, DType dtype, bool silu_mul, cudaStream_t stream);
 

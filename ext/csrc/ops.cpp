@@ -70,6 +70,7 @@ Tensor run_attention(ddtree::AttnParams& p, const Tensor& out, ddtree::DType dt,
     p.o_part = o_part.data_ptr<float>();
     p.lse_part = lse_part.data_ptr<float>();
   }
+  p.pdl = pdl_enabled();
   check(ddtree::attn_launch(p, plan, dt, stream()), "paged_attention");
   return out;
 }

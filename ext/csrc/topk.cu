@@ -9,7 +9,11 @@ namespace {
 // One CTA streams a chunk of a row once: an online max / sum-exp, and a candidate buffer of unique 64-bit keys
 // (value, reversed id) above the running threshold = the K-th best key so far. When the buffer fills, an exact
 // radix select (8 passes of 8 bits over shared memory) finds the K-th key and compacts the buffer to K.
-constexpr int kTkThreads = 256, kTkEpt = kRowEpt, kTkRound = kTkThreads * kTkEpt, kTkCap = 4096;
+//
+// The stream is latency-bound unless many bytes are in flight: rows with 16-byte aligned groups copy each
+// thread's 8 elements kTkStages - 1 rounds ahead with cp.async into a shared-memory ring (dynamic shared
+// memory). A thread reads back only the bytes it copied itself, so its own wait_group orders them: no barrier.
+constexpr int kTkThreads = 256, kTkEpt = kRowEpt, kTkRound = kTkThreads * kTkEpt, kTkCap = 4096, kTkStages = 4;
 
 struct TopkSmem {
   uint64_t buf[kTkCap];
@@ -134,11 +138,13 @@ __device__ void topk_finalize(TopkSmem& sm, int k, float m, float s, int64_t out
 }
 
 // One round: 8 elements per thread. Online max / sum-exp, then candidates above the threshold go to the
-// buffer (warp-aggregated). A round where nobody appended costs one barrier.
+// buffer (warp-aggregated). A round where nobody appended costs one barrier. FULL: every element of the round
+// is inside the chunk (no bounds checks).
+template <bool FULL>
 __device__ __forceinline__ void topk_consume(TopkSmem& sm, const float (&v)[kTkEpt], int i0, int end, int k,
                                              float& m, float& s) {
   const int lane = threadIdx.x & 31;
-  const bool full = i0 + kTkEpt <= end;
+  const bool full = FULL || i0 + kTkEpt <= end;
   float lmax = -CUDART_INF_F;
 #pragma unroll
   for (int e = 0; e < kTkEpt; ++e)
@@ -158,7 +164,7 @@ __device__ __forceinline__ void topk_consume(TopkSmem& sm, const float (&v)[kTkE
       }
     }
   } else {
-    maybe = i0 < end && sm.thr == 0;  // only -inf so far: they still fill an empty buffer
+    maybe = (FULL || i0 < end) && sm.thr == 0;  // only -inf so far: they still fill an empty buffer
   }
   bool appended = false;
   if (__any_sync(0xffffffffu, maybe)) {
@@ -166,7 +172,7 @@ __device__ __forceinline__ void topk_consume(TopkSmem& sm, const float (&v)[kTkE
 #pragma unroll
     for (int e = 0; e < kTkEpt; ++e) {
       const uint64_t key = topk_key(v[e], static_cast<uint32_t>(i0 + e));
-      const bool pass = maybe && i0 + e < end && key > thr;
+      const bool pass = maybe && (full || i0 + e < end) && key > thr;
       const unsigned bal = __ballot_sync(0xffffffffu, pass);
       if (bal) {
         const int leader = __ffs(bal) - 1;
@@ -199,11 +205,49 @@ __device__ void block_reduce_ms(TopkSmem& sm, float& m, float& s) {
   for (int w = 1; w < kTkThreads / 32; ++w) ms_merge(m, s, sm.red_m[w], sm.red_s[w]);
 }
 
+// Full rounds of a 16-byte aligned row through the cp.async ring; returns where the partial tail starts.
+template <typename T>
+__device__ int topk_stream_full_rounds(TopkSmem& sm, uint4* ring, const T* x, int begin, int end, int k, float& m,
+                                       float& s) {
+  constexpr int V = sizeof(T) * kTkEpt / 16;  // 16-byte copies per thread per round
+  const int tid = threadIdx.x;
+  const int rounds = (end - begin) / kTkRound;
+  const uint4* src = reinterpret_cast<const uint4*>(x + begin) + tid * V;
+  uint4* mine = ring + tid * V;  // [stage][thread][V]
+#pragma unroll
+  for (int r = 0; r < kTkStages - 1; ++r) {
+#pragma unroll
+    for (int j = 0; j < V; ++j)
+      cp_async_16(mine + r * kTkThreads * V + j, src + static_cast<int64_t>(r) * kTkThreads * V + j, r < rounds);
+    cp_async_commit();
+  }
+  for (int r = 0; r < rounds; ++r) {
+    const int ahead = r + kTkStages - 1;  // its stage was read by this thread in round r - 1
+#pragma unroll
+    for (int j = 0; j < V; ++j)
+      cp_async_16(mine + (ahead % kTkStages) * kTkThreads * V + j, src + static_cast<int64_t>(ahead) * kTkThreads * V + j,
+                  ahead < rounds);
+    cp_async_commit();
+    cp_async_wait<kTkStages - 1>();
+    uint4 raw[V];
+#pragma unroll
+    for (int j = 0; j < V; ++j) raw[j] = mine[(r % kTkStages) * kTkThreads * V + j];
+    const T* h = reinterpret_cast<const T*>(raw);
+    float v[kTkEpt];
+#pragma unroll
+    for (int e = 0; e < kTkEpt; ++e) v[e] = Num<T>::to_f(h[e]) + 0.0f;  // -0.0 -> +0.0, as load8
+    topk_consume<true>(sm, v, begin + r * kTkRound + tid * kTkEpt, end, k, m, s);
+  }
+  cp_async_wait<0>();
+  return begin + rounds * kTkRound;
+}
+
 template <typename T>
 __global__ void __launch_bounds__(kTkThreads) topk_kernel(const T* __restrict__ logits, int vocab, int k, int chunks,
                                                           int chunk_len, float* out_lp, int64_t* out_ids,
                                                           float* part_ms, uint64_t* part_keys) {
   __shared__ TopkSmem sm;
+  extern __shared__ __align__(16) unsigned char ring_raw[];
   const int tid = threadIdx.x;
   const int row = blockIdx.x / chunks, c = blockIdx.x % chunks;
   const int begin = c * chunk_len, end = min(vocab, begin + chunk_len);
@@ -212,12 +256,14 @@ __global__ void __launch_bounds__(kTkThreads) topk_kernel(const T* __restrict__ 
   __syncthreads();
   const bool vec = (static_cast<int64_t>(vocab) * sizeof(T)) % 16 == 0 && (reinterpret_cast<uintptr_t>(logits) & 15) == 0;
   float m = -CUDART_INF_F, s = 0.f;
+  int tail = begin;
+  if (vec) tail = topk_stream_full_rounds<T>(sm, reinterpret_cast<uint4*>(ring_raw), x, begin, end, k, m, s);
   float cur[kTkEpt], nxt[kTkEpt];
-  if (begin < end) load8<T>(x, begin + tid * kTkEpt, end, vec, cur);
-  for (int base = begin; base < end; base += kTkRound) {
+  if (tail < end) load8<T>(x, tail + tid * kTkEpt, end, vec, cur);
+  for (int base = tail; base < end; base += kTkRound) {
     const int i0 = base + tid * kTkEpt;
     if (base + kTkRound < end) load8<T>(x, i0 + kTkRound, end, vec, nxt);
-    topk_consume(sm, cur, i0, end, k, m, s);
+    topk_consume<false>(sm, cur, i0, end, k, m, s);
 #pragma unroll
     for (int e = 0; e < kTkEpt; ++e) cur[e] = nxt[e];
   }
@@ -238,6 +284,17 @@ __global__ void __launch_bounds__(kTkThreads) topk_merge_kernel(int k, int chunk
   for (int c = 0; c < chunks; ++c)
     ms_merge(m, s, part_ms[2 * (static_cast<int64_t>(row) * chunks + c)], part_ms[2 * (static_cast<int64_t>(row) * chunks + c) + 1]);
   topk_finalize(sm, k, m, s, row, out_lp, out_ids, nullptr, nullptr);
+}
+
+template <typename T>
+cudaError_t launch_topk(const T* logits, int rows, int vocab, int k, int chunks, int chunk_len, float* out_lp,
+                        int64_t* out_ids, float* part_ms, uint64_t* part_keys, cudaStream_t stream) {
+  constexpr int ring_bytes = kTkStages * kTkThreads * kTkEpt * static_cast<int>(sizeof(T));
+  cudaError_t err = cudaFuncSetAttribute(topk_kernel<T>, cudaFuncAttributeMaxDynamicSharedMemorySize, ring_bytes);
+  if (err != cudaSuccess) return err;
+  topk_kernel<T><<<rows * chunks, kTkThreads, ring_bytes, stream>>>(logits, vocab, k, chunks, chunk_len, out_lp, out_ids,
+                                                                    part_ms, part_keys);
+  return cudaGetLastError();
 }
 
 }  // namespace
@@ -272,11 +329,10 @@ cudaError_t topk_logprobs(const void* logits, DType dtype, int rows, int vocab, 
     part_keys = static_cast<uint64_t*>(workspace);
     part_ms = reinterpret_cast<float*>(part_keys + static_cast<size_t>(rows) * chunks * k);
   }
-  const dim3 grid(rows * chunks);
-  if (dtype == kFloat32) topk_kernel<float><<<grid, kTkThreads, 0, stream>>>(static_cast<const float*>(logits), vocab, k, chunks, chunk_len, out_lp, out_ids, part_ms, part_keys);
-  else if (dtype == kFloat16) topk_kernel<__half><<<grid, kTkThreads, 0, stream>>>(static_cast<const __half*>(logits), vocab, k, chunks, chunk_len, out_lp, out_ids, part_ms, part_keys);
-  else topk_kernel<__nv_bfloat16><<<grid, kTkThreads, 0, stream>>>(static_cast<const __nv_bfloat16*>(logits), vocab, k, chunks, chunk_len, out_lp, out_ids, part_ms, part_keys);
-  cudaError_t err = cudaGetLastError();
+  cudaError_t err;
+  if (dtype == kFloat32) err = launch_topk<float>(static_cast<const float*>(logits), rows, vocab, k, chunks, chunk_len, out_lp, out_ids, part_ms, part_keys, stream);
+  else if (dtype == kFloat16) err = launch_topk<__half>(static_cast<const __half*>(logits), rows, vocab, k, chunks, chunk_len, out_lp, out_ids, part_ms, part_keys, stream);
+  else err = launch_topk<__nv_bfloat16>(static_cast<const __nv_bfloat16*>(logits), rows, vocab, k, chunks, chunk_len, out_lp, out_ids, part_ms, part_keys, stream);
   if (err != cudaSuccess || chunks <= 1) return err;
   topk_merge_kernel<<<rows, kTkThreads, 0, stream>>>(k, chunks, part_ms, part_keys, out_lp, out_ids);
   return cudaGetLastError();

@@ -68,6 +68,8 @@ TOPK_CASES = [
     ("fp16 K=V", torch.float16, (3, 2, 300), 300),
     ("bf16 integer ties", torch.bfloat16, (4, 5, 20000), 100),
     ("fp32 K=1", torch.float32, (5, 2, 1000), 1),
+    ("fp32 aligned, chunked with a tail", torch.float32, (3, 4, 50000), 64),  # the cp.async ring for 32-byte rounds
+    ("fp16 mostly masked", torch.float16, (2, 3, 45000), 32),
 ]
 
 
@@ -77,9 +79,12 @@ def test_topk_logprobs(case):
     name, dtype, shape, k = TOPK_CASES[case]
     if "ties" in name:
         logits = torch.randint(-3, 4, shape, generator=gen).float()
+        logits[..., ::2] *= -1  # -0.0 at even ids: it ties with +0.0 (the kernel compares and keys canonical zeros)
     else:
         logits = (torch.randn(shape, generator=gen) * 3 * 1024).round() / 1024  # distinct values differ >= 1e-3
     logits[..., r.randrange(shape[-1])] = float("-inf")  # a masked token (DFlash drops its mask id)
+    if "masked" in name:
+        logits[..., 3: shape[-1] - 5000] = float("-inf")  # whole rounds of -inf before the first finite run
     logits = logits.to(DEV, dtype)
     lp, ids = ops.topk_logprobs(logits, k)
     ref_lp, ref_ids = reference.topk_logprobs(logits, k)

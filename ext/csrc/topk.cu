@@ -14,12 +14,16 @@ namespace {
 // compacts the buffer to K: compacting early keeps the threshold high, so later rounds rarely append.
 //
 // The stream is latency-bound unless many bytes are in flight: rows with 16-byte aligned groups copy each
-// thread's 8 elements kTkStages - 1 rounds ahead with cp.async into a shared-memory ring (dynamic shared
-// memory). A thread reads back only the bytes it copied itself, so its own wait_group orders them: no barrier.
-constexpr int kTkThreads = 256, kTkEpt = kRowEpt, kTkRound = kTkThreads * kTkEpt, kTkCap = 4096, kTkStages = 4;
+// thread's 8 elements STAGES - 1 rounds ahead with cp.async into a shared-memory ring (dynamic shared memory). A
+// thread reads back only the bytes it copied itself, so its own wait_group orders them: no barrier. The buffer
+// holds the compaction trigger plus one round: K <= kTkSmallK needs 2560 keys, which leaves room (4 CTAs an SM)
+// for a ring of 128 bytes a thread; larger K take 4096 keys and 64 bytes a thread.
+constexpr int kTkThreads = 256, kTkEpt = kRowEpt, kTkRound = kTkThreads * kTkEpt, kTkCap = 4096;
+constexpr int kTkSmallK = 128, kTkSmallCap = 4 * kTkSmallK + kTkRound;
 
+template <int CAP>
 struct TopkSmem {
-  uint64_t buf[kTkCap];
+  uint64_t buf[CAP];
   unsigned hist[256];
   unsigned wsum[kTkThreads / 32];
   float red_m[kTkThreads / 32], red_s[kTkThreads / 32];
@@ -36,7 +40,8 @@ __device__ __forceinline__ void ms_merge(float& m, float& s, float m2, float s2)
 }
 
 // The k-th largest (1-based) of sm.buf[0..n), n >= k. All threads call; keys are unique.
-__device__ uint64_t block_kth_largest(TopkSmem& sm, int n, int k) {
+template <int CAP>
+__device__ uint64_t block_kth_largest(TopkSmem<CAP>& sm, int n, int k) {
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   uint64_t prefix = 0, mask = 0;
   int krem = k;
@@ -74,14 +79,15 @@ __device__ uint64_t block_kth_largest(TopkSmem& sm, int n, int k) {
 }
 
 // Keeps exactly the k largest keys of the buffer (if it holds more) and raises the threshold to the k-th.
-__device__ void block_compact(TopkSmem& sm, int k) {
+template <int CAP>
+__device__ void block_compact(TopkSmem<CAP>& sm, int k) {
   const int tid = threadIdx.x;
   const int n = sm.count;
   if (n <= k) return;
   const uint64_t kth = block_kth_largest(sm, n, k);
-  uint64_t keep[kTkCap / kTkThreads];
+  uint64_t keep[CAP / kTkThreads];
 #pragma unroll
-  for (int j = 0; j < kTkCap / kTkThreads; ++j) {
+  for (int j = 0; j < CAP / kTkThreads; ++j) {
     const int i = tid + j * kTkThreads;
     keep[j] = (i < n && sm.buf[i] >= kth) ? sm.buf[i] : 0;
   }
@@ -89,7 +95,7 @@ __device__ void block_compact(TopkSmem& sm, int k) {
   if (tid == 0) { sm.count = 0; sm.thr = kth; sm.thr_x = from_ordered_bits(static_cast<uint32_t>(kth >> 32)); }
   __syncthreads();
 #pragma unroll
-  for (int j = 0; j < kTkCap / kTkThreads; ++j)
+  for (int j = 0; j < CAP / kTkThreads; ++j)
     if (keep[j]) sm.buf[atomicAdd(&sm.count, 1)] = keep[j];
   __syncthreads();
 }
@@ -109,7 +115,8 @@ __device__ void block_sort_desc(uint64_t* a, int n_pow2) {
 
 // Buffer -> exactly the top k; then either this chunk's partial keys (unsorted: the merge re-selects) or the
 // final rows, sorted once by (log-prob, reversed id) so values that round to the same log-prob order by id.
-__device__ void topk_finalize(TopkSmem& sm, int k, float m, float s, int64_t out_row, float* out_lp,
+template <int CAP>
+__device__ void topk_finalize(TopkSmem<CAP>& sm, int k, float m, float s, int64_t out_row, float* out_lp,
                               int64_t* out_ids, uint64_t* part_keys, float* part_ms) {
   const int tid = threadIdx.x;
   __syncthreads();
@@ -145,8 +152,8 @@ __device__ void topk_finalize(TopkSmem& sm, int k, float m, float s, int64_t out
 // chunk (no bounds checks). Once a threshold exists the value test alone is exact: ids grow along the stream, so
 // a later element tying the threshold's value has the smaller key (reversed id). One barrier a round; it also
 // tells every thread whether the buffer passed `trigger` (the warp adding last sees the round's final count).
-template <bool FULL>
-__device__ __forceinline__ void topk_consume(TopkSmem& sm, const float (&v)[kTkEpt], int i0, int end, int k,
+template <bool FULL, int CAP>
+__device__ __forceinline__ void topk_consume(TopkSmem<CAP>& sm, const float (&v)[kTkEpt], int i0, int end, int k,
                                              int trigger, float& m, float& s) {
   const int lane = threadIdx.x & 31;
   const bool full = FULL || i0 + kTkEpt <= end;
@@ -198,7 +205,8 @@ __device__ __forceinline__ void topk_consume(TopkSmem& sm, const float (&v)[kTkE
   if (__syncthreads_or(over)) block_compact(sm, k);
 }
 
-__device__ void block_reduce_ms(TopkSmem& sm, float& m, float& s) {
+template <int CAP>
+__device__ void block_reduce_ms(TopkSmem<CAP>& sm, float& m, float& s) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
 #pragma unroll
   for (int off = 16; off > 0; off >>= 1) {
@@ -213,8 +221,8 @@ __device__ void block_reduce_ms(TopkSmem& sm, float& m, float& s) {
 }
 
 // Full rounds of a 16-byte aligned row through the cp.async ring; returns where the partial tail starts.
-template <typename T>
-__device__ int topk_stream_full_rounds(TopkSmem& sm, uint4* ring, const T* x, int begin, int end, int k,
+template <typename T, int CAP, int STAGES>
+__device__ int topk_stream_full_rounds(TopkSmem<CAP>& sm, uint4* ring, const T* x, int begin, int end, int k,
                                        int trigger, float& m, float& s) {
   constexpr int V = sizeof(T) * kTkEpt / 16;  // 16-byte copies per thread per round
   const int tid = threadIdx.x;
@@ -222,23 +230,23 @@ __device__ int topk_stream_full_rounds(TopkSmem& sm, uint4* ring, const T* x, in
   const uint4* src = reinterpret_cast<const uint4*>(x + begin) + tid * V;
   uint4* mine = ring + tid * V;  // [stage][thread][V]
 #pragma unroll
-  for (int r = 0; r < kTkStages - 1; ++r) {
+  for (int r = 0; r < STAGES - 1; ++r) {
 #pragma unroll
     for (int j = 0; j < V; ++j)
       cp_async_16(mine + r * kTkThreads * V + j, src + static_cast<int64_t>(r) * kTkThreads * V + j, r < rounds);
     cp_async_commit();
   }
   for (int r = 0; r < rounds; ++r) {
-    const int ahead = r + kTkStages - 1;  // its stage was read by this thread in round r - 1
+    const int ahead = r + STAGES - 1;  // its stage was read by this thread in round r - 1
 #pragma unroll
     for (int j = 0; j < V; ++j)
-      cp_async_16(mine + (ahead % kTkStages) * kTkThreads * V + j, src + static_cast<int64_t>(ahead) * kTkThreads * V + j,
+      cp_async_16(mine + (ahead % STAGES) * kTkThreads * V + j, src + static_cast<int64_t>(ahead) * kTkThreads * V + j,
                   ahead < rounds);
     cp_async_commit();
-    cp_async_wait<kTkStages - 1>();
+    cp_async_wait<STAGES - 1>();
     uint4 raw[V];
 #pragma unroll
-    for (int j = 0; j < V; ++j) raw[j] = mine[(r % kTkStages) * kTkThreads * V + j];
+    for (int j = 0; j < V; ++j) raw[j] = mine[(r % STAGES) * kTkThreads * V + j];
     const T* h = reinterpret_cast<const T*>(raw);
     float v[kTkEpt];
 #pragma unroll
@@ -249,11 +257,11 @@ __device__ int topk_stream_full_rounds(TopkSmem& sm, uint4* ring, const T* x, in
   return begin + rounds * kTkRound;
 }
 
-template <typename T>
+template <typename T, int CAP, int STAGES>
 __global__ void __launch_bounds__(kTkThreads) topk_kernel(const T* __restrict__ logits, int vocab, int k, int trigger,
                                                           int chunks, int chunk_len, float* out_lp, int64_t* out_ids,
                                                           float* part_ms, uint64_t* part_keys) {
-  __shared__ TopkSmem sm;
+  __shared__ TopkSmem<CAP> sm;
   extern __shared__ __align__(16) unsigned char ring_raw[];
   const int tid = threadIdx.x;
   const int row = blockIdx.x / chunks, c = blockIdx.x % chunks;
@@ -264,7 +272,7 @@ __global__ void __launch_bounds__(kTkThreads) topk_kernel(const T* __restrict__ 
   const bool vec = (static_cast<int64_t>(vocab) * sizeof(T)) % 16 == 0 && (reinterpret_cast<uintptr_t>(logits) & 15) == 0;
   float m = -CUDART_INF_F, s = 0.f;
   int tail = begin;
-  if (vec) tail = topk_stream_full_rounds<T>(sm, reinterpret_cast<uint4*>(ring_raw), x, begin, end, k, trigger, m, s);
+  if (vec) tail = topk_stream_full_rounds<T, CAP, STAGES>(sm, reinterpret_cast<uint4*>(ring_raw), x, begin, end, k, trigger, m, s);
   float cur[kTkEpt], nxt[kTkEpt];
   if (tail < end) load8<T>(x, tail + tid * kTkEpt, end, vec, cur);
   for (int base = tail; base < end; base += kTkRound) {
@@ -282,7 +290,7 @@ __global__ void __launch_bounds__(kTkThreads) topk_kernel(const T* __restrict__ 
 __global__ void __launch_bounds__(kTkThreads) topk_merge_kernel(int k, int chunks, const float* part_ms,
                                                                 const uint64_t* part_keys, float* out_lp,
                                                                 int64_t* out_ids) {
-  __shared__ TopkSmem sm;
+  __shared__ TopkSmem<kTkCap> sm;
   const int tid = threadIdx.x, row = blockIdx.x;
   const int n = chunks * k;
   for (int i = tid; i < n; i += kTkThreads) sm.buf[i] = part_keys[static_cast<int64_t>(row) * n + i];
@@ -293,18 +301,30 @@ __global__ void __launch_bounds__(kTkThreads) topk_merge_kernel(int k, int chunk
   topk_finalize(sm, k, m, s, row, out_lp, out_ids, nullptr, nullptr);
 }
 
-template <typename T>
-cudaError_t launch_topk(const T* logits, int rows, int vocab, int k, int chunks, int chunk_len, float* out_lp,
-                        int64_t* out_ids, float* part_ms, uint64_t* part_keys, cudaStream_t stream) {
-  constexpr int ring_bytes = kTkStages * kTkThreads * kTkEpt * static_cast<int>(sizeof(T));
-  cudaError_t err = cudaFuncSetAttribute(topk_kernel<T>, cudaFuncAttributeMaxDynamicSharedMemorySize, ring_bytes);
+template <typename T, int CAP, int STAGES>
+cudaError_t launch_topk_cfg(const T* logits, int rows, int vocab, int k, int chunks, int chunk_len, float* out_lp,
+                            int64_t* out_ids, float* part_ms, uint64_t* part_keys, cudaStream_t stream) {
+  constexpr int ring_bytes = STAGES * kTkThreads * kTkEpt * static_cast<int>(sizeof(T));
+  auto kernel = topk_kernel<T, CAP, STAGES>;
+  cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, ring_bytes);
   if (err != cudaSuccess) return err;
   // compacting at a few K keeps the threshold near the K-th best seen so far, so few elements pass it later
   // (H200, R = 64, K = 64: 0.233 ms compacting past 256 keys, 0.258 past 2048; K = 16: 0.188 vs 0.216)
-  const int trigger = std::min(kTkCap - kTkRound, std::max(4 * k, 256));
-  topk_kernel<T><<<rows * chunks, kTkThreads, ring_bytes, stream>>>(logits, vocab, k, trigger, chunks, chunk_len, out_lp,
-                                                                    out_ids, part_ms, part_keys);
+  const int trigger = std::min(CAP - kTkRound, std::max(4 * k, 256));
+  kernel<<<rows * chunks, kTkThreads, ring_bytes, stream>>>(logits, vocab, k, trigger, chunks, chunk_len, out_lp, out_ids,
+                                                            part_ms, part_keys);
   return cudaGetLastError();
+}
+
+template <typename T>
+cudaError_t launch_topk(const T* logits, int rows, int vocab, int k, int chunks, int chunk_len, float* out_lp,
+                        int64_t* out_ids, float* part_ms, uint64_t* part_keys, cudaStream_t stream) {
+  constexpr int small_stages = 128 / (kTkEpt * static_cast<int>(sizeof(T)));  // 128 bytes a thread in the ring
+  if (k <= kTkSmallK)
+    return launch_topk_cfg<T, kTkSmallCap, small_stages>(logits, rows, vocab, k, chunks, chunk_len, out_lp, out_ids,
+                                                         part_ms, part_keys, stream);
+  return launch_topk_cfg<T, kTkCap, 4>(logits, rows, vocab, k, chunks, chunk_len, out_lp, out_ids, part_ms, part_keys,
+                                       stream);
 }
 
 }  // namespace

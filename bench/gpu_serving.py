@@ -60,9 +60,10 @@ def shape_model(args, prefix: str) -> tuple[str, str]:
 
 
 def free_engine_memory() -> None:
-    """After the last reference to an LLM is dropped: an engine holds reference cycles (the scheduler's budget
-    callback, for one), so its weights and KV cache go only at a garbage collection. Collects now and hands the
-    freed blocks back to the device, so the next engine of the run sizes its KV cache from the whole memory."""
+    """After the last reference to an LLM is dropped: collects anything a cycle still holds (the engine itself
+    has none on CPU, tests/engine/test_lifetime.py; its CUDA-only parts, graphs and the step launched ahead, are
+    not checked for cycles) and hands the freed blocks back to the device, so the next engine of the run sizes its
+    KV cache from the whole memory."""
     gc.collect()
     import torch
 

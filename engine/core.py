@@ -100,8 +100,9 @@ class EngineCore:
         adaptive = self.speculator is not None and config.spec.adaptive and not config.spec.chain
         self.budgets = BudgetController(max_budget, enabled=adaptive)
         self.runner.watch = self.budgets.should_draft if adaptive else None
+        budgets = self.budgets  # not self: a closure over the engine would keep it alive after its last user
         self.scheduler = Scheduler(config, self.blocks, self.max_model_len, max_budget,
-                                   budget_of=lambda request: self.budgets.budget(request.request_id))
+                                   budget_of=lambda request: budgets.budget(request.request_id))
         graph_blocker = self._graph_blocker()
         if graph_blocker is None:
             self.enable_graphs()

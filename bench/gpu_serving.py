@@ -60,10 +60,10 @@ def shape_model(args, prefix: str) -> tuple[str, str]:
 
 
 def free_engine_memory() -> None:
-    """After the last reference to an LLM is dropped: collects anything a cycle still holds (the engine itself
-    has none on CPU, tests/engine/test_lifetime.py; its CUDA-only parts, graphs and the step launched ahead, are
-    not checked for cycles) and hands the freed blocks back to the device, so the next engine of the run sizes its
-    KV cache from the whole memory."""
+    """After the last reference to an LLM is dropped: collects anything a cycle might still hold (the engine has
+    none: tests/engine/test_lifetime.py, with emulated graphs and steps launched ahead too; captured CUDA graphs
+    themselves are not covered there) and hands the freed blocks back to the device, so the next engine of the run
+    sizes its KV cache from the whole memory."""
     gc.collect()
     import torch
 

@@ -12,9 +12,13 @@ from engine import LLM, SamplingParams
 
 
 @pytest.mark.parametrize("drafter", ["none", "ngram"])
-def test_dropping_an_llm_frees_its_engine_without_a_collection(tiny_checkpoints, drafter):
+@pytest.mark.parametrize("cuda_paths", [False, True])
+def test_dropping_an_llm_frees_its_engine_without_a_collection(tiny_checkpoints, drafter, cuda_paths):
     folder, _ = tiny_checkpoints("llama")
     llm = LLM(folder, dtype="fp32", drafter=drafter)
+    if cuda_paths:  # what a CUDA engine adds: the graphs' static buffers (emulated here) and steps launched ahead
+        llm.engine.enable_graphs(emulate=True)
+        llm.engine.overlap = llm.engine.budgets.pipelined = True
     llm.generate([[5, 6, 7, 5, 6, 7, 5, 6]], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
     engine, model = weakref.ref(llm.engine), weakref.ref(llm.engine.model)
     gc.disable()  # only reference counting may free it

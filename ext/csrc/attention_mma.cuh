@@ -363,23 +363,10 @@ cudaError_t launch_attn_mma(const AttnParams& p, cudaStream_t stream) {
   auto kernel = attn_mma_kernel<T, DK, DV, WM, WN, BN, SHARED_KV, STAGES>;
   cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(C::SMEM));
   if (err != cudaSuccess) return err;
-  dim3 grid(p.num_seqs * p.tiles_per_seq, p.num_kv_heads, p.num_splits);
-  if (p.cluster_combine) {  // the splits of a tile form one cluster (grid z = cluster z)
-    cudaLaunchConfig_t cfg = {};
-    cfg.gridDim = grid;
-    cfg.blockDim = dim3(C::NTHREADS);
-    cfg.dynamicSmemBytes = C::SMEM;
-    cfg.stream = stream;
-    cudaLaunchAttribute attr[2];
-    attr[0].id = cudaLaunchAttributeClusterDimension;
-    attr[0].val.clusterDim = {1, 1, static_cast<unsigned>(p.num_splits)};
-    attr[1].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-    attr[1].val.programmaticStreamSerializationAllowed = 1;
-    cfg.attrs = attr;
-    cfg.numAttrs = p.pdl ? 2 : 1;
-    return cudaLaunchKernelEx(&cfg, kernel, p);
-  }
-  return launch_smem(kernel, grid, dim3(C::NTHREADS), C::SMEM, stream, p.pdl != 0, p);
+  const dim3 grid(p.num_seqs * p.tiles_per_seq, p.num_kv_heads, p.num_splits);
+  // cluster_combine: the splits of a tile form one cluster (grid z = cluster z)
+  const unsigned cluster_z = p.cluster_combine ? static_cast<unsigned>(p.num_splits) : 1u;
+  return launch_ex(kernel, grid, dim3(C::NTHREADS), C::SMEM, cluster_z, stream, p.pdl != 0, p);
 }
 
 }  // namespace ddtree

@@ -48,11 +48,13 @@ __global__ void __launch_bounds__(kGemvWarps * 32) gemv_kernel(const GemvParams 
   if constexpr (SILU) wrow[1] = reinterpret_cast<const uint4*>(w + (n + p.n_out) * p.k);
   // the weight is no earlier kernel's output: its first loads head for L2 before x (the previous kernel's
   // output) may be read
+  if (p.prefetch) {
 #pragma unroll
-  for (int u = 0; u < kGemvUnroll; ++u)
+    for (int u = 0; u < kGemvUnroll; ++u)
 #pragma unroll
-    for (int r = 0; r < R; ++r)
-      if (u < p.prefetch && lane + 32 * u < vecs) prefetch_l2(wrow[r] + lane + 32 * u);
+      for (int r = 0; r < R; ++r)
+        if (lane + 32 * u < vecs) prefetch_l2(wrow[r] + lane + 32 * u);
+  }
   pdl_wait();
   pdl_trigger();
   const T* x = static_cast<const T*>(p.x);
@@ -119,13 +121,11 @@ template <typename T, bool SILU>
 cudaError_t gemv_typed(GemvParams p, cudaStream_t stream) {
   const unsigned blocks = static_cast<unsigned>((p.n_out + kGemvWarps - 1) / kGemvWarps);
   const dim3 block(kGemvWarps * 32);
-  const bool pdl = p.pdl;
-  const bool small = p.n_out * (SILU ? 2 : 1) * p.k * static_cast<int64_t>(sizeof(T)) <= kGemvPrefetchMaxBytes;
-  p.prefetch = pdl && small ? kGemvUnroll : 0;
-  if (p.rows <= 1) return launch(gemv_kernel<T, 1, SILU>, blocks, block, stream, pdl, p);
-  if (p.rows <= 2) return launch(gemv_kernel<T, 2, SILU>, blocks, block, stream, pdl, p);
-  if (p.rows <= 4) return launch(gemv_kernel<T, 4, SILU>, blocks, block, stream, pdl, p);
-  return launch(gemv_kernel<T, kGemvMaxRows, SILU>, blocks, block, stream, pdl, p);
+  p.prefetch = p.pdl && p.n_out * (SILU ? 2 : 1) * p.k * static_cast<int64_t>(sizeof(T)) <= kGemvPrefetchMaxBytes;
+  if (p.rows <= 1) return launch(gemv_kernel<T, 1, SILU>, blocks, block, stream, p.pdl, p);
+  if (p.rows <= 2) return launch(gemv_kernel<T, 2, SILU>, blocks, block, stream, p.pdl, p);
+  if (p.rows <= 4) return launch(gemv_kernel<T, 4, SILU>, blocks, block, stream, p.pdl, p);
+  return launch(gemv_kernel<T, kGemvMaxRows, SILU>, blocks, block, stream, p.pdl, p);
 }
 
 }  // namespace

@@ -182,7 +182,7 @@ struct GemvParams {
   int64_t out_stride;
   bool pdl;            // programmatic dependent launch: the launch (and, for small weights, an L2 prefetch of
                        // the weight) overlaps the previous kernel
-  int prefetch;        // set by gemv(): 16-byte loads per lane prefetched into L2 before waiting
+  bool prefetch;       // set by gemv(): prefetch the first weight loads into L2 before waiting
 };
 cudaError_t gemv(const GemvParams& p, DType dtype, bool silu_mul, cudaStream_t stream);
 

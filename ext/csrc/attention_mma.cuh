@@ -38,6 +38,7 @@ __global__ void __launch_bounds__(32 * WM * WN) attn_mma_kernel(const AttnParams
   using C = MmaCfg<DK, DV, WM, WN, BN, SHARED_KV, sizeof(T), STAGES>;
   pdl_trigger();  // the next kernel (the output projection's GEMV) may prefetch its weight meanwhile
   pdl_wait();     // launched as a programmatic dependent (p.pdl): q and the cache are the previous kernels' outputs
+  // (gathering the context's KV tiles before this wait was measured slower: 4.76 against 4.66 ms a Qwen3-8B step)
   constexpr int BM = C::BM, KSTR = C::KSTR, VSTR = C::VSTR, PSTR = C::PSTR, NTHREADS = C::NTHREADS;
   extern __shared__ __align__(16) unsigned char smem_raw[];
   T* Qs = reinterpret_cast<T*>(smem_raw);

@@ -21,7 +21,9 @@ constexpr int kGemvUnroll = 4;  // 16-byte weight loads in flight per lane
 // Weights up to this size prefetch into L2 before waiting (a decode step of a small model is a chain of
 // few-microsecond kernels, where starting early pays). Larger ones only launch early: on the H200 a Qwen3-8B step
 // (bench/step.py, L = 512) took 4.68 ms with no prefetch, 4.68 with 512 bytes a row and 4.82 with 2 KB a row
-// (their first wave's prefetch competes with the running kernel's stream and L2).
+// (their first wave's prefetch competes with the running kernel's stream and L2). Loading the first 2 KB of each
+// row into registers before waiting did not pay either: 4.74 ms against 4.66, and 5.15 when the RMSNorm and rope
+// launches also released their dependents before waiting (docs/BENCHMARKS.md, 2026-12-03 08:54).
 constexpr int64_t kGemvPrefetchMaxBytes = int64_t{8} << 20;
 
 template <typename T>

@@ -7,6 +7,7 @@ where every request decodes and none has finished: ms per step and tokens/s, pro
 
     python bench/step_log.py --model SmolLM2.gguf --batch 64 --mode ddtree
     python bench/step_log.py --model SmolLM2.gguf --batch 8 --mode chain --profile 6 12
+    python bench/step_log.py --smollm2-shape --batch 64 --mode plain --profile 40 80
 
 The drafter of the chain and ddtree modes is bench/e2e.py's device oracle replaying the plain run's output
 (computed first, in the same process).
@@ -20,13 +21,14 @@ import json
 import os
 import pstats
 import sys
+import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from bench.e2e import DeviceOracle, prompts  # noqa: E402
-from bench.gpu_serving import free_engine_memory  # noqa: E402
+from bench.gpu_serving import QWEN3_8B, SMOLLM2_135M, free_engine_memory  # noqa: E402
 from engine import LLM, SamplingParams  # noqa: E402
 
 
@@ -76,7 +78,10 @@ def log_steps(llm: LLM, ps: list[list[int]], sp: SamplingParams, profile: tuple[
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model", required=True, help="HF folder or GGUF")
+    source = p.add_mutually_exclusive_group(required=True)
+    source.add_argument("--model", help="HF folder or GGUF")
+    source.add_argument("--smollm2-shape", action="store_true", help="a SmolLM2-135M-shaped model, dummy bf16 weights")
+    source.add_argument("--qwen3-8b", action="store_true", help="a Qwen3-8B-shaped model, dummy bf16 weights")
     p.add_argument("--device", default="cuda")
     p.add_argument("--mode", choices=("plain", "chain", "ddtree"), default="ddtree")
     p.add_argument("--batch", type=int, default=64)
@@ -89,6 +94,12 @@ def main() -> None:
     args = p.parse_args()
     common = dict(device=args.device, max_num_seqs=args.batch, max_num_batched_tokens=args.max_num_batched_tokens,
                   max_model_len=4096, enable_prefix_caching=False)
+    shape = QWEN3_8B if args.qwen3_8b else SMOLLM2_135M if args.smollm2_shape else None
+    if shape is not None:  # dummy weights of a known shape: no checkpoint to carry
+        args.model = tempfile.mkdtemp(prefix="dummy-shape-")
+        with open(os.path.join(args.model, "config.json"), "w") as f:
+            json.dump(shape, f)
+        common["load_format"] = "dummy"
     sp = SamplingParams(max_tokens=args.new_tokens, temperature=0, ignore_eos=True)
     plain = LLM(args.model, **common)
     ps = prompts(plain.engine.vocab_size, args.batch, args.prompt_len)

@@ -339,17 +339,18 @@ class EngineCore:
         seconds = ready - max(launched.t_launch, self._last_ready)
         self._last_ready = ready
         result.timings["schedule"] = launched.schedule_time
-        live = [s for s in plan.seqs if not s.request.finished]  # finished while the step ran: nothing to emit
+        # (request, output tokens before the step) of those not finished while the step ran: nothing to emit
+        live = [(s.request, len(s.request.output_token_ids)) for s in plan.seqs if not s.request.finished]
         if not live:  # a step run ahead for requests that all finished before it: its work is dropped
             self.last_stats = None
             return []
-        before = {s.request.request_id: len(s.request.output_token_ids) for s in live}
-        self._observe_budgets(plan, result, seconds)
+        if self.speculator is not None:
+            self._observe_budgets(plan, result, seconds)
         self.scheduler.update(plan, result)
         for req in plan.preempted:
             self.runner.release(req.request_id)
         now = time.monotonic()
-        deltas = [d for d in (self._delta(s.request, before[s.request.request_id], now) for s in live) if d]
+        deltas = [d for d in (self._delta(req, num_before, now) for req, num_before in live) if d]
         self.last_stats = self._stats(plan, result, launched.preemptions_before)
         self.last_stats.cuda_alloc_retries = self.alloc_watch.new_retries() if self.alloc_watch else 0
         self.last_stats.scheduling = launched.scheduling

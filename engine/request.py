@@ -136,4 +136,4 @@ class Request:
 
     @property
     def finished(self) -> bool:
-        return self.status == Status.FINISHED
+        return self.status is Status.FINISHED

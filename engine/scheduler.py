@@ -152,15 +152,19 @@ class Scheduler:
         """Applies a step's result; returns the requests that finished this step. Tokens are appended before
         the prefix cache registers the blocks they fill (a verify step's accepted tokens included)."""
         finished = []
+        new_token_ids, accepted_rows, logprobs = result.new_token_ids, result.accepted_rows, result.logprobs
         for s in plan.seqs:
             req = s.request
-            if req.finished:  # aborted while the step ran
+            if req.status is Status.FINISHED:  # aborted while the step ran
                 continue
-            req.num_computed_tokens += s.num_new_tokens + len(result.accepted_rows.get(req.request_id, ()))
-            new_ids = result.new_token_ids.get(req.request_id, [])
-            if req.request_id in result.accepted_rows:
+            rid = req.request_id
+            new_ids = new_token_ids.get(rid, [])
+            accepted = accepted_rows.get(rid) if accepted_rows else None
+            req.num_computed_tokens += s.num_new_tokens
+            if accepted is not None:
+                req.num_computed_tokens += len(accepted)
                 req.accept_lengths.append(len(new_ids))
-            reason = self._append(req, new_ids, result.logprobs.get(req.request_id))
+            reason = self._append(req, new_ids, logprobs.get(rid) if logprobs else None)
             self.blocks.commit(req)
             if reason:
                 self.running.remove(req)

@@ -146,6 +146,8 @@ def _tree_mask(offsets: torch.Tensor | None, tree_vis: torch.Tensor | None, max_
     verify rows; None (all causal) when there is no tree."""
     if tree_vis is None:
         return None
+    if offsets.numel() == 0 and pad_offsets is None and tree_vis.shape[1] == max_q:
+        return tree_vis  # only trees (every step replayed as a graph with trees): their visibility is the mask
     cols = torch.arange(max_q, device=device)
     plain = cols[None, :] <= offsets[:, None]
     tree = torch.zeros(tree_vis.shape[0], max_q, dtype=torch.bool, device=device)

@@ -7,7 +7,7 @@ the target's probabilities of those prefixes (DDTree, Prop. 1). The drafter's q 
 request we keep c = (drafts it accepted) / (sum of q over the nodes it verified), as decayed sums, and predict
 the gain of node j as c * q_j (c blended with the engine-wide ratio, so a new request starts from what the
 drafter has been worth), from the request's latest tree (the runner builds it at the full budget and
-returns its cumulative q curve). A verify row costs t_row seconds; the step's throughput is tokens / T; a row is
+returns each node's q and confidence bin). A verify row costs t_row seconds; the step's throughput is tokens / T; a row is
 worth adding when its gain >= t_row * tokens / T. t_row and T come from a decayed least-squares fit of the step
 time on the number of rows, started from a prior. The budget is the prefix of the best-first order (every
 prefix is a tree) with the largest total gain net of that threshold, capped by the configured budget.
@@ -38,8 +38,9 @@ into a tree step, while aligned they cost one step in PROBE_EVERY.
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
+
+import torch
 
 DECAY = 0.9  # per observation, for the acceptance sums and the cost fit
 PROBE_EVERY = 16  # steps a request stays at budget 0 before a probe
@@ -153,14 +154,15 @@ class BudgetController:
             return 0.0  # too few measurements: drafting counts as free until then
         return self.draft_s / self.drafted * self.last_tokens / self.last_seconds
 
-    def observe_request(self, request_id: str, budget: int, accepted_rows: list[int], curve: list[float]) -> None:
+    def observe_request(self, request_id: str, budget: int, accepted_rows: list[int], confidence: list[float]) -> None:
         """A tree step of one request: the budget it verified, the tree rows of its accepted drafts (row j >= 1 is
-        the j-th node of the best-first order), and its tree's cumulative q curve (curve[j] = sum of q over the
-        first j + 1 nodes, up to the full budget)."""
+        the j-th node of the best-first order), and its full-budget tree's node confidence as node_confidence()
+        made it on the device (B node probabilities q, then their B bins)."""
         stats = self.requests.setdefault(request_id, _RequestStats())
-        stats.node_q, stats.node_bins = _node_q_and_bins(curve)
+        num_nodes = len(confidence) // 2
+        stats.node_q, stats.node_bins = confidence[:num_nodes], [int(k) for k in confidence[num_nodes:]]
         accepted = len(accepted_rows)
-        predicted = curve[budget - 1] if 0 < budget <= len(curve) else 0.0
+        predicted = sum(stats.node_q[:budget]) if budget > 0 else 0.0
         stats.accepted = DECAY * stats.accepted + accepted
         stats.predicted = DECAY * stats.predicted + predicted
         if predicted > 0:
@@ -315,21 +317,18 @@ class BudgetController:
         return True
 
 
-_BIN_OF_EXPONENT = {e: max(0, -e) for e in range(-NUM_BINS + 2, 2)}  # frexp's exponent -> bin (q = 1: e = 1)
 CONFIDENCE_LABELS = [f"{2.0 ** -(k + 1):g}" for k in range(NUM_BINS - 1)] + ["0"]  # each bin's lowest q
 
 
-def _node_q_and_bins(curve: list[float]) -> tuple[list[float], list[int]]:
-    """Each node's q from the cumulative curve (a cumulative sum of non-negative terms never decreases) and its
-    confidence bin: k for q in [2^-(k+1), 2^-k) (q = 1 in bin 0), the last bin for q below them or 0."""
-    last, bin_of, frexp = NUM_BINS - 1, _BIN_OF_EXPONENT.get, math.frexp
-    node_q, bins, prev = [], [], 0.0
-    for c in curve:
-        q = c - prev
-        prev = c
-        node_q.append(q)
-        bins.append(bin_of(frexp(q)[1], last) if q > 0 else last)
-    return node_q, bins
+def node_confidence(node_q: torch.Tensor) -> torch.Tensor:
+    """[N, B] float64 node probabilities q (best-first, padding 0) -> [N, 2B] float64: q, then each node's
+    confidence bin, k for q in [2^-(k+1), 2^-k) (q = 1 in bin 0), the last bin for q below them or 0. Made on
+    the device with the tree and brought back in the step's one result copy: at batch 64 binning 64 curves node
+    by node in Python was the largest part of the controller's host time."""
+    _, exponent = torch.frexp(node_q)  # q = m * 2^e, m in [0.5, 1): bin -e
+    bins = (-exponent).clamp(0, NUM_BINS - 1).to(node_q.dtype)
+    bins = torch.where(node_q > 0, bins, float(NUM_BINS - 1))
+    return torch.cat([node_q, bins], dim=-1)
 
 
 def _nodes_above(node_q: list[float], theta: float) -> int:

@@ -19,6 +19,7 @@ import torch
 
 from engine.plan import ScheduledSeq
 from engine.speculative import verify
+from engine.speculative.adaptive import node_confidence
 from engine.speculative.drafter import DraftRequest
 from engine.speculative.tree import DraftTree
 from engine.structured import ConstrainedTree
@@ -34,7 +35,7 @@ class TreeBatch:
     tree: DraftTree  # [N, W] rows, root first
     budgets: list[int]  # drafted nodes per request (host copy of what the scheduler granted)
     drafted: list[bool]  # the drafter ran for this request (False: a root-only tree, no proposal, no curve)
-    curve: torch.Tensor | None = None  # [N, B] the full-budget tree's cumulative draft probability (adaptive budgets)
+    curve: torch.Tensor | None = None  # [N, 2B] the full-budget tree's node confidence (adaptive.node_confidence)
     tree_build_s: float = 0.0  # seconds building the trees from its proposal
     # structured output: request index -> its grammar-aware tree (rows' bitmasks), and nodes the grammar pruned
     constrained: dict = field(default_factory=dict)
@@ -129,7 +130,7 @@ class Speculator:
                          constrained=constrained, num_pruned=sum(c.num_pruned for c in constrained.values()))
 
     def curves(self, seqs: list[ScheduledSeq]) -> tuple[torch.Tensor, DraftClock]:
-        """[M, B] acceptance curves of these requests' full-budget trees, verified by nobody this step (what the
+        """[M, 2B] node confidence of these requests' full-budget trees, verified by nobody this step (what the
         adaptive budget reads to decide whether a request at budget 0 should verify a tree next step), and the
         drafter's clock."""
         _, curve, clock, _, _ = self._full_trees(seqs)
@@ -138,7 +139,7 @@ class Speculator:
     def _full_trees(self, seqs: list[ScheduledSeq], drafted: list[bool] | None = None
                     ) -> tuple[DraftTree, torch.Tensor, DraftClock, float, dict]:
         """The drafter's proposal built into full-budget trees (best-first trees nest, so a request's own budget
-        is a cut of it), their acceptance curves, the drafter's clock, the seconds building took, and the
+        is a cut of it), their node confidence (q and bin per node), the drafter's clock, the seconds building took, and the
         grammar-aware trees of requests with structured output (built on the host: their proposals come to the
         host, a sync that only steps with such requests pay)."""
         drafted = drafted if drafted is not None else [True] * len(seqs)
@@ -174,7 +175,7 @@ class Speculator:
         full = self.stage([self.max_budget if d else 0 for d in drafted])
         tree = DraftTree.from_topk(logprobs, token_ids, roots, full, self.max_budget)
         constrained = self._constrained_trees(seqs, logprobs, token_ids, tree, drafted)
-        return tree, tree.acceptance_curve(), clock, time.perf_counter() - t1, constrained
+        return tree, node_confidence(tree.node_probabilities()), clock, time.perf_counter() - t1, constrained
 
     def _constrained_trees(self, seqs: list[ScheduledSeq], logprobs: torch.Tensor, token_ids: torch.Tensor,
                            tree: DraftTree, drafted: list[bool]) -> dict[int, ConstrainedTree]:

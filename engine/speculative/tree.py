@@ -81,10 +81,10 @@ class DraftTree:
         return DraftTree(self.node_token_ids[:, :width], self.parents[:, :width], self.depths[:, :width], num_nodes,
                          self.visibility[:, :width, :width], self.scores[:, :width], self.max_depth)
 
-    def acceptance_curve(self) -> Tensor:
-        """[N, B] float64: cumulative draft probability of the first 1..B drafted nodes (padding adds 0): the
-        drafter's own estimate of the drafts a tree of that budget accepts (DDTree, Prop. 1)."""
-        return self.scores[:, 1:].exp().cumsum(-1)
+    def node_probabilities(self) -> Tensor:
+        """[N, B] float64: the draft probability q of each drafted node's prefix, best-first (padding 0); the first
+        b of them sum to the drafter's own estimate of the drafts a b-node tree accepts (DDTree, Prop. 1)."""
+        return self.scores[:, 1:].exp()
 
     @property
     def num_rows(self) -> int:

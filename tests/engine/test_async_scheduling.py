@@ -175,7 +175,7 @@ def test_dry_budget_questions_change_nothing():
     controller = BudgetController(8)
     controller.pipelined = True
     controller.observe_step(8, 0.01, 8)
-    controller.observe_request("r", 0, [], [0.01] * 8)  # a drafter that is never confident: budget 0
+    controller.observe_request("r", 0, [], [0.01] + [0.0] * 7 + [6.0] + [7.0] * 7)  # one node at q 0.01 (bin 6)
     answers = []
     for _ in range(40):
         dry = (controller.budget("r", dry=True), controller.should_draft("r", dry=True))

@@ -8,11 +8,31 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
-from engine.speculative.adaptive import MIN_GAIN, PROBE_BUDGET, BudgetController, _nodes_above
+from engine.speculative.adaptive import (MIN_GAIN, NUM_BINS, PROBE_BUDGET, BudgetController, _nodes_above,
+                                         node_confidence)
 from engine.speculative.oracle import OracleDrafter
 from tests.speculative.test_ddtree_e2e import golden_lookup, prompts
 
 MAX_TOKENS = 96
+
+
+def confidence(curve: list[float]) -> list[float]:
+    """A cumulative q curve -> what the engine hands observe_request: node_confidence() of its node q."""
+    cumulative = torch.tensor(curve, dtype=torch.float64)
+    return node_confidence(cumulative.diff(prepend=cumulative.new_zeros(1))[None])[0].tolist()
+
+
+def test_node_confidence_bins_follow_frexp():
+    """Bin k holds q in [2^-(k+1), 2^-k) (q = 1 in bin 0), the last bin everything smaller and q = 0: the binary
+    exponent as Python's math.frexp defines it, at and around every bin edge."""
+    import math
+
+    edges = [2.0 ** -k for k in range(NUM_BINS + 2)]
+    qs = [0.0, 1.0, 5e-324, 1e-300] + edges + [math.nextafter(e, 0.0) for e in edges] + [0.3, 0.117, 0.0158]
+    got = node_confidence(torch.tensor(qs, dtype=torch.float64)[None])[0].tolist()
+    assert got[:len(qs)] == qs
+    expect = [min(NUM_BINS - 1, max(0, -math.frexp(q)[1])) if q > 0 else NUM_BINS - 1 for q in qs]
+    assert got[len(qs):] == expect
 
 
 def greedy(llm):
@@ -69,7 +89,7 @@ def test_budget_rises_for_a_drafter_that_always_matches(tiny_checkpoints, monkey
 def test_controller_threshold_follows_the_measured_row_cost():
     controller = BudgetController(max_budget=16)
     curve = [0.9 * (1 - 0.5 ** (j + 1)) / 0.5 for j in range(16)]  # node j brings 0.9 * 0.5**j
-    controller.observe_request("r", 16, accepted_rows=[1], curve=curve)  # calibrated: accepted ~ predicted
+    controller.observe_request("r", 16, [1], confidence(curve))  # calibrated: accepted ~ predicted
     for rows in (10, 20, 40, 80):  # rows are nearly free: T barely grows
         controller.observe_step(rows, 0.010 + 0.00001 * rows, tokens=rows)
     cheap = controller.budget("r")
@@ -98,7 +118,7 @@ def test_side_branches_that_are_never_accepted_drop_out_of_the_tree(monkeypatch)
     for _ in range(30):
         budget = controller.budget("r") if controller.requests else len(nodes)
         budgets.append(budget)
-        controller.observe_request("r", budget, [row for row in on_chain if row <= budget], curve)
+        controller.observe_request("r", budget, [row for row in on_chain if row <= budget], confidence(curve))
     assert on_chain == list(range(1, 8)) and budgets[0] == 16
     assert budgets[-10:] == [7] * 10, budgets
     single_factor = controller.calibration(controller.requests["r"])  # what the request's record alone says
@@ -120,7 +140,7 @@ def test_a_new_request_starts_from_its_neighbours_tree():
         controller.observe_step(8, 0.010, tokens=8)
         assert controller.budget("first") == 0
         for _ in range(5):
-            controller.observe_request("old", 7, accepted, curve)
+            controller.observe_request("old", 7, accepted, confidence(curve))
             controller.observe_step(8, 0.010, tokens=8)
     assert right.budget("new") == right.budget("old") == 7
     assert wrong.budget("new") == 0
@@ -133,12 +153,12 @@ def test_reset_forgets_what_the_controller_learned():
     for controller in (fresh, used):
         controller.observe_step(10, 0.01, tokens=10)
     for i in range(60):  # every tree rejected: the engine-wide calibration falls towards 0
-        used.observe_request(f"old-{i}", 16, accepted_rows=[], curve=curve)
+        used.observe_request(f"old-{i}", 16, accepted_rows=[], confidence=confidence(curve))
         used.observe_step(17, 0.012, tokens=1)
     used.reset()
     used.observe_step(10, 0.01, tokens=10)
     for controller in (fresh, used):
-        controller.observe_request("new", 16, accepted_rows=[1], curve=curve)
+        controller.observe_request("new", 16, accepted_rows=[1], confidence=confidence(curve))
     assert used.budget("new") == fresh.budget("new") > 0
     assert used.calibration(used.requests["new"]) == fresh.calibration(fresh.requests["new"])
 
@@ -196,7 +216,7 @@ def test_drafting_cost_counts_against_the_tree_and_dear_drafting_backs_off():
     curve = [0.6 * (1 - 0.5 ** (j + 1)) / 0.5 for j in range(16)]  # ~1.2 expected accepted drafts in all
     cheap, dear = BudgetController(max_budget=16), BudgetController(max_budget=16)
     for c in (cheap, dear):
-        c.observe_request("r", 16, accepted_rows=[1], curve=curve)
+        c.observe_request("r", 16, accepted_rows=[1], confidence=confidence(curve))
         c.observe_draft(1, 5.0)  # the first call's one-time costs are not the drafter's
     for _ in range(8):
         for c in (cheap, dear):
@@ -225,7 +245,7 @@ def test_probes_of_many_requests_fall_on_the_same_steps():
     for step in range(400):
         if step < 64:
             rid = f"r{step}"
-            c.observe_request(rid, 4, accepted_rows=[], curve=confident)  # one wrong probe on record
+            c.observe_request(rid, 4, accepted_rows=[], confidence=confidence(confident))  # one wrong probe on record
             active.append(rid)
         wants = [c.budget(r) > 0 or c.should_draft(r) for r in active]
         if any(wants):

@@ -64,8 +64,11 @@ __global__ void __launch_bounds__(32 * WM * WN) attn_mma_kernel(const AttnParams
   // The launch's splits spread over this tile's own KV length, each keeping >= 2 KV tiles (the planner's rule),
   // rather than over the planned maximum: under CUDA graphs the plan is made for the graph's capacity, and a
   // short sequence would otherwise leave most splits empty and a few doing all the work.
-  const int active = max(1, min(p.num_splits, kv_end / (2 * BN)));
-  const int split_tokens = ((kv_end + active - 1) / active + BN - 1) / BN * BN;
+  // Counted in whole tiles, so the rounding cannot leave splits empty (9 tiles over 6 splits: 5 of 2 tiles, where
+  // dividing the keys first gave 3 of 3).
+  const int tiles = (kv_end + BN - 1) / BN;
+  const int tiles_per_split = max(2, (tiles + p.num_splits - 1) / p.num_splits);
+  const int split_tokens = tiles_per_split * BN;
   const int s_begin = split * split_tokens;
   const int s_end = min(kv_end, s_begin + split_tokens);
   if (s_begin >= s_end) {  // nothing of this tile in this split: mark its rows empty for the combine

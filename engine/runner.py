@@ -36,7 +36,7 @@ class ModelRunner:
         self.staging = Staging(device)  # pinned host buffers for the step's metadata (reset every step)
         self.sampler.stage = self.staging
         if speculator is not None:
-            speculator.stage = self.staging
+            speculator.use_staging(self.staging)
         self.uniform_trees = False  # with graphs: a tree step lays out every decoding request as a tree
         # eager steps on CUDA round their rows up to a multiple of this (engine.inputs.padding_rows)
         self.eager_pad_to = EAGER_PAD_ROWS if self.device.type == "cuda" else 0

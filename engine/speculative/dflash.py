@@ -31,6 +31,7 @@ from engine.model.errors import CheckpointError, ConfigError
 from engine.model.layers import GatedMLP, RMSNorm, RotaryEmbedding, apply_rope, rope_parameters
 from engine.model.loader import read_config, read_safetensors, safetensors_files
 from engine.speculative.drafter import DraftRequest, proposal_width
+from engine.staging import Staging
 from ext.ops import topk_logprobs
 
 DFLASH2_MARKERS = ("attention_conv", "mlp_conv", "candidate_selector")
@@ -219,6 +220,10 @@ class DFlashDrafter:
         param = next(model.parameters())
         self.device, self.dtype = param.device, param.dtype
         self._kv: dict[str, _DraftKV] = {}
+        # the step's positions and block ids reach the device through pinned non-blocking copies (a plain
+        # .to(device) of a host tensor synchronizes the stream: four waits a drafter call on the H200); the
+        # speculator hands over the runner's staging, which is reset every step
+        self.stage = Staging(self.device)
 
     def context_len(self, request_id: str) -> int:
         """Committed tokens whose draft K/V are cached (the first position new_hidden must start at)."""
@@ -255,11 +260,14 @@ class DFlashDrafter:
         bs, n = self.block_size, len(batch)
         if n == 0:
             return torch.empty((0, self.horizon, self.vocab_size), device=self.device)
+        # the new context rows' positions, each request's bonus token and its block's first position: one copy
+        context_positions = [p for r, c in zip(batch, counts) if c
+                             for p in range(self.context_len(r.request_id), len(r.token_ids) - 1)]
+        context_d, bonus_d, starts_d = self.stage.pack(
+            [context_positions, [r.token_ids[-1] for r in batch], [len(r.token_ids) - 1 for r in batch]])
         if any(counts):  # 1. draft-KV materialization, one batched projection for all requests' new rows
             feats = torch.cat([r.new_hidden for r, c in zip(batch, counts) if c]).to(self.device, self.dtype)
-            positions = torch.cat([torch.arange(self.context_len(r.request_id), len(r.token_ids) - 1)
-                                   for r, c in zip(batch, counts) if c]).to(self.device)
-            k, v = self.model.context_kv(feats, positions)  # [num_layers, sum(counts), n_kv, hd]
+            k, v = self.model.context_kv(feats, context_d)  # [num_layers, sum(counts), n_kv, hd]
             row = 0
             for r, c in zip(batch, counts):
                 if c:
@@ -268,11 +276,10 @@ class DFlashDrafter:
                     self._kv[r.request_id].append(k[:, row : row + c], v[:, row : row + c])
                     row += c
         # 2. the block [bonus, MASK x (bs-1)] of every request, at positions start..start+bs-1
-        ids = torch.full((n, bs), self.mask_token_id, dtype=torch.int64)
-        ids[:, 0] = torch.tensor([r.token_ids[-1] for r in batch], dtype=torch.int64)
-        starts = torch.tensor([len(r.token_ids) - 1 for r in batch], dtype=torch.int64)
-        positions = (starts[:, None] + torch.arange(bs)).reshape(-1).to(self.device)  # [N*bs]
-        embedded = self.target.embed(ids.reshape(-1).to(self.device))  # [N*bs, H], the target's dtype
+        ids = torch.full((n, bs), self.mask_token_id, dtype=torch.int64, device=self.device)
+        ids[:, 0] = bonus_d
+        positions = (starts_d[:, None] + torch.arange(bs, device=self.device)).reshape(-1)  # [N*bs]
+        embedded = self.target.embed(ids.reshape(-1))  # [N*bs, H], the target's dtype
         empty = self._empty_context()
         contexts = [self._kv[r.request_id].view() if r.request_id in self._kv else empty for r in batch]
         h = self.model.block_forward(embedded.to(self.dtype), positions, contexts).view(n, bs, -1)

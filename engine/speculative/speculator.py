@@ -101,6 +101,13 @@ class Speculator:
         self.stage = Staging(device)  # the runner shares its own (reset every step)
         self.pending_hidden: dict[str, list[torch.Tensor]] = {}  # request -> feature rows not yet drafted on
 
+    def use_staging(self, stage: Staging) -> None:
+        """The runner's staging (reset every step) for this step's host-to-device copies, the drafter's too when
+        it stages its own."""
+        self.stage = stage
+        if isinstance(getattr(self.drafter, "stage", None), Staging):
+            self.drafter.stage = stage
+
     @property
     def capture_layer_ids(self) -> tuple[int, ...]:
         return tuple(self.drafter.target_layer_ids)

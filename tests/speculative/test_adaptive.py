@@ -318,3 +318,47 @@ def test_budget_zero_requests_beside_a_tree_are_not_drafted_for_under_graphs(tin
     assert [outputs[i] for i in ids] == ref
     assert tree_steps >= 5, tree_steps  # the matching request verified trees through graph replays
     assert others_drafted <= tree_steps, (others_drafted, tree_steps)  # not 3 per step: probes only
+
+
+def test_net_best_equals_a_loop_over_each_requests_nodes():
+    """The vectorized choice against its definition, one request and node at a time: the first prefix with the
+    largest net gain (q x bin reliability x standing - theta per node), if that beats the drafting cost. Random
+    trees of different lengths (none too), standings at 0, requests that never pay, and exact ties of net gain
+    (q = 0.25 at reliability 0.5 against theta 0.125 adds nothing: the shorter prefix wins)."""
+    import random
+
+    from engine.speculative.adaptive import _RequestStats
+
+    r = random.Random(0)
+    controller = BudgetController(max_budget=12)
+    controller.bin_accepted = [r.uniform(0, 3) for _ in range(NUM_BINS)]
+    controller.bin_predicted = [r.uniform(0, 3) for _ in range(NUM_BINS)]
+    controller.accepted, controller.predicted = 5.0, 7.0
+    requests = []
+    for _ in range(200):
+        n = r.choice([0, 1, 5, 12, 16])
+        q = sorted((r.choice([0.5, 0.25, r.random()]) for _ in range(n)), reverse=True)
+        stats = _RequestStats(accepted=r.choice([0.0, r.uniform(0, 5)]), predicted=r.uniform(0, 5))
+        conf = node_confidence(torch.tensor(q, dtype=torch.float64)[None])[0].tolist() if n else []
+        stats.node_q, stats.node_bins = conf[:n], [int(k) for k in conf[n:]]
+        requests.append(stats)
+    exact = [1.0, 0.5] + [0.25] * (NUM_BINS - 2)  # bin 0 (q >= 0.5) at 1, bin 1 (q in [0.25, 0.5)) at 0.5
+    for theta, draft_cost, standing, reliability in ((0.05, 0.0, None, None), (0.3, 0.5, None, None),
+                                                     (0.125, 0.0, 1.0, exact)):
+        controller._costs, controller._reliability = (theta, draft_cost), reliability
+        reliability = controller._bin_reliability()
+        expect = []
+        for stats in requests:
+            s = controller._standing(stats, standing)
+            best, best_net, net = 0, 0.0, 0.0
+            for j, (q, k) in enumerate(zip(stats.node_q[:12], stats.node_bins)):
+                net += q * reliability[k] * s - theta
+                if net > best_net:
+                    best, best_net = j + 1, net
+            expect.append(best if best and best_net > draft_cost else 0)
+        with_trees = [s for s in requests if s.node_q]
+        assert controller._net_best(with_trees, theta, standing) == [e for e, s in zip(expect, requests) if s.node_q]
+        assert controller._net_best(requests, theta, standing) == expect
+        assert any(expect) and 0 in expect
+    tie = _RequestStats(node_q=[0.5, 0.25, 0.25], node_bins=[0, 1, 1])
+    assert controller._net_best([tie], 0.125, 1.0) == [1]

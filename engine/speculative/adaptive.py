@@ -7,10 +7,11 @@ the target's probabilities of those prefixes (DDTree, Prop. 1). The drafter's q 
 request we keep c = (drafts it accepted) / (sum of q over the nodes it verified), as decayed sums, and predict
 the gain of node j as c * q_j (c blended with the engine-wide ratio, so a new request starts from what the
 drafter has been worth), from the request's latest tree (the runner builds it at the full budget and
-returns each node's q and confidence bin). A verify row costs t_row seconds; the step's throughput is tokens / T; a row is
-worth adding when its gain >= t_row * tokens / T. t_row and T come from a decayed least-squares fit of the step
-time on the number of rows, started from a prior. The budget is the prefix of the best-first order (every
-prefix is a tree) with the largest total gain net of that threshold, capped by the configured budget.
+returns each node's q and confidence bin). A verify row costs t_row seconds; the step's throughput is
+tokens / T; a row is worth adding when its gain >= t_row * tokens / T. t_row and T come from a decayed
+least-squares fit of the step time on the number of rows, started from a prior. The budget is the prefix of
+the best-first order (every prefix is a tree) with the largest total gain net of that threshold, capped by the
+configured budget.
 
 One factor per request is not enough: a drafter's confidence is rarely off by the same factor at every level (an
 oracle's top-1 chain is always right while its side branches, at q ~ 0.1, never are; with one factor the side
@@ -230,7 +231,9 @@ class BudgetController:
             ids = [rid for rid, s in self.requests.items() if s.node_q]
             chosen = self._net_best([self.requests[rid] for rid in ids], theta)
             self._chosen = dict(zip(ids, chosen))
-        chosen = self._chosen[request_id]
+        chosen = self._chosen.get(request_id)
+        if chosen is None:  # not among them (every observation clears the answers; kept safe regardless)
+            chosen = self._net_best([stats], theta)[0]
         if chosen == 0 and _nodes_above(stats.node_q[:self.max_budget], theta):
             # the drafter is confident but this request's record says it is wrong: verify a small tree now
             # and then, in case it has become right

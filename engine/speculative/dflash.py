@@ -220,7 +220,7 @@ class DFlashDrafter:
         param = next(model.parameters())
         self.device, self.dtype = param.device, param.dtype
         self._kv: dict[str, _DraftKV] = {}
-        # the step's positions and block ids reach the device through pinned non-blocking copies (a plain
+        # the step's positions and bonus tokens reach the device through pinned non-blocking copies (a plain
         # .to(device) of a host tensor synchronizes the stream: four waits a drafter call on the H200); the
         # speculator hands over the runner's staging, which is reset every step
         self.stage = Staging(self.device)

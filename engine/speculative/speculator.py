@@ -147,8 +147,8 @@ class Speculator:
                     ) -> tuple[DraftTree, torch.Tensor, DraftClock, float, dict]:
         """The drafter's proposal built into full-budget trees (best-first trees nest, so a request's own budget
         is a cut of it), their node confidence (q and bin per node), the drafter's clock, the seconds building
-        took, and the grammar-aware trees of requests with structured output (built on the host: their proposals come to the
-        host, a sync that only steps with such requests pay)."""
+        took, and the grammar-aware trees of requests with structured output (built on the host: their proposals
+        come to the host, a sync that only steps with such requests pay)."""
         drafted = drafted if drafted is not None else [True] * len(seqs)
         run = [s for s, d in zip(seqs, drafted) if d]
         consumed, batch = {}, []

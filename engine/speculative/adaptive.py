@@ -41,7 +41,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-import numpy as np
 import torch
 
 DECAY = 0.9  # per observation, for the acceptance sums and the cost fit
@@ -97,7 +96,6 @@ class BudgetController:
         """Forgets every measurement (acceptance, step and drafting costs, probe state): a fresh engine's prior.
         Benchmarks call it between runs so that one run's requests do not set the next run's calibration."""
         self.requests: dict[str, _RequestStats] = {}
-        self._chosen: dict[str, int] | None = None  # every request's net-best budget, until the next observation
         self.fit = _CostFit()
         self.last_rows, self.last_seconds, self.last_tokens = 0, 0.0, 0
         self.draft_s = self.drafted = 0.0  # decayed sums: drafter seconds, requests drafted
@@ -120,7 +118,7 @@ class BudgetController:
     def observe_step(self, rows: int, seconds: float, tokens: int) -> None:
         """One engine step: rows through the target, its wall time, tokens it produced."""
         self.clock += 1
-        self._costs = self._chosen = None
+        self._costs = None
         if rows <= 0 or seconds <= 0:
             return
         if self.fit.n == 0:  # the prior: t_row = share * T / rows
@@ -132,7 +130,7 @@ class BudgetController:
 
     def observe_draft(self, num_requests: int, seconds: float) -> None:
         """The drafter ran for num_requests requests this step and took `seconds`."""
-        self._costs = self._chosen = None
+        self._costs = None
         if num_requests > 0:
             self.draft_calls += 1
             if self.draft_calls == 1:
@@ -162,7 +160,6 @@ class BudgetController:
         the j-th node of the best-first order), and its full-budget tree's node confidence as node_confidence()
         made it on the device (B node probabilities q, then their B bins)."""
         stats = self.requests.setdefault(request_id, _RequestStats())
-        self._chosen = None
         num_nodes = len(confidence) // 2
         stats.node_q, stats.node_bins = confidence[:num_nodes], [int(k) for k in confidence[num_nodes:]]
         accepted = len(accepted_rows)
@@ -227,13 +224,7 @@ class BudgetController:
         if stats is None or not stats.node_q:
             return self._first_budget()
         theta = self.threshold()
-        if self._chosen is None:  # the first question since an observation: every request's answer at once
-            ids = [rid for rid, s in self.requests.items() if s.node_q]
-            chosen = self._net_best([self.requests[rid] for rid in ids], theta)
-            self._chosen = dict(zip(ids, chosen))
-        chosen = self._chosen.get(request_id)
-        if chosen is None:  # not among them (every observation clears the answers; kept safe regardless)
-            chosen = self._net_best([stats], theta)[0]
+        chosen = self._net_best(stats, theta)
         if chosen == 0 and _nodes_above(stats.node_q[:self.max_budget], theta):
             # the drafter is confident but this request's record says it is wrong: verify a small tree now
             # and then, in case it has become right
@@ -254,36 +245,22 @@ class BudgetController:
         was verified, 0 (this step drafts without verifying: the runner watches budget 0)."""
         if self.latest is None:
             return 0
-        return self._net_best([self.latest], self.threshold(), standing=1.0)[0]
+        return self._net_best(self.latest, self.threshold(), standing=1.0)
 
-    def _net_best(self, requests: list[_RequestStats], theta: float, standing: float | None = None) -> list[int]:
-        """How many leading nodes of each request's latest tree to verify, or 0 when that does not pay for
-        drafting. A node's gain (expected accepted drafts) is q times its confidence bin's reliability times the
-        request's standing (its record against the engine's, unless given); the budget is the prefix of the
-        best-first order (every prefix is a tree) with the largest total gain net of theta per node (the first
-        such prefix; gains need not decrease once the reliability curve bends), provided that net beats the
-        drafting cost. Vectorized over the requests (at batch 64 a loop per request and node was most of the
-        controller's host time); the products and the running sum are taken in the loop's order, so the
-        answers equal it bit for bit."""
-        if not requests:
-            return []
-        width = min(self.max_budget, max(len(s.node_q) for s in requests))
-        if all(len(s.node_q) >= width for s in requests):  # the engine's case: every tree drafted at full budget
-            node_q = np.array([s.node_q[:width] for s in requests])  # [M, width]
-            bins = np.array([s.node_bins[:width] for s in requests])
-            real = True
-        else:  # shorter trees: their missing nodes never win
-            node_q, bins = np.zeros((len(requests), width)), np.zeros((len(requests), width), dtype=np.int64)
-            real = np.zeros((len(requests), width), dtype=bool)
-            for i, s in enumerate(requests):
-                n = min(width, len(s.node_q))
-                node_q[i, :n], bins[i, :n], real[i, :n] = s.node_q[:n], s.node_bins[:n], True
-        standings = np.array([self._standing(s, standing) for s in requests])
-        gains = node_q * np.array(self._bin_reliability())[bins] * standings[:, None] - theta
-        net = np.where(real, gains, -np.inf).cumsum(axis=1)  # [M, width] total net gain of each prefix
-        best = net.argmax(axis=1)  # the first prefix with the largest net
-        best_net = net[np.arange(len(requests)), best]
-        return np.where((best_net > 0) & (best_net > self.draft_tokens()), best + 1, 0).tolist()
+    def _net_best(self, stats: _RequestStats, theta: float, standing: float | None = None) -> int:
+        """How many leading nodes of the request's latest tree to verify, or 0 when that does not pay for drafting.
+        A node's gain (expected accepted drafts) is q times its confidence bin's reliability times the request's
+        standing (its record against the engine's, unless given); the budget is the prefix of the best-first order
+        (every prefix is a tree) with the largest total gain net of theta per node (gains need not decrease once
+        the reliability curve bends), provided that net beats the drafting cost. One pass, no lists: at batch 64
+        this runs 64 times a step on the host's critical path."""
+        reliability, standing = self._bin_reliability(), self._standing(stats, standing)
+        best, best_net, net = 0, 0.0, 0.0
+        for j, (q, k) in enumerate(zip(stats.node_q[:self.max_budget], stats.node_bins)):
+            net += q * reliability[k] * standing - theta
+            if net > best_net:
+                best, best_net = j + 1, net
+        return best if best and best_net > self.draft_tokens() else 0
 
     def _aligned(self, ahead: bool = False) -> bool:
         """This step is one where probes and interval drafts may run (the same for every request). A step is

@@ -61,11 +61,10 @@ __global__ void __launch_bounds__(32 * WM * WN) attn_mma_kernel(const AttnParams
   const int kv_len = p.seq_lens[seq], ctx = kv_len - qlen;
   const int last_tok = (min(row0 + BM, rows_total) - 1) / p.group;
   const int kv_end = p.tree_bits ? kv_len : min(kv_len, ctx + last_tok + 1);
-  // The launch's splits spread over this tile's own KV length, each keeping >= 2 KV tiles (the planner's rule),
-  // rather than over the planned maximum: under CUDA graphs the plan is made for the graph's capacity, and a
-  // short sequence would otherwise leave most splits empty and a few doing all the work.
-  // Counted in whole tiles, so the rounding cannot leave splits empty (9 tiles over 6 splits: 5 of 2 tiles, where
-  // dividing the keys first gave 3 of 3).
+  // The launch's splits spread over this tile's own KV length, in whole KV tiles and >= 2 a split (the planner's
+  // rule), rather than over the planned maximum: under CUDA graphs the plan is made for the graph's capacity, and a
+  // short sequence would otherwise leave most splits empty and a few doing all the work. Whole tiles, so rounding
+  // leaves no split idle beside one doing three (9 tiles over 6 splits: 5 of 2, where dividing keys gave 3 of 3).
   const int tiles = (kv_end + BN - 1) / BN;
   const int tiles_per_split = max(2, (tiles + p.num_splits - 1) / p.num_splits);
   const int split_tokens = tiles_per_split * BN;

@@ -23,7 +23,9 @@ constexpr int kGemvUnroll = 4;  // 16-byte weight loads in flight per lane
 // (bench/step.py, L = 512) took 4.68 ms with no prefetch, 4.68 with 512 bytes a row and 4.82 with 2 KB a row
 // (their first wave's prefetch competes with the running kernel's stream and L2). Loading the first 2 KB of each
 // row into registers before waiting did not pay either: 4.74 ms against 4.66, and 5.15 when the RMSNorm and rope
-// launches also released their dependents before waiting (docs/BENCHMARKS.md, 2026-12-03 08:54).
+// launches also released their dependents before waiting (docs/BENCHMARKS.md, 2026-12-03 08:54). Nor did the
+// output projection pulling its whole weight into L2 (one bulk prefetch a row) while attention runs: 4.63 / 4.65
+// ms against 4.58 / 4.56, attention and rope slower by ~2 us a layer and the GEMV no faster (2026-12-03 13:20).
 constexpr int64_t kGemvPrefetchMaxBytes = int64_t{8} << 20;
 
 template <typename T>

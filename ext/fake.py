@@ -46,7 +46,7 @@ def register() -> None:
     def _(target_token_ids, node_token_ids, parents, num_nodes, max_depth):
         n = node_token_ids.shape[0]
         return (node_token_ids.new_empty((n, max_depth + 1)), node_token_ids.new_empty((n,)),
-                node_token_ids.new_empty((n,)))
+                node_token_ids.new_empty((n, max_depth + 1)))
 
     @fake("ddtree::kv_compact")
     def _(caches, src_slots, dst_slots):

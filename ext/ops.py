@@ -156,7 +156,7 @@ def build_tree(draft_logprobs, draft_token_ids, budgets, max_budget: int) -> ref
 
 
 def tree_accept(target_token_ids, node_token_ids, parents, num_nodes, max_depth: int):
-    """Walk each tree along the target's tokens -> (accepted_nodes [N, L+1], accept_len [N], bonus [N]).
+    """Walk each tree along the target's tokens -> (accepted_nodes [N, L+1], accept_len [N], emitted [N, L+1]).
     Runs where the tree lives (node_token_ids' device); other inputs are moved there."""
     ops = _cuda_ops(node_token_ids)
     if ops is not None:

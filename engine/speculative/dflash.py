@@ -8,7 +8,10 @@ positions start..start+bs-1 is embedded with the target's embedding; after the f
 lm_head gives logits, and block row j+1 predicts depth j+1 (horizon L = bs - 1). The full block always runs.
 
 Draft KV: per request and layer, the context K/V of every committed token the drafter has been shown
-("draft-KV materialization": each call appends the K/V of its `new_hidden` rows); block K/V are never kept.
+("draft-KV materialization": each call appends the K/V of its `new_hidden` rows), in pages of a pool the
+drafter owns (DraftKVPool), the layout of the target's paged cache. A call writes its blocks' K/V after each
+context and runs one paged-attention launch per layer for the whole batch, every block row seeing its context
+and its whole block (an all-visible tree mask); the next call's context rows overwrite those slots.
 
 Checkpoint: config.json (block_size top level or in dflash_config; mask_token_id in dflash_config or top level;
 dflash_config.target_layer_ids, else the build_target_layer_ids rule; rope_theta top level or in
@@ -23,22 +26,20 @@ import os
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
-from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from engine.model.errors import CheckpointError, ConfigError
 from engine.model.layers import GatedMLP, RMSNorm, RotaryEmbedding, apply_rope, rope_parameters
 from engine.model.loader import read_config, read_safetensors, safetensors_files
+from engine.speculative.draft_kv import PAGE_TOKENS, DraftKVPool
 from engine.speculative.drafter import DraftRequest, proposal_width
 from engine.staging import Staging
+from ext import ops
+from ext.metadata import AttentionMetadata
 from ext.ops import topk_logprobs
 
 DFLASH2_MARKERS = ("attention_conv", "mlp_conv", "candidate_selector")
 IGNORED_KEYS = ("embed_tokens.weight", "lm_head.weight", "rotary_emb.inv_freq")
-# Not cuDNN: its attention builds an execution plan for every new key length (about 14 ms each on the H200,
-# bench/step.py), and a drafter's context grows by a token or more every step.
-SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
 def build_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
@@ -129,19 +130,17 @@ class DFlashAttention(nn.Module):
         k = self.k_norm(self.k_proj(x).view(x.shape[0], self.num_kv_heads, self.head_dim))
         return apply_rope(k, cos, sin), self.v_proj(x).view(x.shape[0], self.num_kv_heads, self.head_dim)
 
-    def forward(self, x, cos, sin, contexts, block_size: int):
-        """x [N*bs, H] block rows; contexts: per request (K, V) [S_r, n_kv, hd] -> [N*bs, H]."""
-        q = apply_rope(self.q_norm(self.q_proj(x).view(x.shape[0], self.num_heads, self.head_dim)), cos, sin)
-        k, v = self.key_value(x, cos, sin)
-        outs = []
-        for r, (kc, vc) in enumerate(contexts):
-            rows = slice(r * block_size, (r + 1) * block_size)
-            keys = torch.cat([kc, k[rows]]).transpose(0, 1)[None]  # [1, n_kv, S_r + bs, hd]
-            values = torch.cat([vc, v[rows]]).transpose(0, 1)[None]
-            o = F.scaled_dot_product_attention(q[rows].transpose(0, 1)[None], keys, values,
-                                               scale=self.head_dim**-0.5, enable_gqa=True)  # [1, nh, bs, hd]
-            outs.append(o[0].transpose(0, 1))
-        return self.o_proj(torch.cat(outs).reshape(x.shape[0], self.num_heads * self.head_dim))
+    def forward(self, x, cos, sin, cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata):
+        """x [N*bs, H] block rows at meta.positions; their K/V go into `cache` ([pages, page, n_kv, hd] each) at
+        meta.slot_mapping, then every row attends over its context and whole block -> [N*bs, H]."""
+        num_rows = x.shape[0]
+        q = self.q_proj(x).view(num_rows, self.num_heads, self.head_dim)
+        k = self.k_proj(x).view(num_rows, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(num_rows, self.num_kv_heads, self.head_dim)
+        ops.qk_norm_rope_write_kv(q, k, v, cos, sin, cache[0], cache[1], meta.slot_mapping, self.q_norm.weight,
+                                  self.k_norm.weight, self.q_norm.eps)
+        out = ops.paged_attention(q, cache[0], cache[1], meta, self.head_dim**-0.5)
+        return self.o_proj(out.reshape(num_rows, self.num_heads * self.head_dim))
 
 
 class DFlashLayer(nn.Module):
@@ -172,41 +171,13 @@ class DFlashModel(nn.Module):
         kvs = [layer.self_attn.key_value(ctx, cos, sin) for layer in self.layers]
         return torch.stack([k for k, _ in kvs]), torch.stack([v for _, v in kvs])
 
-    def block_forward(self, h: torch.Tensor, positions: torch.Tensor, contexts: list) -> torch.Tensor:
-        """h [N*bs, H] embedded blocks at `positions` [N*bs]; contexts: per request (K, V)
-        [num_layers, S_r, n_kv, hd] -> final-normed hidden [N*bs, H]."""
-        cos, sin = self.rotary.cos_sin(positions, h.dtype)
-        bs = self.config.block_size
-        with sdpa_kernel(SDPA_BACKENDS):
-            for i, layer in enumerate(self.layers):
-                per_req = [(k[i], v[i]) for k, v in contexts]
-                h = h + layer.self_attn(layer.input_layernorm(h), cos, sin, per_req, bs)
-                h = h + layer.mlp(layer.post_attention_layernorm(h))
+    def block_forward(self, h: torch.Tensor, meta: AttentionMetadata, pool: DraftKVPool) -> torch.Tensor:
+        """h [N*bs, H] embedded blocks at meta.positions, their context K/V in `pool` -> final-normed hidden."""
+        cos, sin = self.rotary.cos_sin(meta.positions, h.dtype)
+        for i, layer in enumerate(self.layers):
+            h = h + layer.self_attn(layer.input_layernorm(h), cos, sin, pool.layer(i), meta)
+            h = h + layer.mlp(layer.post_attention_layernorm(h))
         return self.norm(h)
-
-
-class _DraftKV:
-    """One request's context K/V for all draft layers, in a buffer that grows by doubling."""
-
-    def __init__(self, like: torch.Tensor):  # like [num_layers, T, n_kv, hd]
-        self.length = 0
-        self.k = like.new_empty((like.shape[0], max(64, like.shape[1]), *like.shape[2:]))
-        self.v = torch.empty_like(self.k)
-
-    def append(self, k: torch.Tensor, v: torch.Tensor) -> None:  # [num_layers, T, n_kv, hd]
-        end = self.length + k.shape[1]
-        if end > self.k.shape[1]:
-            cap = max(end, 2 * self.k.shape[1])
-            for name in ("k", "v"):
-                old = getattr(self, name)
-                new = old.new_empty((old.shape[0], cap, *old.shape[2:]))
-                new[:, : self.length] = old[:, : self.length]
-                setattr(self, name, new)
-        self.k[:, self.length : end], self.v[:, self.length : end] = k, v
-        self.length = end
-
-    def view(self) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.k[:, : self.length], self.v[:, : self.length]
 
 
 class DFlashDrafter:
@@ -219,7 +190,9 @@ class DFlashDrafter:
         self.target_layer_ids = c.target_layer_ids
         param = next(model.parameters())
         self.device, self.dtype = param.device, param.dtype
-        self._kv: dict[str, _DraftKV] = {}
+        self.pool = DraftKVPool(c.num_layers, c.num_kv_heads, c.head_dim, self.dtype, self.device)
+        self._context_len: dict[str, int] = {}
+        self._all_visible: dict[int, torch.Tensor] = {}  # rows -> [rows, bs] all-True block mask
         # the step's positions and bonus tokens reach the device through pinned non-blocking copies (a plain
         # .to(device) of a host tensor synchronizes the stream: four waits a drafter call on the H200); the
         # speculator hands over the runner's staging, which is reset every step
@@ -227,11 +200,11 @@ class DFlashDrafter:
 
     def context_len(self, request_id: str) -> int:
         """Committed tokens whose draft K/V are cached (the first position new_hidden must start at)."""
-        kv = self._kv.get(request_id)
-        return 0 if kv is None else kv.length
+        return self._context_len.get(request_id, 0)
 
     def release(self, request_id: str) -> None:
-        self._kv.pop(request_id, None)
+        self._context_len.pop(request_id, None)
+        self.pool.release(request_id)
 
     def _check(self, batch: list[DraftRequest]) -> list[int]:
         """Validates the whole batch before any state changes; returns new context rows per request."""
@@ -260,37 +233,48 @@ class DFlashDrafter:
         bs, n = self.block_size, len(batch)
         if n == 0:
             return torch.empty((0, self.horizon, self.vocab_size), device=self.device)
-        # the new context rows' positions, each request's bonus token and its block's first position: one copy
-        context_positions = [p for r, c in zip(batch, counts) if c
-                             for p in range(self.context_len(r.request_id), len(r.token_ids) - 1)]
-        context_d, bonus_d, starts_d = self.stage.pack(
-            [context_positions, [r.token_ids[-1] for r in batch], [len(r.token_ids) - 1 for r in batch]])
+        # every request's context rows and block in the pool: the new context rows' positions and slots, each
+        # block's bonus token, positions and slots (its first position = the context's length after this call)
+        starts = [len(r.token_ids) - 1 for r in batch]
+        tables = [self.pool.reserve(r.request_id, start + bs) for r, start in zip(batch, starts)]
+        context_positions, context_slots, block_slots = [], [], []
+        for r, c, start in zip(batch, counts, starts):
+            if c:
+                context_positions.extend(range(start - c, start))
+                context_slots.extend(self.pool.slots(r.request_id, start - c, c))
+            block_slots.extend(self.pool.slots(r.request_id, start, bs))
+        block_positions = [start + j for start in starts for j in range(bs)]
+        context_d, context_slots_d, bonus_d, positions_d, block_slots_d = self.stage.pack(
+            [context_positions, context_slots, [r.token_ids[-1] for r in batch], block_positions, block_slots])
+        num_cols = max(len(t) for t in tables)
+        qsl_d, seq_lens_d, table_d = self.stage.pack(
+            [list(range(0, (n + 1) * bs, bs)), [start + bs for start in starts],
+             [p for t in tables for p in t + [0] * (num_cols - len(t))]], torch.int32)
         if any(counts):  # 1. draft-KV materialization, one batched projection for all requests' new rows
             feats = torch.cat([r.new_hidden for r, c in zip(batch, counts) if c]).to(self.device, self.dtype)
             k, v = self.model.context_kv(feats, context_d)  # [num_layers, sum(counts), n_kv, hd]
-            row = 0
-            for r, c in zip(batch, counts):
-                if c:
-                    if r.request_id not in self._kv:
-                        self._kv[r.request_id] = _DraftKV(k[:, :c])
-                    self._kv[r.request_id].append(k[:, row : row + c], v[:, row : row + c])
-                    row += c
+            for i in range(self.model.config.num_layers):
+                ops.write_kv_pair(*self.pool.layer(i), k[i], v[i], context_slots_d)
+            for r, start in zip(batch, starts):
+                self._context_len[r.request_id] = start
         # 2. the block [bonus, MASK x (bs-1)] of every request, at positions start..start+bs-1
         ids = torch.full((n, bs), self.mask_token_id, dtype=torch.int64, device=self.device)
         ids[:, 0] = bonus_d
-        positions = (starts_d[:, None] + torch.arange(bs, device=self.device)).reshape(-1)  # [N*bs]
+        meta = AttentionMetadata(
+            positions=positions_d, slot_mapping=block_slots_d, query_start_loc=qsl_d, seq_lens=seq_lens_d,
+            block_tables=table_d.view(n, num_cols), block_size=PAGE_TOKENS, tree_mask=self._block_mask(n * bs),
+            query_lens_host=[bs] * n, seq_lens_host=[start + bs for start in starts])
         embedded = self.target.embed(ids.reshape(-1))  # [N*bs, H], the target's dtype
-        empty = self._empty_context()
-        contexts = [self._kv[r.request_id].view() if r.request_id in self._kv else empty for r in batch]
-        h = self.model.block_forward(embedded.to(self.dtype), positions, contexts).view(n, bs, -1)
+        h = self.model.block_forward(embedded.to(self.dtype), meta, self.pool).view(n, bs, -1)
         rows = h[:, 1:].reshape(n * self.horizon, -1).to(embedded.dtype)
         logits = self.target.compute_logits(rows)  # [N*L, V] fp32; row j predicts depth j + 1
         return logits.view(n, self.horizon, -1)
 
-    def _empty_context(self) -> tuple[torch.Tensor, torch.Tensor]:
-        c = self.model.config
-        k = torch.empty((c.num_layers, 0, c.num_kv_heads, c.head_dim), device=self.device, dtype=self.dtype)
-        return k, k
+    def _block_mask(self, num_rows: int) -> torch.Tensor:
+        """[num_rows, bs] all True: a block row sees every row of its block (and, as always, its context)."""
+        if num_rows not in self._all_visible:
+            self._all_visible[num_rows] = torch.ones((num_rows, self.block_size), dtype=torch.bool, device=self.device)
+        return self._all_visible[num_rows]
 
     @torch.inference_mode()
     def propose(self, batch: list[DraftRequest], top_k: int) -> tuple[torch.Tensor, torch.Tensor]:

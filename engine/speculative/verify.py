@@ -23,7 +23,6 @@ Glossary (per request and round; rows as in engine.speculative.tree)
 
 from dataclasses import dataclass
 
-import torch
 from torch import Tensor
 
 from engine.speculative.tree import DraftTree
@@ -43,22 +42,20 @@ class VerifyResult:
 
     accepted_nodes: Tensor  # [N, L+1] int64 accepted tree rows, root first, -1 padded
     accept_len: Tensor  # [N] int64 tau = accepted rows incl. root = emitted tokens
-    bonus_token_ids: Tensor  # [N] int64 next round's root
     emitted_token_ids: Tensor  # [N, L+1] int64 accepted drafts then the bonus, -1 padded; accept_len valid
+
+    @property
+    def bonus_token_ids(self) -> Tensor:
+        """[N] int64 next round's root: the last emitted token."""
+        return self.emitted_token_ids.gather(1, (self.accept_len - 1)[:, None]).squeeze(1)
 
 
 def accept(tree: DraftTree, target_token_ids: Tensor) -> VerifyResult:
-    """Walk `tree` along target_token_ids [N, B+1] and collect the emitted tokens."""
-    accepted_nodes, accept_len, bonus_token_ids = ops.tree_accept(
+    """Walk `tree` along target_token_ids [N, B+1] and collect the emitted tokens (one kernel on CUDA)."""
+    accepted_nodes, accept_len, emitted = ops.tree_accept(
         target_token_ids, tree.node_token_ids, tree.parents, tree.num_nodes, tree.max_depth
     )
-    # Emitted slot j < tau-1 holds accepted row j+1's token; slot tau-1 holds the bonus.
-    drafted_rows = accepted_nodes[:, 1:]  # [N, L]
-    drafted_ids = tree.node_token_ids.gather(1, drafted_rows.clamp(min=0))
-    drafted_ids = torch.where(drafted_rows >= 0, drafted_ids, -1)
-    emitted = torch.cat([drafted_ids, torch.full_like(drafted_ids[:, :1], -1)], dim=1)  # [N, L+1]
-    emitted.scatter_(1, (accept_len - 1)[:, None], bonus_token_ids[:, None])
-    return VerifyResult(accepted_nodes, accept_len, bonus_token_ids, emitted)
+    return VerifyResult(accepted_nodes, accept_len, emitted)
 
 
 def greedy_target_token_ids(target_logits: Tensor) -> Tensor:

@@ -85,7 +85,7 @@ cudaError_t build_tree(const float* logprobs, const int64_t* token_ids, const in
 // Tree walk along the target's tokens (greedy or sampled), one warp per request.
 cudaError_t tree_accept(const int64_t* target_token_ids, const int64_t* node_token_ids, const int64_t* parents,
                         const int64_t* num_nodes, int num_reqs, int num_rows, int max_depth,
-                        int64_t* accepted_nodes, int64_t* accept_len, int64_t* bonus, cudaStream_t stream);
+                        int64_t* accepted_nodes, int64_t* accept_len, int64_t* emitted, cudaStream_t stream);
 
 // ---- sampling ---------------------------------------------------------------------------------------------
 // Target token per row, as ext/reference/sampling.py: argmax (NaN largest, ties -> lower id) where

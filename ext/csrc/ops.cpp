@@ -205,12 +205,12 @@ std::tuple<Tensor, Tensor, Tensor> tree_accept(Tensor target, Tensor tokens, Ten
   c10::cuda::CUDAGuard guard(tokens.device());
   Tensor tc = target.contiguous(), kc = tokens.contiguous(), pc = parents.contiguous(), nc = num_nodes.contiguous();
   Tensor accepted = at::empty({N, max_depth + 1}, tokens.options());
-  Tensor accept_len = at::empty({N}, tokens.options()), bonus = at::empty({N}, tokens.options());
+  Tensor accept_len = at::empty({N}, tokens.options()), emitted = at::empty({N, max_depth + 1}, tokens.options());
   check(ddtree::tree_accept(tc.data_ptr<int64_t>(), kc.data_ptr<int64_t>(), pc.data_ptr<int64_t>(), nc.data_ptr<int64_t>(),
                             static_cast<int>(N), static_cast<int>(R), static_cast<int>(max_depth),
-                            accepted.data_ptr<int64_t>(), accept_len.data_ptr<int64_t>(), bonus.data_ptr<int64_t>(), stream()),
+                            accepted.data_ptr<int64_t>(), accept_len.data_ptr<int64_t>(), emitted.data_ptr<int64_t>(), stream()),
         "tree_accept");
-  return {accepted, accept_len, bonus};
+  return {accepted, accept_len, emitted};
 }
 
 std::vector<ddtree::CacheList> cache_lists(at::TensorList caches) {

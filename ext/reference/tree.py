@@ -262,7 +262,8 @@ def tree_accept(
                       (the root), padded with -1;
       accept_len      [N] int64: accepted rows including the root (= tokens emitted this round,
                       counting the bonus and not the root, which was last round's bonus);
-      bonus_token_ids [N] int64: target_token_ids at the last accepted row.
+      emitted         [N, L+1] int64: the target's token after each accepted row (= the accepted
+                      drafts' tokens, then the bonus at [n, accept_len - 1]), padded with -1.
     Token id 0 is an ordinary token; only rows < num_nodes (and > 0) can be children.
     """
     num_reqs, num_rows = node_token_ids.shape
@@ -285,5 +286,5 @@ def tree_accept(
         accepted_nodes[:, step] = torch.where(found, child, -1)
         accept_len += found.to(torch.int64)
         walking = found
-    bonus_token_ids = target_token_ids[rows, current]
-    return accepted_nodes, accept_len, bonus_token_ids
+    emitted = target_token_ids.gather(1, accepted_nodes.clamp(min=0))
+    return accepted_nodes, accept_len, torch.where(accepted_nodes >= 0, emitted, -1)

@@ -204,27 +204,50 @@ def test_dflash_chain_and_tree_with_cuda_graphs_equal_plain(tiny_checkpoints, tm
     assert [o.token_ids for o in spec.generate(ps, sp)] == ref
 
 
-def test_dflash_drafter_attention_avoids_cudnn(tiny_checkpoints, tmp_path):
-    """In bf16 SDPA would pick cuDNN, which builds a plan for every new key length (~14 ms each on the H200): a
-    drafter whose context grows every step must run another backend."""
+def test_dflash_drafter_on_cuda_equals_cpu_in_one_attention_launch_a_layer(tiny_checkpoints, tmp_path):
+    """The DFlash drafter's paged draft KV on CUDA: a batch of requests whose contexts and blocks cross pages,
+    drafted incrementally, gives the CPU drafter's logits (the reference attention); every call runs one
+    paged-attention launch per draft layer whatever the batch size, and no SDPA (whose cuDNN backend builds a plan
+    for every new key length)."""
     import json
     import os
 
     from torch.profiler import ProfilerActivity, profile
 
+    from engine.config import SpecConfig
+    from engine.model.loader import load_model
     from engine.speculative.dflash import save_random_dflash
+    from engine.speculative.drafter import DraftRequest, make_drafter
 
     folder, _ = tiny_checkpoints("qwen3")
     with open(os.path.join(folder, "config.json")) as f:
-        save_random_dflash(str(tmp_path), json.load(f), num_layers=1, block_size=8, target_layer_ids=[0, 1])
-    llm = LLM(folder, dtype="bf16", device="cuda", drafter="dflash", draft_model=str(tmp_path), spec_budget=4,
-              adaptive=False)
-    sp = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
-        llm.generate(graph_prompts(2), sp)
-    names = {e.key for e in prof.key_averages()}
-    assert "aten::scaled_dot_product_attention" in names, sorted(names)
-    assert not [n for n in names if "cudnn" in n.lower()], sorted(names)
+        cfg = json.load(f)
+    save_random_dflash(str(tmp_path), cfg, num_layers=2, block_size=16, target_layer_ids=[0, 1])
+    spec = SpecConfig(drafter="dflash", budget=8, draft_model=str(tmp_path))
+    vocab = cfg["vocab_size"]
+    drafters = {dev: make_drafter(spec, load_model(folder, "fp32", device=dev).model, vocab, device=dev)
+                for dev in ("cpu", "cuda")}
+    gen = torch.Generator().manual_seed(0)
+    width = 2 * cfg["hidden_size"]
+    lengths = [(5, 9), (17, 18), (30, 47), (1, 2)]  # (committed tokens before, after): pages of 16 slots crossed
+    tokens = [torch.randint(0, vocab, (after,), generator=gen).tolist() for _, after in lengths]
+    feats = [torch.randn(after, width, generator=gen) for _, after in lengths]
+    for stage in (0, 1):  # the first call shows each context up to `before`, the second the rows after it
+        batch = {dev: [] for dev in drafters}
+        for i, ((before, after), t, f) in enumerate(zip(lengths, tokens, feats)):
+            first, end = (0, before) if stage == 0 else (before - 1, after)
+            for dev in drafters:
+                rows = f[first:end - 1].to(dev) if end - 1 > first else None
+                batch[dev].append(DraftRequest(f"r{i}", t[:end], rows))
+        before = ops.cuda_calls().get("paged_attention", 0)
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            got = drafters["cuda"].forward_logits(batch["cuda"])
+        want = drafters["cpu"].forward_logits(batch["cpu"])
+        assert ops.cuda_calls().get("paged_attention", 0) - before == 2
+        names = {e.key for e in prof.key_averages()}
+        assert "aten::scaled_dot_product_attention" not in names and not [n for n in names if "cudnn" in n.lower()]
+        err = (got.cpu() - want).abs().max().item()
+        assert err <= 1e-4 * want.abs().max().item(), (stage, err)
 
 
 def test_bf16_moe_runs_grouped_gemms_under_cuda_graphs(tiny_checkpoints):

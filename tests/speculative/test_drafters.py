@@ -189,6 +189,31 @@ def test_incremental_materialization_equals_one_shot(target, draft_folder):
     assert torch.allclose(again, want, atol=1e-5, rtol=0)
 
 
+def test_draft_kv_pool_grows_and_reuses_pages(target, draft_folder):
+    """The paged draft KV: a pool of 2 pages grows (twice) under a batch that needs more, pages given back on
+    release are handed to the next request, and every request's logits stay those it gets alone."""
+    from engine.speculative.draft_kv import PAGE_TOKENS, DraftKVPool
+
+    seqs = [random_tokens(n, 10 + n) for n in (40, 9, 23)]
+    feats = [target_features(target.model, s)[: len(s) - 1] for s in seqs]
+    alone = [load_drafter(draft_folder, target.model).forward_logits([DraftRequest("x", s, f)])
+             for s, f in zip(seqs, feats)]
+    drafter = load_drafter(draft_folder, target.model)
+    c = drafter.model.config
+    drafter.pool = DraftKVPool(c.num_layers, c.num_kv_heads, c.head_dim, drafter.dtype, drafter.device, num_pages=2)
+    together = drafter.forward_logits([DraftRequest(f"r{i}", s, f) for i, (s, f) in enumerate(zip(seqs, feats))])
+    for i, want in enumerate(alone):
+        assert torch.allclose(together[i], want[0], atol=1e-5, rtol=0)
+    pages = {rid: list(p) for rid, p in drafter.pool.pages.items()}
+    assert [len(pages[f"r{i}"]) for i in range(3)] == [-(-(len(s) - 1 + BLOCK) // PAGE_TOKENS) for s in seqs]
+    assert len({p for ps in pages.values() for p in ps}) == sum(map(len, pages.values()))  # no page shared
+    drafter.release("r0")
+    assert drafter.context_len("r0") == 0 and "r0" not in drafter.pool.pages
+    again = drafter.forward_logits([DraftRequest("r3", seqs[0], feats[0])])
+    assert sorted(drafter.pool.pages["r3"]) == sorted(pages["r0"])  # r0's pages, handed out again
+    assert torch.allclose(again[0], alone[0][0], atol=1e-5, rtol=0)
+
+
 def test_bonus_slot_matters_full_block_and_mask_never_proposed(target, draft_folder):
     tokens = random_tokens(20, 4)
     feats = target_features(target.model, tokens)[:19]

@@ -52,13 +52,13 @@ def test_walk_accepts_token_zero_and_ignores_padding_rows():
     tokens = built.node_token_ids.clone()
     tokens[0, 0] = 0
     target = torch.zeros(1, 7, dtype=torch.long)
-    acc, tau, bonus = tree_accept(target, tokens, built.parents, built.num_nodes, 3)
-    assert acc.tolist() == [[0, 1, 2, 3]] and tau.tolist() == [4] and bonus.tolist() == [0]
+    acc, tau, emitted = tree_accept(target, tokens, built.parents, built.num_nodes, 3)
+    assert acc.tolist() == [[0, 1, 2, 3]] and tau.tolist() == [4] and emitted.tolist() == [[0, 0, 0, 0]]
     # Padding rows that look like children of the root must never be accepted.
     tokens[0, 4:], parents = 9, built.parents.clone()
     parents[0, 4:] = 0
-    acc, tau, bonus = tree_accept(torch.full((1, 7), 9), tokens, parents, built.num_nodes, 3)
-    assert acc.tolist() == [[0, -1, -1, -1]] and bonus.tolist() == [9]
+    acc, tau, emitted = tree_accept(torch.full((1, 7), 9), tokens, parents, built.num_nodes, 3)
+    assert acc.tolist() == [[0, -1, -1, -1]] and emitted.tolist() == [[9, -1, -1, -1]]
 
 
 def test_walk_properties_random():

@@ -4,7 +4,7 @@ many tokens). The target is a dummy-weight shape (bench/gpu_serving.py's); the d
 SmolLM2 shape, or a random one of the same layout (`--random`, any shape). Prints one JSON line per batch size and a
 table; not a test.
 
-    python bench/draft.py --smollm2 --batch 1 8 64 --lengths 512
+    python bench/draft.py --smollm2 --batch 1 8 64 --lengths 512 [--graphs]
 """
 from __future__ import annotations
 
@@ -83,6 +83,8 @@ def main() -> None:
     p.add_argument("--new-rows", type=int, default=2, help="context rows each call adds per request")
     p.add_argument("--calls", type=int, default=20)
     p.add_argument("--top-k", type=int, default=16)
+    p.add_argument("--graphs", action="store_true", help="capture the drafter's CUDA graphs (as the engine does)")
+    p.add_argument("--max-model-len", type=int, default=4096, help="with --graphs: the graphs' context capacity")
     args = p.parse_args()
 
     model, load_format = shape_model(args, "draft-shape-")
@@ -92,10 +94,13 @@ def main() -> None:
     drafter = make_drafter(SpecConfig(drafter="dflash", budget=args.top_k, draft_model=folder), loaded.model,
                            loaded.model.vocab_size, device=args.device)
     width = len(drafter.target_layer_ids) * loaded.model.hidden_size
+    if args.graphs:
+        drafter.reserve_kv(max(args.batch) * (max(args.lengths) + 64 * args.calls), max(args.batch))
+        drafter.capture_graphs(sorted(set(args.batch)), args.top_k, args.max_model_len)
     rows = []
     for length in args.lengths:
         for batch in args.batch:
-            r = dict(bench="draft", L=length, N=batch, new_rows=args.new_rows,
+            r = dict(bench="draft", L=length, N=batch, new_rows=args.new_rows, graphs=args.graphs,
                      **measure(drafter, width, batch, length, args.new_rows, args.calls, args.top_k))
             rows.append(r)
             print(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in r.items()}), flush=True)

@@ -13,7 +13,7 @@ import torch
 
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
-from engine.cuda_graphs import CudaGraphs, scratch_blocks_needed, supports_graphs
+from engine.cuda_graphs import BATCH_SIZES, CudaGraphs, bucket_of, scratch_blocks_needed, supports_graphs
 from engine.detokenizer import OutputText
 from engine.memory import AllocatorWatch, measure_cuda_peak, plan_kv_cache
 from engine.messages import Delta, RequestError, StepStats
@@ -84,6 +84,8 @@ class EngineCore:
         self.speculator = self.make_speculator(drafter)
         max_budget = 0 if self.speculator is None else self.speculator.max_budget
         per_block = ModelRunner.kv_bytes_per_block(self.model, config.block_size, self.dtype)
+        if self.speculator is not None:  # a drafter's own KV grows with the context like the target's
+            per_block += self.speculator.draft_kv_bytes_per_token * config.block_size
         measure = (lambda: measure_cuda_peak(torch.device(config.device),
                                              lambda: warm_up(config, self.model, self.dtype, max_budget))) \
             if config.is_cuda else None
@@ -91,6 +93,8 @@ class EngineCore:
         if tp is not None:  # every rank's cache has the same blocks: the smallest that fits on each device
             self.kv_plan = replace(self.kv_plan, num_blocks=tp.min_int(self.kv_plan.num_blocks))
         logger.info("%s", self.kv_plan.describe(self.max_model_len))
+        if self.speculator is not None:
+            self.speculator.reserve_draft_kv(self.kv_plan.num_tokens, config.max_num_seqs)
         # a drafter fed by target features needs them for every prompt token, so cached prefixes would starve it
         needs_features = self.speculator is not None and bool(self.speculator.capture_layer_ids)
         self.blocks = BlockManager(self.kv_plan.num_blocks, config.block_size,
@@ -162,6 +166,10 @@ class EngineCore:
         if not emulate:
             graphs.capture()
         self.runner.graphs = graphs
+        if self.speculator is not None:  # the drafter's call for every batch size up to max_num_seqs
+            sizes = [n for n in BATCH_SIZES if n < config.max_num_seqs] + [bucket_of(BATCH_SIZES, config.max_num_seqs)
+                                                                          or config.max_num_seqs]
+            self.speculator.capture_draft_graphs(sizes, self.max_model_len, emulate=emulate)
         self.runner.uniform_trees = self.scheduler.uniform_trees = self.speculator is not None
 
     @property

@@ -193,6 +193,7 @@ class DFlashDrafter:
         self.pool = DraftKVPool(c.num_layers, c.num_kv_heads, c.head_dim, self.dtype, self.device)
         self._context_len: dict[str, int] = {}
         self._all_visible: dict[int, torch.Tensor] = {}  # rows -> [rows, bs] all-True block mask
+        self.graphs = None  # engine.speculative.dflash_graphs.DraftGraphs once captured
         # the step's positions and bonus tokens reach the device through pinned non-blocking copies (a plain
         # .to(device) of a host tensor synchronizes the stream: four waits a drafter call on the H200); the
         # speculator hands over the runner's staging, which is reset every step
@@ -226,16 +227,39 @@ class DFlashDrafter:
             counts.append(got)
         return counts
 
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """Draft-KV bytes one context token takes (every layer's K and V)."""
+        c = self.model.config
+        return 2 * c.num_layers * c.num_kv_heads * c.head_dim * torch.empty((), dtype=self.dtype).element_size()
+
+    def reserve_kv(self, num_tokens: int, max_num_seqs: int) -> None:
+        """Sizes the pool once for an engine whose KV cache holds num_tokens: every running request's context
+        fits, plus its block and the pages both round up to (so the pool never grows under CUDA graphs)."""
+        self.pool.ensure_pages(-(-num_tokens // PAGE_TOKENS) + 2 * max_num_seqs + 1)
+
+    def capture_graphs(self, batch_sizes: list[int], top_k: int, max_model_len: int, emulate: bool = False) -> None:
+        """CUDA graphs of the block, the head and the top-K for `batch_sizes` (engine/speculative/dflash_graphs.py);
+        emulate: the same static buffers run eagerly (CPU tests)."""
+        from engine.speculative.dflash_graphs import DraftGraphs
+
+        self.graphs = DraftGraphs(self, batch_sizes, top_k, max_model_len, emulate=emulate)
+
     @torch.inference_mode()
     def forward_logits(self, batch: list[DraftRequest]) -> torch.Tensor:
         """Materializes the new context K/V, runs the full block -> logits [N, L, V] fp32 (mask not excluded)."""
+        if not batch:
+            self._check(batch)
+            return torch.empty((0, self.horizon, self.vocab_size), device=self.device)
+        call = self._prepare(batch)
+        return self.block_logits(call.bonus, call.meta)
+
+    def _prepare(self, batch: list[DraftRequest]) -> "DraftCall":
+        """Validates the batch, gives every request's context and block their pool slots, writes the new context
+        rows' K/V, and stages the block's inputs: bonus tokens, positions and slots, lengths and page tables."""
         counts = self._check(batch)
         bs, n = self.block_size, len(batch)
-        if n == 0:
-            return torch.empty((0, self.horizon, self.vocab_size), device=self.device)
-        # every request's context rows and block in the pool: the new context rows' positions and slots, each
-        # block's bonus token, positions and slots (its first position = the context's length after this call)
-        starts = [len(r.token_ids) - 1 for r in batch]
+        starts = [len(r.token_ids) - 1 for r in batch]  # each block's first position = its context's length
         tables = [self.pool.reserve(r.request_id, start + bs) for r, start in zip(batch, starts)]
         context_positions, context_slots, block_slots = [], [], []
         for r, c, start in zip(batch, counts, starts):
@@ -247,28 +271,40 @@ class DFlashDrafter:
         context_d, context_slots_d, bonus_d, positions_d, block_slots_d = self.stage.pack(
             [context_positions, context_slots, [r.token_ids[-1] for r in batch], block_positions, block_slots])
         num_cols = max(len(t) for t in tables)
+        seq_lens = [start + bs for start in starts]
         qsl_d, seq_lens_d, table_d = self.stage.pack(
-            [list(range(0, (n + 1) * bs, bs)), [start + bs for start in starts],
-             [p for t in tables for p in t + [0] * (num_cols - len(t))]], torch.int32)
-        if any(counts):  # 1. draft-KV materialization, one batched projection for all requests' new rows
+            [list(range(0, (n + 1) * bs, bs)), seq_lens, [p for t in tables for p in t + [0] * (num_cols - len(t))]],
+            torch.int32)
+        if any(counts):  # draft-KV materialization, one batched projection for all requests' new rows
             feats = torch.cat([r.new_hidden for r, c in zip(batch, counts) if c]).to(self.device, self.dtype)
             k, v = self.model.context_kv(feats, context_d)  # [num_layers, sum(counts), n_kv, hd]
             for i in range(self.model.config.num_layers):
                 ops.write_kv_pair(*self.pool.layer(i), k[i], v[i], context_slots_d)
             for r, start in zip(batch, starts):
                 self._context_len[r.request_id] = start
-        # 2. the block [bonus, MASK x (bs-1)] of every request, at positions start..start+bs-1
-        ids = torch.full((n, bs), self.mask_token_id, dtype=torch.int64, device=self.device)
-        ids[:, 0] = bonus_d
         meta = AttentionMetadata(
             positions=positions_d, slot_mapping=block_slots_d, query_start_loc=qsl_d, seq_lens=seq_lens_d,
             block_tables=table_d.view(n, num_cols), block_size=PAGE_TOKENS, tree_mask=self._block_mask(n * bs),
-            query_lens_host=[bs] * n, seq_lens_host=[start + bs for start in starts])
+            query_lens_host=[bs] * n, seq_lens_host=seq_lens)
+        return DraftCall(bonus_d, meta)
+
+    def block_logits(self, bonus: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """The blocks [bonus, MASK x (bs-1)] (bonus [N]) at meta's positions, their K/V written at its slots ->
+        logits [N, L, V] fp32 (row j predicts depth j + 1)."""
+        n, bs = bonus.shape[0], self.block_size
+        ids = torch.full((n, bs), self.mask_token_id, dtype=torch.int64, device=self.device)
+        ids[:, 0] = bonus
         embedded = self.target.embed(ids.reshape(-1))  # [N*bs, H], the target's dtype
         h = self.model.block_forward(embedded.to(self.dtype), meta, self.pool).view(n, bs, -1)
         rows = h[:, 1:].reshape(n * self.horizon, -1).to(embedded.dtype)
-        logits = self.target.compute_logits(rows)  # [N*L, V] fp32; row j predicts depth j + 1
-        return logits.view(n, self.horizon, -1)
+        return self.target.compute_logits(rows).view(n, self.horizon, -1)
+
+    def block_topk(self, bonus: torch.Tensor, meta: AttentionMetadata, top_k: int
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+        """block_logits' top-K log-probs with the mask token removed before the softmax (the rest renormalise)."""
+        logits = self.block_logits(bonus, meta)  # [N, L, V]
+        logits[..., self.mask_token_id] = float("-inf")
+        return topk_logprobs(logits, proposal_width(top_k, logits.shape[-1], 1))
 
     def _block_mask(self, num_rows: int) -> torch.Tensor:
         """[num_rows, bs] all True: a block row sees every row of its block (and, as always, its context)."""
@@ -278,12 +314,22 @@ class DFlashDrafter:
 
     @torch.inference_mode()
     def propose(self, batch: list[DraftRequest], top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """([N, L, K] f32 log-probs sorted descending, [N, L, K] int64 ids); the mask token is never proposed
-        (its logit is removed before the softmax, so the rest renormalise)."""
-        logits = self.forward_logits(batch)  # [N, L, V]
-        k = proposal_width(top_k, logits.shape[-1], 1)
-        logits[..., self.mask_token_id] = float("-inf")
-        return topk_logprobs(logits, k)
+        """([N, L, K] f32 log-probs sorted descending, [N, L, K] int64 ids); the mask token is never proposed.
+        With CUDA graphs captured, the block runs as a replay (views of its outputs, valid until the next call)."""
+        if not batch:
+            logits = self.forward_logits(batch)
+            return topk_logprobs(logits, proposal_width(top_k, logits.shape[-1], 1))
+        call = self._prepare(batch)
+        out = self.graphs.run(call, top_k) if self.graphs is not None else None
+        return out if out is not None else self.block_topk(call.bonus, call.meta, top_k)
+
+
+@dataclass
+class DraftCall:
+    """One call's block inputs on the device: bonus tokens [N] and the block's attention metadata."""
+
+    bonus: torch.Tensor
+    meta: AttentionMetadata
 
 
 def load_dflash(folder: str, target_model, vocab_size: int, device: torch.device | str = "cpu",

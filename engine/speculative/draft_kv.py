@@ -19,6 +19,7 @@ class DraftKVPool:
         self.v = torch.zeros_like(self.k)
         self.free = list(range(num_pages - 1, -1, -1))  # popped from the end: lowest page first
         self.pages: dict[str, list[int]] = {}
+        self.on_grow = lambda: None  # called before the tensors are replaced (CUDA graphs hold the old ones)
 
     def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.k[i], self.v[i]
@@ -40,9 +41,19 @@ class DraftKVPool:
     def release(self, request_id: str) -> None:
         self.free.extend(reversed(self.pages.pop(request_id, [])))
 
-    def _grow(self, at_least: int) -> None:
+    @property
+    def num_pages(self) -> int:
+        return self.k.shape[1]
+
+    def ensure_pages(self, num_pages: int) -> None:
+        """At least num_pages pages in all (the engine sizes the pool once at startup)."""
+        if num_pages > self.num_pages:
+            self._grow(num_pages - self.num_pages, exact=True)
+
+    def _grow(self, at_least: int, exact: bool = False) -> None:
         old = self.k.shape[1]
-        new = max(2 * old, old + at_least)
+        new = old + at_least if exact else max(2 * old, old + at_least)
+        self.on_grow()
         for name in ("k", "v"):
             cur = getattr(self, name)
             grown = cur.new_zeros((cur.shape[0], new, *cur.shape[2:]))

@@ -109,6 +109,23 @@ class Speculator:
             self.drafter.stage = stage
 
     @property
+    def draft_kv_bytes_per_token(self) -> int:
+        """KV bytes the drafter keeps per context token (0: none kept, or not in the engine's memory plan)."""
+        return int(getattr(self.drafter, "kv_bytes_per_token", 0))
+
+    def reserve_draft_kv(self, num_tokens: int, max_num_seqs: int) -> None:
+        """Sizes a drafter's own KV once, for an engine cache of num_tokens (drafters without one: nothing)."""
+        if hasattr(self.drafter, "reserve_kv"):
+            self.drafter.reserve_kv(num_tokens, max_num_seqs)
+
+    def capture_draft_graphs(self, batch_sizes: list[int], max_model_len: int, emulate: bool = False) -> bool:
+        """CUDA graphs of the drafter's call for these batch sizes, if it has them; whether it does."""
+        if not hasattr(self.drafter, "capture_graphs"):
+            return False
+        self.drafter.capture_graphs(batch_sizes, 1 if self.chain else self.max_budget, max_model_len, emulate=emulate)
+        return True
+
+    @property
     def capture_layer_ids(self) -> tuple[int, ...]:
         return tuple(self.drafter.target_layer_ids)
 

@@ -138,3 +138,30 @@ def test_padded_eager_steps_change_nothing(tiny_checkpoints, drafter, monkeypatc
     llm.engine.runner.eager_pad_to = 8
     assert [o.token_ids for o in llm.generate(ps, sp)] == ref
     assert padded and all((rows + pad) % 8 == 0 and 0 < pad < 8 for rows, pad in padded), padded
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+def test_emulated_graphs_with_the_dflash_drafter_equal_eager(tiny_checkpoints, tmp_path, batch):
+    """A DFlash drafter with the engine's graphs emulated (the target's verify layout and the drafter's block
+    layout, padded to their buckets): greedy output equals plain decoding and every drafter call went through
+    the drafter's static buffers."""
+    import json
+    import os
+
+    from engine.speculative.dflash import save_random_dflash
+
+    folder, _ = tiny_checkpoints("qwen3")
+    with open(os.path.join(folder, "config.json")) as f:
+        save_random_dflash(str(tmp_path), json.load(f), num_layers=1, block_size=8, target_layer_ids=[0, 1])
+    ps = prompts(batch)
+    ref = greedy(LLM(folder, dtype="fp32"), ps)
+    llm = LLM(folder, dtype="fp32", drafter="dflash", draft_model=str(tmp_path), spec_budget=6, adaptive=False,
+              max_num_seqs=8)
+    llm.engine.enable_graphs(emulate=True)
+    drafter = llm.engine.speculator.drafter
+    assert drafter.graphs.batch_sizes == [1, 2, 3, 4, 6, 8]
+    calls = []
+    run = drafter.graphs.run
+    drafter.graphs.run = lambda call, top_k: calls.append(call.bonus.shape[0]) or run(call, top_k)
+    out, modes = graph_modes(llm, ps)
+    assert out == ref and "replay" in modes and calls

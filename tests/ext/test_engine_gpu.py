@@ -250,6 +250,45 @@ def test_dflash_drafter_on_cuda_equals_cpu_in_one_attention_launch_a_layer(tiny_
         assert err <= 1e-4 * want.abs().max().item(), (stage, err)
 
 
+def test_dflash_drafter_graph_replays_equal_eager(tiny_checkpoints, tmp_path):
+    """The drafter's captured block (CUDA graphs for 1, 2 and 4 requests) against the eager drafter over calls
+    whose batch grows, shrinks (rows of a larger call become padding) and whose contexts cross pages between
+    replays: the same top-K ids and log-probs."""
+    import json
+    import os
+
+    from engine.config import SpecConfig
+    from engine.model.loader import load_model
+    from engine.speculative.dflash import save_random_dflash
+    from engine.speculative.drafter import DraftRequest, make_drafter
+
+    folder, _ = tiny_checkpoints("qwen3")
+    with open(os.path.join(folder, "config.json")) as f:
+        cfg = json.load(f)
+    save_random_dflash(str(tmp_path), cfg, num_layers=2, block_size=16, target_layer_ids=[0, 1])
+    target = load_model(folder, "fp32", device="cuda").model
+    spec = SpecConfig(drafter="dflash", budget=8, draft_model=str(tmp_path))
+    eager, graphed = (make_drafter(spec, target, cfg["vocab_size"], device="cuda") for _ in range(2))
+    graphed.reserve_kv(4096, 4)
+    graphed.capture_graphs([1, 2, 4], top_k=8, max_model_len=256)
+    assert sorted(graphed.graphs.graphs) == [1, 2, 4]
+    gen = torch.Generator().manual_seed(1)
+    lengths = [40, 13, 70]
+    tokens = [torch.randint(0, cfg["vocab_size"], (n + 40,), generator=gen).tolist() for n in lengths]
+    feats = [torch.randn(n + 40, 2 * cfg["hidden_size"], generator=gen).cuda() for n in lengths]
+    ends = list(lengths)
+    for step, which in enumerate(([0, 1, 2], [1], [0, 2], [0, 1, 2], [2], [0, 1])):
+        out = {}
+        for name, drafter in (("eager", eager), ("graph", graphed)):
+            batch = [DraftRequest(f"r{i}", tokens[i][:ends[i]], feats[i][drafter.context_len(f"r{i}"):ends[i] - 1])
+                     for i in which]
+            out[name] = [t.clone() for t in drafter.propose(batch, top_k=8)]
+        assert torch.equal(out["graph"][1], out["eager"][1]), step
+        assert torch.allclose(out["graph"][0], out["eager"][0], atol=1e-4, rtol=0), step
+        for i in which:
+            ends[i] += 7  # 7 accepted tokens: contexts cross 16-slot pages between replays
+
+
 def test_bf16_moe_runs_grouped_gemms_under_cuda_graphs(tiny_checkpoints):
     """A bf16 MoE model on sm_90: the expert dispatch is the sync-free grouped path (checked against the loop on
     the same inputs), CUDA graphs are captured, and the first token and its logprob match an eager engine."""

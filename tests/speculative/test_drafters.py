@@ -214,6 +214,34 @@ def test_draft_kv_pool_grows_and_reuses_pages(target, draft_folder):
     assert torch.allclose(again[0], alone[0][0], atol=1e-5, rtol=0)
 
 
+def test_draft_graph_layout_equals_eager(target, draft_folder):
+    """The drafter's CUDA-graph layout, run eagerly over its static buffers (emulate): batches padded to their
+    bucket (3 -> 4), shrinking (rows of the larger call become padding again) and growing, give the eager
+    drafter's proposals; a batch past the largest bucket runs eagerly and is counted."""
+    from ext import ops
+
+    seqs = [random_tokens(n, 20 + n) for n in (12, 33, 21)]
+    feats = [target_features(target.model, s) for s in seqs]
+    eager, graphed = load_drafter(draft_folder, target.model), load_drafter(draft_folder, target.model)
+    graphed.capture_graphs([1, 2, 4], top_k=5, max_model_len=128, emulate=True)
+    ends = [len(s) - 4 for s in seqs]
+    for which in ([0, 1, 2], [1], [0, 2], [0, 1, 2], [2]):
+        got, want = [], []
+        for drafter, out in ((eager, want), (graphed, got)):
+            batch = [DraftRequest(f"r{i}", seqs[i][:ends[i]], feats[i][drafter.context_len(f"r{i}"):ends[i] - 1])
+                     for i in which]
+            out.extend(drafter.propose(batch, top_k=5))
+        assert torch.equal(got[1], want[1]) and torch.allclose(got[0], want[0], atol=1e-5, rtol=0), which
+        for i in which:
+            ends[i] += 1
+    before = ops.reference_fallbacks().get("dflash_draft_graph", 0)
+    graphed.capture_graphs([1, 2], top_k=5, max_model_len=128, emulate=True)
+    batch = [DraftRequest(f"r{i}", seqs[i][:ends[i]], feats[i][graphed.context_len(f"r{i}"):ends[i] - 1])
+             for i in range(3)]
+    graphed.propose(batch, top_k=5)
+    assert ops.reference_fallbacks().get("dflash_draft_graph", 0) == before + 1
+
+
 def test_bonus_slot_matters_full_block_and_mask_never_proposed(target, draft_folder):
     tokens = random_tokens(20, 4)
     feats = target_features(target.model, tokens)[:19]

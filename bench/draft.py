@@ -67,10 +67,14 @@ def measure(drafter, width: int, batch: int, length: int, new_rows: int, calls: 
         call()
     sync()
     wall = (time.perf_counter() - t0) / calls
-    busy, kernels = gpu_busy(lambda: [call() for _ in range(calls)])
+    api: dict[str, int] = {}
+    busy, kernels = gpu_busy(lambda: [call() for _ in range(calls)], api_calls=api)
     for i in range(batch):
         drafter.release(f"r{i}")
-    return dict(wall_ms=wall * 1e3, gpu_busy_ms=busy / calls * 1e3, kernels_per_call=kernels / calls)
+    launches = sum(v for k, v in api.items() if k.startswith(("cudaLaunch", "cudaGraphLaunch", "cudaMemcpy",
+                                                                "cudaMemset")))
+    return dict(wall_ms=wall * 1e3, gpu_busy_ms=busy / calls * 1e3, kernels_per_call=kernels / calls,
+                host_launches_per_call=launches / calls, api_calls={k: v / calls for k, v in sorted(api.items())})
 
 
 def main() -> None:
@@ -104,10 +108,11 @@ def main() -> None:
                      **measure(drafter, width, batch, length, args.new_rows, args.calls, args.top_k))
             rows.append(r)
             print(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in r.items()}), flush=True)
-    print("\n| L | N | wall ms/call | GPU busy ms | kernels/call |")
-    print("|---|---|---|---|---|")
+    print("\n| L | N | wall ms/call | GPU busy ms | kernels/call | host launches and copies/call |")
+    print("|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['L']} | {r['N']} | {r['wall_ms']:.2f} | {r['gpu_busy_ms']:.2f} | {r['kernels_per_call']:.0f} |")
+        print(f"| {r['L']} | {r['N']} | {r['wall_ms']:.2f} | {r['gpu_busy_ms']:.2f} | {r['kernels_per_call']:.0f} | "
+              f"{r['host_launches_per_call']:.0f} |")
 
 
 if __name__ == "__main__":

@@ -58,9 +58,12 @@ def sync() -> None:
         torch.cuda.synchronize()
 
 
-def gpu_busy(fn, top_ops: int = 0, top_kernels: int = 0, steps: int = 1) -> tuple[float, int]:
+def gpu_busy(fn, top_ops: int = 0, top_kernels: int = 0, steps: int = 1,
+             api_calls: dict | None = None) -> tuple[float, int]:
     """Runs fn under the profiler -> (seconds some kernel, copy or memset was running, number of them); prints
-    the top_ops host operators by self CPU time and the top_kernels device kernels by time (per step)."""
+    the top_ops host operators by self CPU time and the top_kernels device kernels by time (per step); api_calls,
+    when given, receives the host's CUDA runtime calls by name (launches, graph launches, copies: the host's
+    work, which wall time on a shared host measures badly)."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
@@ -72,6 +75,10 @@ def gpu_busy(fn, top_ops: int = 0, top_kernels: int = 0, steps: int = 1) -> tupl
         prof.export_chrome_trace(f.name)
         with open(f.name) as g:
             events = json.load(g)["traceEvents"]
+    if api_calls is not None:
+        for e in events:
+            if e.get("cat") == "cuda_runtime":
+                api_calls[e["name"]] = api_calls.get(e["name"], 0) + 1
     spans = sorted((e["ts"], e["ts"] + e.get("dur", 0)) for e in events
                    if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset"))
     if top_kernels:

@@ -276,10 +276,9 @@ class DFlashDrafter:
             [list(range(0, (n + 1) * bs, bs)), seq_lens, [p for t in tables for p in t + [0] * (num_cols - len(t))]],
             torch.int32)
         if any(counts):  # draft-KV materialization, one batched projection for all requests' new rows
-            feats = torch.cat([r.new_hidden for r, c in zip(batch, counts) if c]).to(self.device, self.dtype)
-            k, v = self.model.context_kv(feats, context_d)  # [num_layers, sum(counts), n_kv, hd]
-            for i in range(self.model.config.num_layers):
-                ops.write_kv_pair(*self.pool.layer(i), k[i], v[i], context_slots_d)
+            rows = [r.new_hidden for r, c in zip(batch, counts) if c]
+            if self.graphs is None or not self.graphs.write_context(rows, context_d, context_slots_d):
+                self.write_context(torch.cat(rows).to(self.device, self.dtype), context_d, context_slots_d)
             for r, start in zip(batch, starts):
                 self._context_len[r.request_id] = start
         meta = AttentionMetadata(
@@ -287,6 +286,13 @@ class DFlashDrafter:
             block_tables=table_d.view(n, num_cols), block_size=PAGE_TOKENS, tree_mask=self._block_mask(n * bs),
             query_lens_host=[bs] * n, seq_lens_host=seq_lens)
         return DraftCall(bonus_d, meta)
+
+    def write_context(self, feats: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor) -> None:
+        """The K/V of context rows (target features feats [T, F] at positions [T]) into the pool at slots [T]
+        (-1: skipped)."""
+        k, v = self.model.context_kv(feats, positions)  # [num_layers, T, n_kv, hd]
+        for i in range(self.model.config.num_layers):
+            ops.write_kv_pair(*self.pool.layer(i), k[i], v[i], slots)
 
     def block_logits(self, bonus: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """The blocks [bonus, MASK x (bs-1)] (bonus [N]) at meta's positions, their K/V written at its slots ->

@@ -1,13 +1,16 @@
 """CUDA graphs for the DFlash drafter's block: for N requests (a bucket of engine.cuda_graphs.BATCH_SIZES), the
 blocks' embedding, the draft layers over the paged draft KV, the target's head and the top-K, captured once per
 bucket and replayed with the call's bonus tokens, positions, slots, lengths and page tables written into static
-buffers. The new context rows (a different count every call) are materialized eagerly before the replay.
+buffers. The call's new context rows (the target features of the tokens accepted since the last call) go through
+graphs of their own, one per row count bucket (CONTEXT_ROWS; rows past the call's count write to slot -1, which
+the cache write skips); more rows than the largest bucket (a prompt's first draft) run eagerly, counted.
 
 Padding requests (rows past the call's N in its bucket) are blocks at positions 0..bs-1 over a scratch page the
 graphs reserve in the pool; their outputs are never read. The attention launch is planned for the capacity
 (max_model_len + bs keys) and reads each request's length from the device. The graphs hold the pool's tensors:
 if the pool ever had to grow (it is sized at startup so that it does not), they are dropped and the drafter runs
-eagerly, logged once and counted (kernel_reference_fallbacks{op="dflash_draft_graph"})."""
+eagerly, logged once; every eager call (or context write) is counted
+(kernel_reference_fallbacks{op="dflash_draft_graph"})."""
 from __future__ import annotations
 
 import logging
@@ -23,6 +26,7 @@ from ext.metadata import AttentionMetadata
 logger = logging.getLogger("ddtree.engine")
 
 SCRATCH = "\0draft-graph-padding"  # the pool's owner name of the padding page(s)
+CONTEXT_ROWS = tuple(1 << i for i in range(4, 12))  # 16 .. 2048 new context rows a call
 
 
 class DraftGraphs:
@@ -45,6 +49,14 @@ class DraftGraphs:
         self.pad_table = self.tables[0].clone()
         self.mask = torch.ones(num * bs, bs, dtype=torch.bool, device=device)
         self._real = 0  # leading requests whose rows hold a call's inputs (the rest hold padding)
+        c = drafter.model.config
+        rows = CONTEXT_ROWS[-1]
+        self.feats = torch.zeros(rows, len(c.target_layer_ids) * c.target_hidden_size, dtype=drafter.dtype,
+                                 device=device)
+        self.context_positions = torch.zeros(rows, **i64)
+        self.context_slots = torch.full((rows,), -1, **i64)
+        self._context_real = 0  # leading context rows holding a call's slots (the rest hold -1)
+        self.context_graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.graphs: dict[int, tuple] = {}
         self.dropped = self._warned = False
         drafter.pool.on_grow = self._drop
@@ -72,9 +84,43 @@ class DraftGraphs:
                 out = self.drafter.block_topk(self.bonus[:n], self.meta(n), self.top_k)
             pool = graph.pool()
             self.graphs[n] = (graph, out)
+        for t in sorted(CONTEXT_ROWS, reverse=True):  # slots all -1 at capture: the warm-up writes nothing
+            self._write_context(t)
+            torch.cuda.synchronize(self.drafter.device)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                self._write_context(t)
+            pool = graph.pool()
+            self.context_graphs[t] = graph
         torch.cuda.synchronize(self.drafter.device)
         logger.info("captured %d drafter CUDA graphs (batch sizes %s) in %.1f s", len(self.graphs), self.batch_sizes,
                     time.perf_counter() - t0)
+
+    def _write_context(self, t: int) -> None:
+        self.drafter.write_context(self.feats[:t], self.context_positions[:t], self.context_slots[:t])
+
+    def write_context(self, rows: list[torch.Tensor], positions: torch.Tensor, slots: torch.Tensor) -> bool:
+        """The new context rows' K/V (rows: target features [n_i, F] per request, positions and slots [sum n_i])
+        through their bucket's replay; False (the caller writes them eagerly) when no bucket holds them."""
+        num = positions.shape[0]
+        t = next((b for b in CONTEXT_ROWS if b >= num), None)
+        if self.dropped or t is None:
+            count_slow_path("dflash_draft_graph")
+            return False
+        if num < self._context_real:
+            self.context_slots[num:self._context_real].fill_(-1)
+        self._context_real = num
+        if len(rows) == 1 or any(r.dtype != self.feats.dtype for r in rows):
+            self.feats[:num].copy_(rows[0] if len(rows) == 1 else torch.cat(rows))
+        else:
+            torch.cat(rows, out=self.feats[:num])
+        self.context_positions[:num].copy_(positions)
+        self.context_slots[:num].copy_(slots)
+        if self.emulate:
+            self._write_context(t)
+        else:
+            self.context_graphs[t].replay()
+        return True
 
     def _drop(self) -> None:
         if not self.dropped:

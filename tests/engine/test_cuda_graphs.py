@@ -1,8 +1,8 @@
 """CUDA-graph layout on the CPU: graphs are bypassed cleanly on a CPU engine; with the padded graph layout
 emulated (the same static buffers, scratch blocks and padding rows, run eagerly instead of replayed), greedy
 output equals eager plain decoding for plain decoding and DDTree at batch 1, 3 and 17 (odd sizes pad to a
-bucket) and at tree widths that pad to a bucket, and no padding row is ever accepted. The GPU tests replay real
-graphs (tests/ext/test_engine_gpu.py)."""
+bucket) and at tree widths that pad to a bucket, and no padding row is ever accepted; with a DFlash drafter its
+own block layout is emulated too. The GPU tests replay real graphs (tests/ext/test_engine_gpu.py)."""
 from __future__ import annotations
 
 import pytest

@@ -1,5 +1,6 @@
 """Drafters of DDTree: DFlash against an independent plain-torch re-computation of the architecture (full
-attention over concatenated context + block, no cache), incremental vs one-shot draft-KV materialization,
+attention over concatenated context + block, no cache), incremental vs one-shot draft-KV materialization, the
+paged draft-KV pool (growth, pages reused) and the drafter's CUDA-graph layout emulated against eager,
 bonus slot / full block / mask exclusion, checkpoint-format variants and bad configs; the n-gram drafter
 (true continuation of repetitive text, determinism, incremental index); the oracle drafter's ranks; and the
 output contract shared by all (K distinct finite ids, sorted log-probs)."""

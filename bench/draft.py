@@ -32,7 +32,7 @@ def drafter_folder(args, target_cfg: dict) -> str:
         from engine.drafters import shipped_drafter_dir
 
         return shipped_drafter_dir()
-    from engine.speculative.dflash import save_random_dflash
+    from engine.speculative.dflash_files import save_random_dflash
 
     folder = tempfile.mkdtemp(prefix="draft-bench-")
     n = target_cfg["num_hidden_layers"]

@@ -32,7 +32,7 @@ def engine_config(config: TrainConfig) -> EngineConfig:
 
 def drafter_config(config: TrainConfig, loaded) -> dict:
     """config.json of the drafter to train (published DFlash layout) for the target `loaded`."""
-    from engine.speculative.dflash import dflash_config_dict
+    from engine.speculative.dflash_files import dflash_config_dict
     from engine.train.target import default_mask_token_id, default_target_layer_ids
 
     model = loaded.model

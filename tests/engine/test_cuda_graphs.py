@@ -148,7 +148,7 @@ def test_emulated_graphs_with_the_dflash_drafter_equal_eager(tiny_checkpoints, t
     import json
     import os
 
-    from engine.speculative.dflash import save_random_dflash
+    from engine.speculative.dflash_files import save_random_dflash
 
     folder, _ = tiny_checkpoints("qwen3")
     with open(os.path.join(folder, "config.json")) as f:

@@ -117,7 +117,7 @@ def test_two_ranks_with_the_dflash_drafter_equal_one_rank(tiny_checkpoints, tmp_
     collectives line up because every rank drafts the same requests at the same steps)."""
     import json
 
-    from engine.speculative.dflash import save_random_dflash
+    from engine.speculative.dflash_files import save_random_dflash
 
     folder, _ = tiny_checkpoints("qwen3")
     with open(f"{folder}/config.json") as f:

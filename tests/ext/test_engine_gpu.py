@@ -190,7 +190,7 @@ def test_dflash_chain_and_tree_with_cuda_graphs_equal_plain(tiny_checkpoints, tm
     import json
     import os
 
-    from engine.speculative.dflash import save_random_dflash
+    from engine.speculative.dflash_files import save_random_dflash
 
     folder, _ = tiny_checkpoints("qwen3")
     with open(os.path.join(folder, "config.json")) as f:
@@ -216,7 +216,7 @@ def test_dflash_drafter_on_cuda_equals_cpu_in_one_attention_launch_a_layer(tiny_
 
     from engine.config import SpecConfig
     from engine.model.loader import load_model
-    from engine.speculative.dflash import save_random_dflash
+    from engine.speculative.dflash_files import save_random_dflash
     from engine.speculative.drafter import DraftRequest, make_drafter
 
     folder, _ = tiny_checkpoints("qwen3")
@@ -259,7 +259,7 @@ def test_dflash_drafter_graph_replays_equal_eager(tiny_checkpoints, tmp_path):
 
     from engine.config import SpecConfig
     from engine.model.loader import load_model
-    from engine.speculative.dflash import save_random_dflash
+    from engine.speculative.dflash_files import save_random_dflash
     from engine.speculative.drafter import DraftRequest, make_drafter
 
     folder, _ = tiny_checkpoints("qwen3")

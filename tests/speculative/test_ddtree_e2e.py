@@ -109,7 +109,7 @@ def random_dflash(tiny_checkpoints, tmp_path_factory):
     """family -> folder of a randomly initialised DFlash drafter (block size 8) for that tiny target."""
     import json
 
-    from engine.speculative.dflash import save_random_dflash
+    from engine.speculative.dflash_files import save_random_dflash
 
     cache = {}
 

@@ -23,7 +23,8 @@ from engine.model.loader import load_model
 from engine.plan import ScheduledSeq, StepPlan
 from engine.request import Request, SamplingParams
 from engine.runner import ModelRunner
-from engine.speculative.dflash import DFlashDrafter, build_target_layer_ids, save_random_dflash
+from engine.speculative.dflash import DFlashDrafter, build_target_layer_ids
+from engine.speculative.dflash_files import save_random_dflash
 from engine.speculative.drafter import PAD_GAP, DraftRequest, Drafter, make_drafter, pack_candidates
 from engine.speculative.ngram import NgramDrafter
 from engine.speculative.oracle import UNKNOWN_BASE, OracleDrafter

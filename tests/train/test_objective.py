@@ -11,7 +11,8 @@ import torch
 import torch.nn.functional as F
 
 from engine.model.loader import load_model
-from engine.speculative.dflash import load_dflash, save_random_dflash
+from engine.speculative.dflash import load_dflash
+from engine.speculative.dflash_files import save_random_dflash
 from engine.speculative.drafter import DraftRequest
 from engine.train import objective
 from engine.train.objective import Batch, block_labels, dflash_loss, draft_hidden, make_batch, position_weights

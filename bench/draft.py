@@ -81,6 +81,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_shape_args(p)
     p.add_argument("--device", default="cuda")
+    p.add_argument("--dtype", default="bf16", help="the target's and drafter's (the CPU engine serves fp32)")
     p.add_argument("--random", action="store_true", help="a random drafter of the shipped layout")
     p.add_argument("--batch", type=int, nargs="+", default=[1, 8, 64])
     p.add_argument("--lengths", type=int, nargs="+", default=[512])
@@ -93,7 +94,7 @@ def main() -> None:
 
     model, load_format = shape_model(args, "draft-shape-")
     target_cfg = read_config(model) if os.path.isdir(model) else None
-    loaded = load_model(model, "bf16", device=args.device, load_format=load_format)
+    loaded = load_model(model, args.dtype, device=args.device, load_format=load_format)
     folder = drafter_folder(args, target_cfg)
     drafter = make_drafter(SpecConfig(drafter="dflash", budget=args.top_k, draft_model=folder), loaded.model,
                            loaded.model.vocab_size, device=args.device)

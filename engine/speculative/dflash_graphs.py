@@ -5,6 +5,7 @@ buffers. The call's new context rows (the target features of the tokens accepted
 graphs of their own, one per row count bucket (CONTEXT_ROWS; rows past the call's count write to slot -1, which
 the cache write skips); more rows than the largest bucket (a prompt's first draft) run eagerly, counted.
 
+Batch buckets whose head logits would pass MAX_GRAPH_LOGITS_BYTES are not captured (a graph keeps its memory).
 Padding requests (rows past the call's N in its bucket) are blocks at positions 0..bs-1 over a scratch page the
 graphs reserve in the pool; their outputs are never read. The attention launch is planned for the capacity
 (max_model_len + bs keys) and reads each request's length from the device. The graphs hold the pool's tensors:
@@ -27,12 +28,17 @@ logger = logging.getLogger("ddtree.engine")
 
 SCRATCH = "\0draft-graph-padding"  # the pool's owner name of the padding page(s)
 CONTEXT_ROWS = tuple(1 << i for i in range(4, 12))  # 16 .. 2048 new context rows a call
+# A captured graph keeps its memory, and the head's fp32 logits (N x horizon x vocab) are most of a block graph's:
+# batch buckets past this many bytes of logits are not captured (their calls run eagerly, counted), which keeps
+# the drafter's graphs outside the KV plan small (SmolLM2's vocabulary: up to 128 requests; Qwen3's: up to 48)
+MAX_GRAPH_LOGITS_BYTES = 512 << 20
 
 
 class DraftGraphs:
     def __init__(self, drafter, batch_sizes: list[int], top_k: int, max_model_len: int, emulate: bool = False):
         self.drafter, self.top_k, self.emulate = drafter, top_k, emulate
-        self.batch_sizes = sorted(batch_sizes)
+        logits_bytes = drafter.horizon * drafter.vocab_size * 4  # a request's
+        self.batch_sizes = sorted(n for n in batch_sizes if n == 1 or n * logits_bytes <= MAX_GRAPH_LOGITS_BYTES)
         bs, device = drafter.block_size, drafter.device
         self.bs, self.capacity = bs, max_model_len + bs
         num = self.batch_sizes[-1]

@@ -216,10 +216,12 @@ def test_draft_kv_pool_grows_and_reuses_pages(target, draft_folder):
     assert torch.allclose(again[0], alone[0][0], atol=1e-5, rtol=0)
 
 
-def test_draft_graph_layout_equals_eager(target, draft_folder):
+def test_draft_graph_layout_equals_eager(target, draft_folder, monkeypatch):
     """The drafter's CUDA-graph layout, run eagerly over its static buffers (emulate): batches padded to their
     bucket (3 -> 4), shrinking (rows of the larger call become padding again) and growing, give the eager
-    drafter's proposals; a batch past the largest bucket runs eagerly and is counted."""
+    drafter's proposals; a batch past the largest bucket runs eagerly and is counted; buckets whose head logits
+    would pass the memory cap are not captured."""
+    from engine.speculative import dflash_graphs
     from ext import ops
 
     seqs = [random_tokens(n, 20 + n) for n in (12, 33, 21)]
@@ -242,6 +244,11 @@ def test_draft_graph_layout_equals_eager(target, draft_folder):
              for i in range(3)]
     graphed.propose(batch, top_k=5)
     assert ops.reference_fallbacks().get("dflash_draft_graph", 0) == before + 1
+    # buckets whose head logits would pass the cap are not captured (a graph keeps its memory)
+    per_request = graphed.horizon * graphed.vocab_size * 4
+    monkeypatch.setattr(dflash_graphs, "MAX_GRAPH_LOGITS_BYTES", 3 * per_request)
+    graphed.capture_graphs([1, 2, 4, 8], top_k=5, max_model_len=128, emulate=True)
+    assert graphed.graphs.batch_sizes == [1, 2]
 
 
 def test_bonus_slot_matters_full_block_and_mask_never_proposed(target, draft_folder):

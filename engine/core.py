@@ -13,7 +13,7 @@ import torch
 
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
-from engine.cuda_graphs import BATCH_SIZES, CudaGraphs, bucket_of, scratch_blocks_needed, supports_graphs
+from engine.cuda_graphs import BATCH_SIZES, CudaGraphs, buckets_up_to, scratch_blocks_needed, supports_graphs
 from engine.detokenizer import OutputText
 from engine.memory import AllocatorWatch, measure_cuda_peak, plan_kv_cache
 from engine.messages import Delta, RequestError, StepStats
@@ -167,9 +167,8 @@ class EngineCore:
             graphs.capture()
         self.runner.graphs = graphs
         if self.speculator is not None:  # the drafter's call for every batch size up to max_num_seqs
-            sizes = [n for n in BATCH_SIZES if n < config.max_num_seqs] + [bucket_of(BATCH_SIZES, config.max_num_seqs)
-                                                                          or config.max_num_seqs]
-            self.speculator.capture_draft_graphs(sizes, self.max_model_len, emulate=emulate)
+            self.speculator.capture_draft_graphs(buckets_up_to(BATCH_SIZES, config.max_num_seqs), self.max_model_len,
+                                                 emulate=emulate)
         self.runner.uniform_trees = self.scheduler.uniform_trees = self.speculator is not None
 
     @property

@@ -42,10 +42,16 @@ def bucket_of(values: tuple[int, ...], n: int) -> int | None:
     return next((v for v in values if v >= n), None)
 
 
+def buckets_up_to(values: tuple[int, ...], n: int) -> list[int]:
+    """The buckets of `values` that serve sizes up to n: every one below n and the one that holds n (which can be
+    larger than n; when none does, the largest, already among those below n)."""
+    holder = bucket_of(values, max(1, n))
+    return [v for v in values if v < n] + ([holder] if holder is not None else [])
+
+
 def bucket_widths(max_width: int) -> list[int]:
-    """Verify widths captured for requests of at most max_width rows: every bucket below it and the one that
-    holds it (which can be wider than max_width)."""
-    return [w for w in WIDTHS if w < max_width] + [bucket_of(WIDTHS, max(1, max_width)) or WIDTHS[-1]]
+    """Verify widths captured for requests of at most max_width rows."""
+    return buckets_up_to(WIDTHS, max_width)
 
 
 def scratch_blocks_needed(max_width: int, block_size: int) -> int:

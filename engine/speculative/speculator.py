@@ -118,12 +118,15 @@ class Speculator:
         if hasattr(self.drafter, "reserve_kv"):
             self.drafter.reserve_kv(num_tokens, max_num_seqs)
 
-    def capture_draft_graphs(self, batch_sizes: list[int], max_model_len: int, emulate: bool = False) -> bool:
-        """CUDA graphs of the drafter's call for these batch sizes, if it has them; whether it does."""
-        if not hasattr(self.drafter, "capture_graphs"):
-            return False
-        self.drafter.capture_graphs(batch_sizes, 1 if self.chain else self.max_budget, max_model_len, emulate=emulate)
-        return True
+    def capture_draft_graphs(self, batch_sizes: list[int], max_model_len: int, emulate: bool = False) -> None:
+        """CUDA graphs of the drafter's call for these batch sizes, if it has them."""
+        if hasattr(self.drafter, "capture_graphs"):
+            self.drafter.capture_graphs(batch_sizes, self.draft_top_k, max_model_len, emulate=emulate)
+
+    @property
+    def draft_top_k(self) -> int:
+        """Proposals a depth the drafter is asked for: the chain's top-1, a tree's full budget."""
+        return 1 if self.chain else self.max_budget
 
     @property
     def capture_layer_ids(self) -> tuple[int, ...]:
@@ -175,7 +178,7 @@ class Speculator:
                 consumed[s.request.request_id] = rows
             batch.append(DraftRequest(s.request.request_id, s.request.all_token_ids,
                                       torch.cat(rows) if rows else None))
-        top_k = 1 if self.chain else self.max_budget
+        top_k = self.draft_top_k
         clock = DraftClock(self.device)
         try:
             if batch:

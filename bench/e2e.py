@@ -28,49 +28,7 @@ import torch  # noqa: E402
 
 from bench.gpu_serving import QWEN3_8B, SMOLLM2_135M, free_engine_memory  # noqa: E402
 from engine import LLM, SamplingParams  # noqa: E402
-
-
-class DeviceOracle:
-    """The oracle drafter for measuring the engine's DDTree round: golden continuations gathered on the device from
-    one padded table, with no per-request Python beyond a row lookup (engine.speculative.oracle builds candidate
-    lists per request and depth in Python, which at batch 64 costs more than the step it drafts for). Depth d
-    proposes the golden token at rank 0 and K - 1 distinct distractors below it; positions past the golden
-    sequence propose distractors only, far lower. No prefix check: a request that left its golden sequence
-    simply has its drafts rejected."""
-
-    target_layer_ids: tuple[int, ...] = ()
-    KNOWN, UNKNOWN, SPREAD = -0.1, -8.0, 2.0  # as engine.speculative.oracle
-
-    def __init__(self, golden: dict[tuple, list[int]], prompt_len: int, vocab_size: int, horizon: int, device):
-        self.prompt_len, self.vocab_size, self.horizon, self.device = prompt_len, vocab_size, horizon, device
-        self.load(golden)
-
-    def load(self, golden: dict[tuple, list[int]]) -> None:
-        """Replays these sequences (prompt tuple -> prompt + continuation) from now on."""
-        seqs = list(golden.values())
-        table = torch.full((len(seqs), max(map(len, seqs)) + self.horizon + 1), -1, dtype=torch.int64)
-        for i, seq in enumerate(seqs):
-            table[i, :len(seq)] = torch.tensor(seq)
-        self.table, self.index = table.to(self.device), {key: i for i, key in enumerate(golden)}
-        self.rows: dict[str, int] = {}  # request id -> its golden row
-
-    def release(self, request_id: str) -> None:
-        self.rows.pop(request_id, None)
-
-    def _row(self, req) -> int:
-        if req.request_id not in self.rows:
-            self.rows[req.request_id] = self.index[tuple(req.token_ids[:self.prompt_len])]
-        return self.rows[req.request_id]
-
-    def propose(self, batch, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
-        where = torch.tensor([[self._row(r) for r in batch], [len(r.token_ids) - 1 for r in batch]])
-        where = where.to(self.device, non_blocking=True)
-        depths = torch.arange(1, self.horizon + 1, device=self.device)
-        gold = self.table[where[0][:, None], where[1][:, None] + depths]  # [N, L], -1 past the golden sequence
-        ranks = torch.arange(top_k, device=self.device)
-        ids = (gold.clamp(min=0)[..., None] + ranks) % self.vocab_size  # [N, L, K] distinct
-        base = torch.where(gold >= 0, self.KNOWN, self.UNKNOWN)
-        return (base[..., None] - self.SPREAD * ranks).float(), ids
+from engine.speculative.oracle import DeviceOracle  # noqa: E402
 
 
 def emit(**record) -> None:

@@ -42,6 +42,9 @@ class FixedTreeDrafter:
     def release(self, request_id: str) -> None:
         pass
 
+    def propose_ahead(self, batch, top_k: int, root_ids, root_positions) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.propose(batch, top_k)
+
     def propose(self, batch, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
         key = (len(batch), top_k)
         if key not in self._cache:

@@ -27,9 +27,10 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from bench.e2e import DeviceOracle, prompts  # noqa: E402
+from bench.e2e import prompts  # noqa: E402
 from bench.gpu_serving import QWEN3_8B, SMOLLM2_135M, free_engine_memory  # noqa: E402
 from engine import LLM, SamplingParams  # noqa: E402
+from engine.speculative.oracle import DeviceOracle  # noqa: E402
 
 
 def log_steps(llm: LLM, ps: list[list[int]], sp: SamplingParams, profile: tuple[int, int] | None) -> None:

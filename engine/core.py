@@ -313,6 +313,8 @@ class EngineCore:
         self._not_ahead = "grammar or penalties"  # why not, for the next step's statistics
         if any(s.request.constraint is not None or needs_penalty(s.request) for s in seqs):
             return None
+        if current.step.is_tree_step:
+            return self._launch_tree_ahead(current)
         self._not_ahead = "a tree or a draft wanted"
         if self.speculator is not None and self.budgets.enabled:
             ids = [s.request.request_id for s in seqs if not s.request.finished]
@@ -336,6 +338,38 @@ class EngineCore:
             return None  # the next step, scheduled as usual, meets the fault again and fails its request
         return _Launched(plan, step, t_launch - t0, self.scheduler.num_preemptions, t_launch, scheduling="ahead")
 
+    def _launch_tree_ahead(self, current: "_Launched") -> "_Launched | None":
+        """The tree step after `current` (a tree step), launched before `current`'s accepted lengths are read:
+        the drafter drafts from roots and positions on the device (drafters that can), and the verify rows'
+        positions and slots are computed there; under CUDA graphs only (an eager step plans attention from
+        exact host lengths)."""
+        why = self.speculator.cannot_draft_ahead()
+        if why is None and self.runner.graphs is None:
+            why = "no CUDA graphs"
+        if why is not None:
+            self._not_ahead = why
+            return None
+        budgets = self.budgets if self.budgets.enabled else None
+        t0 = time.perf_counter()
+        dry = (lambda r: budgets.budget(r.request_id, dry=True, ahead=True)) if budgets else (lambda r: 10 ** 9)
+        plan = self.scheduler.schedule_ahead_trees(current.plan, dry)
+        if isinstance(plan, str):
+            self._not_ahead = plan
+            return None
+        if self.runner.graphs.bucket(len(plan.seqs), max(plan.spec_budgets) + 1) is None:
+            self._not_ahead = "no graph for the tree step"
+            return None
+        if budgets is not None:  # counted now (the values do not change: asked with the same clock)
+            for s in plan.seqs:
+                budgets.budget(s.request.request_id, ahead=True)
+        t_launch = time.perf_counter()
+        try:
+            step = self.runner.launch(plan, after=current.step)
+        except RequestFault:
+            self._not_ahead = "a request failed"
+            return None
+        return _Launched(plan, step, t_launch - t0, self.scheduler.num_preemptions, t_launch, scheduling="ahead")
+
     def _complete(self, launched: "_Launched") -> list[Delta]:
         """Waits for a launched step's results and applies them: the scheduler's update and the deltas."""
         plan = launched.plan
@@ -353,7 +387,7 @@ class EngineCore:
             return []
         if self.speculator is not None:
             self._observe_budgets(plan, result, seconds)
-        self.scheduler.update(plan, result)
+        self.scheduler.update(plan, result, in_flight=self.inflight.plan if self.inflight is not None else None)
         for req in plan.preempted:
             self.runner.release(req.request_id)
         now = time.monotonic()
@@ -393,7 +427,7 @@ class EngineCore:
         self.budgets.observe_draft(result.num_drafted, draft_seconds)
         for s in plan.seqs:
             rid = s.request.request_id
-            if rid in result.curves:
+            if rid in result.curves and not s.request.finished:  # (finished while a step ran ahead: released)
                 self.budgets.observe_request(rid, s.spec_budget, result.accepted_rows.get(rid, []), result.curves[rid])
 
     def _stats(self, plan, result, preemptions_before: int) -> StepStats:

@@ -21,6 +21,7 @@ class StepInputs:
     plain_rows: list[tuple[int, int]]  # per plain sequence: (first row, number of rows)
     tree_row0: int  # first verify row (= number of plain rows)
     tree_slots: torch.Tensor | None  # [N, W] int64 cache slots of the verify rows
+    tree_starts: torch.Tensor | None = None  # [N] int64 root position of each tree, on the device
 
 
 def slot_of(block_ids: list[int], block_size: int, index: int) -> int:
@@ -124,7 +125,31 @@ def prepare_inputs(plain: list[ScheduledSeq], batch: TreeBatch | None, block_siz
         dense_prefill_min_tokens=dense_prefill_min_tokens,
         padded=pad,
     )
-    return StepInputs(input_ids, meta, rows, tree_row0, tree_slots)
+    return StepInputs(input_ids, meta, rows, tree_row0, tree_slots, starts_d if batch is not None else None)
+
+
+def prepare_tree_inputs_ahead(batch: TreeBatch, max_starts: list[int], block_size: int, stage: Staging,
+                              dense_prefill_min_tokens: int = 0) -> StepInputs:
+    """The inputs of a tree step drafted ahead of its predecessor's results: every request's root position
+    (batch.starts) is on the device, so the verify rows' positions, cache slots and key counts are computed
+    there from the block tables, which the scheduler grew for the longest case (max_starts: each root's
+    largest possible position, which the host-side lengths report)."""
+    n, width = batch.num_requests, batch.width
+    tables = [s.request.block_ids for s in batch.seqs]
+    num_cols = max(len(t) for t in tables)
+    flat = [b for t in tables for b in t + [0] * (num_cols - len(t))]
+    qsl_d, table_d = stage.pack([_cumulative([width] * n), flat], torch.int32)
+    table_d = table_d.view(n, num_cols)
+    starts = batch.starts  # [N] int64
+    pos = starts[:, None] + torch.arange(width, device=starts.device)  # [N, W] logical KV positions
+    tree_slots = table_d.long().gather(1, pos // block_size) * block_size + pos % block_size  # [N, W]
+    tree_ids, tree_pos, tree_vis = Speculator.verify_rows(batch, starts)
+    meta = AttentionMetadata(
+        positions=tree_pos, slot_mapping=tree_slots.reshape(-1), query_start_loc=qsl_d,
+        seq_lens=(starts + width).to(torch.int32), block_tables=table_d, block_size=block_size,
+        tree_mask=tree_vis, query_lens_host=[width] * n, seq_lens_host=[m + width for m in max_starts],
+        dense_prefill_min_tokens=dense_prefill_min_tokens, padded=False)
+    return StepInputs(tree_ids, meta, [], 0, tree_slots, starts)
 
 
 def _concat(head: torch.Tensor, *tails: torch.Tensor | None) -> torch.Tensor:

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.inputs import StepInputs, prepare_inputs
+from engine.inputs import StepInputs, prepare_inputs, prepare_tree_inputs_ahead
 from engine.plan import ScheduledSeq, StepPlan, StepResult
 from engine.sampler import SampleOutput, Sampler, SamplingBatch
 from engine.speculative.speculator import Speculator, TreeBatch, Walk
@@ -80,6 +80,8 @@ class ModelRunner:
         after: the launched step whose results this plan's requests feed (a plan scheduled ahead: each request
         decodes the token `after` samples for it, still on the device)."""
         self.staging.reset()  # the buffers of the step before the previous one: its results came back
+        if plan.seqs and plan.seqs[0].after_tree:
+            return self._launch_tree_ahead(plan, after)
         input_ids = after.sampled_tokens([s.request for s in plan.seqs], self.staging) if after else None
         spec = self.speculator
         is_tree = [spec is not None and s.spec_budget > 0 for s in plan.seqs]
@@ -99,6 +101,22 @@ class ModelRunner:
         watched = (watch, *spec.curves(watch)) if watch else None
         return self._launch(plain, batch, watched, input_ids)
 
+    def _launch_tree_ahead(self, plan: StepPlan, after: "PendingStep") -> "PendingStep":
+        """A tree step for every request of `plan`, launched before `after` (a tree step) has reported: each
+        request's root is the bonus token `after` emits for it and its root position is `after`'s plus that
+        step's accepted length, all on the device (engine.inputs.prepare_tree_inputs_ahead)."""
+        seqs = plan.seqs
+        roots, starts, emitted = after.tree_successors([s.request for s in seqs], self.staging)
+        drafted = [s.spec_budget > 0 or self.watch is None or self.watch(s.request.request_id, ahead=True)
+                   for s in seqs]
+        batch = self.speculator.draft(seqs, drafted, ahead=(roots, starts, emitted))
+        # positions reached in the longest case: the request's root, past its previous tree's most tokens
+        most_emitted = after.most_emitted()
+        max_starts = [s.request.num_computed_tokens + most_emitted[id(s.request)] for s in seqs]
+        t1 = time.perf_counter()
+        inputs = prepare_tree_inputs_ahead(batch, max_starts, self.block_size, self.staging, self.dense_prefill_min_tokens)
+        return self._run(plain=[], batch=batch, watched=None, inputs=inputs, t1=t1)
+
     def _launch(self, plain: list[ScheduledSeq], batch: TreeBatch | None, watched: tuple | None,
                 ahead_ids: torch.Tensor | None) -> "PendingStep":
         t1 = time.perf_counter()
@@ -108,6 +126,12 @@ class ModelRunner:
                                 self.dense_prefill_min_tokens)
         if ahead_ids is not None:
             inputs.input_ids = ahead_ids
+        return self._run(plain, batch, watched, inputs, t1)
+
+    def _run(self, plain: list[ScheduledSeq], batch: TreeBatch | None, watched: tuple | None, inputs: StepInputs,
+             t1: float) -> "PendingStep":
+        """The target forward, sampling, walk and compaction of a prepared step, and its results' copy."""
+        shape = _uniform_shape(plain, batch)
         hidden, captured, graph_mode = self._forward(shape, inputs)
         features = torch.cat(captured, dim=-1) if captured else None  # [num_tokens, num_layers * hidden]
         t2 = time.perf_counter()
@@ -186,7 +210,9 @@ class ModelRunner:
             num_rows += [width] * batch.num_requests
             plain_depths = depths if depths is not None else \
                 torch.zeros(len(sampling), dtype=torch.int64, device=self.device)
-            depths = torch.cat([plain_depths, batch.tree.depths.reshape(-1)])
+            tree_depths = batch.tree.depths if batch.depth_offsets is None else \
+                batch.tree.depths + batch.depth_offsets[:, None]  # a tree drafted ahead: past `after`'s tokens
+            depths = torch.cat([plain_depths, tree_depths.reshape(-1)])
             tree_tokens, tree_vis = batch.tree.node_token_ids, batch.tree.visibility
         if not requests:
             return SampleOutput(torch.empty(0, dtype=torch.int64, device=self.device), [], None, None, None), None
@@ -340,6 +366,30 @@ class PendingStep:
     copy: _ResultCopy
     t1: float
     t2: float
+
+    @property
+    def is_tree_step(self) -> bool:
+        """Every request of the step verified a tree (root-only ones included)."""
+        return self.batch is not None and not self.plain
+
+    def most_emitted(self) -> dict[int, int]:
+        """id(request) -> the most tokens this tree step can emit for it (its budget + 1)."""
+        return {id(s.request): b + 1 for s, b in zip(self.batch.seqs, self.batch.budgets)}
+
+    def tree_successors(self, requests: list, stage: Staging) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """For a tree step launched ahead of this one's results, per request (all in this step's trees), on the
+        device: the next root (this step's bonus token), its position (this step's root position + accepted
+        length) and the accepted length itself, each [len(requests)] int64."""
+        walk, starts = self.walk, self.inputs.tree_starts
+        accept_len = walk.accept_len
+        roots = walk.emitted.gather(1, (accept_len - 1)[:, None])[:, 0]
+        next_starts = starts + accept_len
+        seqs = self.batch.seqs
+        if len(requests) == len(seqs) and all(r is s.request for r, s in zip(requests, seqs)):
+            return roots, next_starts, accept_len
+        where = {id(s.request): i for i, s in enumerate(seqs)}
+        index = stage([where[id(r)] for r in requests])
+        return roots[index], next_starts[index], accept_len[index]
 
     def sampled_tokens(self, requests: list, stage: Staging) -> torch.Tensor:
         """[len(requests)] int64 on the device: the token this step samples for each of these requests (plain

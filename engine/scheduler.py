@@ -148,9 +148,48 @@ class Scheduler:
         plan.spec_budgets = [0] * len(plan.seqs)
         return plan if plan.seqs else "every request finishes"
 
-    def update(self, plan: StepPlan, result: StepResult) -> list[Request]:
+    def schedule_ahead_trees(self, previous: StepPlan, budget_of: Callable[[Request], int]) -> StepPlan | str:
+        """Asynchronous scheduling after a tree step: the next tree step, planned before `previous`'s accepted
+        lengths reach the host. Only when `previous` laid out every running request as a tree and nothing waits
+        for admission. A request then lies up to its previous budget + 1 tokens past its host state, so its KV is
+        reserved for the longest case, its budget (budget_of) is capped as if it had advanced that far, and a
+        request that may reach max_tokens or the context with `previous`'s tokens is left out. Why not, when
+        this does not apply, blocks run out or no request wants a tree."""
+        if self.waiting:
+            return "waiting requests"
+        trees = {id(s.request): s for s in previous.seqs if s.sample and s.num_new_tokens == 1}
+        if any(id(r) not in trees for r in self.running):
+            return "after a prefill step"
+        step_budget = self.step_budget(len(self.running))
+        budgets: list[tuple[Request, int, int]] = []  # (request, budget, most tokens `previous` emits for it)
+        for s in previous.seqs:
+            req = s.request
+            if req.finished:
+                continue
+            most = s.spec_budget + 1
+            remaining = req.sampling.max_tokens - len(req.output_token_ids) - most
+            room = self.max_model_len - req.num_tokens - most
+            if remaining <= 0 or room <= 0:
+                continue  # it may finish with previous's tokens
+            budgets.append((req, max(0, min(budget_of(req), step_budget, remaining - 1, room - 1)), most))
+        if not budgets:
+            return "every request may finish"
+        width = max(b for _, b, _ in budgets) + 1
+        if width == 1:
+            return "no tree wanted"
+        plan = StepPlan()
+        for req, budget, most in budgets:
+            if not self.blocks.allocate(req, req.num_computed_tokens + most + width):
+                return "KV blocks"
+            plan.seqs.append(ScheduledSeq(req, 1, True, budget, after_tree=True))
+        plan.spec_budgets = [b for _, b, _ in budgets]
+        return plan
+
+    def update(self, plan: StepPlan, result: StepResult, in_flight: StepPlan | None = None) -> list[Request]:
         """Applies a step's result; returns the requests that finished this step. Tokens are appended before
-        the prefix cache registers the blocks they fill (a verify step's accepted tokens included)."""
+        the prefix cache registers the blocks they fill (a verify step's accepted tokens included). in_flight:
+        the step launched ahead of this one's results (its requests keep the KV rows it writes)."""
+        busy = {id(s.request) for s in in_flight.seqs} if in_flight is not None else set()
         finished = []
         new_token_ids, accepted_rows, logprobs = result.new_token_ids, result.accepted_rows, result.logprobs
         for s in plan.seqs:
@@ -170,7 +209,7 @@ class Scheduler:
                 self.running.remove(req)
                 self.finish(req, reason)
                 finished.append(req)
-            elif s.spec_budget:
+            elif s.spec_budget and id(req) not in busy:
                 self.blocks.trim(req, req.num_tokens)  # hand back the rejected tree rows' blocks
         return finished
 

@@ -110,3 +110,56 @@ class OracleDrafter:
         rows = [row for req in batch for row in self.candidates(req, k)]
         lp, ids = pack_candidates(rows, k, self.vocab_size, self.exclude, device=self.device)  # [N*L, K]
         return lp.view(len(batch), self.horizon, k), ids.view(len(batch), self.horizon, k)
+
+
+class DeviceOracle:
+    """The oracle for measuring the engine's DDTree round (benchmarks) and for steps drafted ahead of their
+    predecessor's results (tests): golden continuations gathered on the device from one padded table, with no
+    per-request Python beyond a row lookup. Depth d proposes the golden token at rank 0 and K - 1 distinct
+    distractors below it; positions past the golden sequence propose distractors only, far lower. No prefix
+    check: a request that left its golden sequence simply has its drafts rejected. `golden` maps a prompt (as a
+    tuple) to prompt + continuation; a request finds its row by its first prompt_len tokens."""
+
+    target_layer_ids: tuple[int, ...] = ()
+    SPREAD = 2.0
+
+    def __init__(self, golden: dict[tuple, list[int]], prompt_len: int, vocab_size: int, horizon: int, device):
+        self.prompt_len, self.vocab_size, self.horizon, self.device = prompt_len, vocab_size, horizon, device
+        self.load(golden)
+
+    def load(self, golden: dict[tuple, list[int]]) -> None:
+        """Replays these sequences (prompt tuple -> prompt + continuation) from now on."""
+        seqs = list(golden.values())
+        table = torch.full((len(seqs), max(map(len, seqs)) + self.horizon + 1), -1, dtype=torch.int64)
+        for i, seq in enumerate(seqs):
+            table[i, :len(seq)] = torch.tensor(seq)
+        self.table, self.index = table.to(self.device), {key: i for i, key in enumerate(golden)}
+        self.rows: dict[str, int] = {}  # request id -> its golden row
+
+    def release(self, request_id: str) -> None:
+        self.rows.pop(request_id, None)
+
+    def _row(self, req: DraftRequest) -> int:
+        if req.request_id not in self.rows:
+            self.rows[req.request_id] = self.index[tuple(req.token_ids[:self.prompt_len])]
+        return self.rows[req.request_id]
+
+    def propose(self, batch: list[DraftRequest], top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        where = torch.tensor([[self._row(r) for r in batch], [r.root_position for r in batch]])
+        where = where.to(self.device, non_blocking=True)
+        return self._gather(where[0], where[1], top_k)
+
+    def propose_ahead(self, batch: list[DraftRequest], top_k: int, root_ids: torch.Tensor,
+                      root_positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """propose() for requests whose roots are still on the device (root_positions [N] int64 there)."""
+        rows = torch.tensor([self._row(r) for r in batch]).to(self.device, non_blocking=True)
+        return self._gather(rows, root_positions, top_k)
+
+    def _gather(self, rows: torch.Tensor, root_positions: torch.Tensor, top_k: int
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        depths = torch.arange(1, self.horizon + 1, device=self.device)
+        gold = self.table[rows[:, None], root_positions[:, None] + depths]  # [N, L], -1 past the golden sequence
+        ranks = torch.arange(top_k, device=self.device)
+        ids = (gold.clamp(min=0)[..., None] + ranks) % self.vocab_size  # [N, L, K] distinct
+        base = torch.where(gold >= 0, KNOWN_BASE, UNKNOWN_BASE)
+        return (base[..., None] - self.SPREAD * ranks).float(), ids

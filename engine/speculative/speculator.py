@@ -41,6 +41,10 @@ class TreeBatch:
     constrained: dict = field(default_factory=dict)
     num_pruned: int = 0
     clock: "DraftClock | None" = None  # the drafter's time (device time read after the step's fetch)
+    # drafted ahead of the previous tree step's results: [N] int64 root positions and the tokens that step
+    # emits per request (the rows' output offset), on the device; None when the host knows both
+    starts: torch.Tensor | None = None
+    depth_offsets: torch.Tensor | None = None
 
     @property
     def draft_s(self) -> float:
@@ -145,16 +149,28 @@ class Speculator:
         self.pending_hidden.pop(request_id, None)
         self.drafter.release(request_id)
 
-    def draft(self, seqs: list[ScheduledSeq], drafted: list[bool] | None = None) -> TreeBatch:
+    def cannot_draft_ahead(self) -> str | None:
+        """Why trees cannot be drafted before the previous tree step's results reach the host, or None."""
+        if not hasattr(self.drafter, "propose_ahead"):
+            return "the drafter drafts from tokens on the host"
+        if self.capture_layer_ids:
+            return "the drafter reads target features of accepted tokens from the host"
+        return None
+
+    def draft(self, seqs: list[ScheduledSeq], drafted: list[bool] | None = None,
+              ahead: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> TreeBatch:
         """Drafter proposal -> per-request best-first trees, W = max budget + 1 rows each. Requests with
         drafted[i] False (budget 0, not watched) get a root-only tree without running the drafter for them. The
-        drafter takes the pending features into its own state; if it fails they stay pending."""
+        drafter takes the pending features into its own state; if it fails they stay pending. ahead: (roots,
+        root positions, tokens the previous step emits) [N] on the device, for trees drafted before the previous
+        tree step's results reach the host (cannot_draft_ahead() is None)."""
         drafted = drafted if drafted is not None else [True] * len(seqs)
-        tree, curve, clock, build_s, constrained = self._full_trees(seqs, drafted)
+        tree, curve, clock, build_s, constrained = self._full_trees(seqs, drafted, ahead)
         budgets = [s.spec_budget if d else 0 for s, d in zip(seqs, drafted)]
         tree = tree.truncated(self.stage(budgets), max(budgets) + 1)
         return TreeBatch(seqs, tree, budgets, drafted, curve, tree_build_s=build_s, clock=clock,
-                         constrained=constrained, num_pruned=sum(c.num_pruned for c in constrained.values()))
+                         constrained=constrained, num_pruned=sum(c.num_pruned for c in constrained.values()),
+                         starts=ahead[1] if ahead else None, depth_offsets=ahead[2] if ahead else None)
 
     def curves(self, seqs: list[ScheduledSeq]) -> tuple[torch.Tensor, DraftClock]:
         """[M, 2B] node confidence of these requests' full-budget trees, verified by nobody this step (what the
@@ -163,7 +179,8 @@ class Speculator:
         _, curve, clock, _, _ = self._full_trees(seqs)
         return curve, clock
 
-    def _full_trees(self, seqs: list[ScheduledSeq], drafted: list[bool] | None = None
+    def _full_trees(self, seqs: list[ScheduledSeq], drafted: list[bool] | None = None,
+                    ahead: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
                     ) -> tuple[DraftTree, torch.Tensor, DraftClock, float, dict]:
         """The drafter's proposal built into full-budget trees (best-first trees nest, so a request's own budget
         is a cut of it), their node confidence (q and bin per node), the drafter's clock, the seconds building
@@ -181,7 +198,11 @@ class Speculator:
         top_k = self.draft_top_k
         clock = DraftClock(self.device)
         try:
-            if batch:
+            if batch and ahead is not None:
+                index = self.stage([i for i, d in enumerate(drafted) if d]) if len(run) < len(seqs) else None
+                roots, starts = (ahead[0], ahead[1]) if index is None else (ahead[0][index], ahead[1][index])
+                logprobs, token_ids = self.drafter.propose_ahead(batch, top_k, roots, starts)  # [N, L, K]
+            elif batch:
                 logprobs, token_ids = self.drafter.propose(batch, top_k)  # [N, L, K]
             else:
                 logprobs = torch.zeros((0, self.horizon, top_k), dtype=torch.float32, device=self.device)
@@ -197,7 +218,7 @@ class Speculator:
             index = self.stage([i for i, d in enumerate(drafted) if d])
             logprobs = logprobs.new_zeros((len(seqs), *logprobs.shape[1:])).index_copy_(0, index, logprobs)
             token_ids = token_ids.new_zeros((len(seqs), *token_ids.shape[1:])).index_copy_(0, index, token_ids)
-        roots = self.stage([s.request.last_token_id for s in seqs])
+        roots = ahead[0] if ahead is not None else self.stage([s.request.last_token_id for s in seqs])
         # the full budget's node probabilities tell the adaptive budget what a bigger tree would bring
         full = self.stage([self.max_budget if d else 0 for d in drafted])
         tree = DraftTree.from_topk(logprobs, token_ids, roots, full, self.max_budget)

@@ -1,0 +1,130 @@
+"""Tree steps launched ahead of their predecessor's results (EngineCore._launch_tree_ahead): with a drafter that
+drafts from roots and positions on the device, the next tree step is launched before the previous tree step's
+accepted lengths reach the host; its roots, positions, cache slots and sampling offsets come from the device.
+On the CPU launches are synchronous, so these tests switch asynchronous scheduling on (with the CUDA-graph
+layout emulated) to check the bookkeeping against stepping synchronously and against plain decoding: greedy
+output at batch 1, 3 and 17 with acceptance varying per step, requests finishing by length and by stop tokens
+while a tree step runs ahead of them, seeded sampling with min_tokens and logprobs, the adaptive budget, and
+drafters that need the host (never ahead, and why)."""
+from __future__ import annotations
+
+import pytest
+
+from engine import LLM, SamplingParams
+from engine.speculative.oracle import DeviceOracle, OracleDrafter
+from tests.engine.test_async_scheduling import run
+from tests.engine.test_cuda_graphs import prompts
+from tests.speculative.test_ddtree_e2e import golden_lookup
+
+MAX_TOKENS = 24
+VOCAB = 1000
+
+
+def corrupted(sequences: dict[tuple, list[int]], prompt_lens: dict[tuple, int], every: int = 5):
+    """Golden sequences with every `every`-th continuation token replaced: the drafts then fail at varying depths,
+    so accepted lengths vary from step to step."""
+    out = {}
+    for key, seq in sequences.items():
+        seq = list(seq)
+        for i in range(prompt_lens[key] + 2, len(seq), every):
+            seq[i] = (seq[i] + 1) % VOCAB
+        out[key] = seq
+    return out
+
+
+def tree_engine(folder, ps, ref, overlap: bool, budget: int = 6, adaptive: bool = False, **kwargs) -> LLM:
+    golden = {tuple(p[:3]): p + r for p, r in zip(ps, ref)}
+    oracle = DeviceOracle(corrupted(golden, {tuple(p[:3]): len(p) for p in ps}), 3, VOCAB, horizon=6, device="cpu")
+    llm = LLM(folder, dtype="fp32", drafter=oracle, spec_budget=budget, adaptive=adaptive, max_num_seqs=32,
+              **kwargs)
+    llm.engine.enable_graphs(emulate=True)
+    llm.engine.overlap = llm.engine.budgets.pipelined = overlap
+    return llm
+
+
+def plain_greedy(folder, ps, params) -> list[list[int]]:
+    return [o.token_ids for o in LLM(folder, dtype="fp32").generate(ps, params)]
+
+
+def tree_steps_ahead(core, ps, params) -> tuple[list[list[int]], list, int]:
+    """run() that also counts the tree steps that ran ahead of their predecessor's results."""
+    stats = []
+    step = core.step
+
+    def spy():
+        deltas = step()
+        if core.last_stats is not None:
+            stats.append((core.last_stats.scheduling, any(core.last_stats.spec_budgets)))
+        return deltas
+
+    core.step = spy
+    tokens, logprobs, _ = run(core, ps, params)
+    return tokens, logprobs, sum(1 for mode, tree in stats if mode == "ahead" and tree)
+
+
+@pytest.mark.parametrize("batch", [1, 3, 17])
+def test_greedy_tree_steps_ahead_equal_plain_decoding(tiny_checkpoints, batch):
+    folder, _ = tiny_checkpoints("llama")
+    ps = prompts(batch)
+    # different lengths: requests finish (or may finish) while the tree step after them is in flight
+    params = [SamplingParams(max_tokens=MAX_TOKENS - i % 7, temperature=0, ignore_eos=True) for i in range(batch)]
+    ref = plain_greedy(folder, ps, params)
+    out, _, ahead = tree_steps_ahead(tree_engine(folder, ps, ref, True).engine, ps, params)
+    assert out == ref
+    assert ahead >= 3, ahead  # tree steps did run ahead (with drafts rejected at varying depths)
+
+
+def test_stop_tokens_while_a_tree_step_runs_ahead(tiny_checkpoints):
+    folder, _ = tiny_checkpoints("llama")
+    ps = prompts(4)
+    greedy = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
+    ref = plain_greedy(folder, ps, greedy)
+    stops = [SamplingParams(max_tokens=MAX_TOKENS, temperature=0, stop_token_ids=[r[len(r) // 2]]) for r in ref]
+    want = plain_greedy(folder, ps, stops)
+    out, _, ahead = tree_steps_ahead(tree_engine(folder, ps, ref, True).engine, ps, stops)
+    assert out == want and ahead > 0
+    assert all(len(o) < MAX_TOKENS for o in out)
+
+
+def test_seeded_sampling_ahead_equals_synchronous_tree_steps(tiny_checkpoints):
+    folder, _ = tiny_checkpoints("llama")
+    ps = prompts(4)
+    ref = plain_greedy(folder, ps, SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True))
+    sampled = [SamplingParams(max_tokens=MAX_TOKENS, temperature=0.8, top_p=0.9, top_k=40, min_tokens=6, seed=s,
+                              logprobs=2, ignore_eos=False) for s in range(4)]
+    want, want_lp, _ = tree_steps_ahead(tree_engine(folder, ps, ref, False).engine, ps, sampled)
+    got, got_lp, ahead = tree_steps_ahead(tree_engine(folder, ps, ref, True).engine, ps, sampled)
+    assert got == want and ahead > 0
+    for w, g in zip(want_lp, got_lp):
+        assert [(round(c, 4), [t for t, _ in top]) for c, top in g] == \
+               [(round(c, 4), [t for t, _ in top]) for c, top in w]
+
+
+def test_adaptive_budget_with_tree_steps_ahead(tiny_checkpoints):
+    folder, _ = tiny_checkpoints("llama")
+    ps = prompts(5)
+    params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    ref = plain_greedy(folder, ps, params)
+    out, _, ahead = tree_steps_ahead(tree_engine(folder, ps, ref, True, budget=8, adaptive=True).engine, ps,
+                                     params)
+    assert out == ref and ahead > 0
+
+
+def test_drafters_that_need_the_host_never_draft_ahead(tiny_checkpoints):
+    folder, _ = tiny_checkpoints("llama")
+    ps = prompts(2)
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
+    ref = plain_greedy(folder, ps, params)
+    oracle = OracleDrafter(golden_lookup([(p + r, len(p)) for p, r in zip(ps, ref)]), VOCAB, horizon=6)
+    llm = LLM(folder, dtype="fp32", drafter=oracle, spec_budget=6, adaptive=False)
+    llm.engine.enable_graphs(emulate=True)
+    llm.engine.overlap = llm.engine.budgets.pipelined = True
+    core, reasons = llm.engine, set()
+    for p in ps:
+        core.add_request(p, params)
+    while core.has_unfinished():
+        core.step()
+        if core.last_stats is not None and core.last_stats.spec_budgets and any(core.last_stats.spec_budgets):
+            reasons.add(core.last_stats.scheduling)
+    assert "ahead" not in reasons
+    assert "synchronous: the drafter drafts from tokens on the host" in reasons, reasons

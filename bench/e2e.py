@@ -98,7 +98,10 @@ def run_ours(args, model_path: str, load_format: str) -> None:
     del plain, sync
     free_engine_memory()
     oracle = DeviceOracle(goldens[args.batch[0]], args.prompt_len, vocab, args.depth, args.device)
-    for mode, kwargs in (("chain", dict(chain=True)), ("ddtree", dict(spec_budget=args.budget))):
+    # tree steps run ahead of their predecessor's results (the device oracle drafts from the device); the
+    # synchronous run is the same engine with every step waiting for its results
+    for mode, kwargs in (("chain", dict(chain=True)), ("ddtree", dict(spec_budget=args.budget)),
+                         ("ddtree, synchronous steps", dict(spec_budget=args.budget, async_scheduling=False))):
         llm = LLM(model_path, drafter=oracle, **kwargs, **common)
         for batch in args.batch:
             ps = prompts(vocab, batch, args.prompt_len)

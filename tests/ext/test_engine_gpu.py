@@ -152,6 +152,44 @@ def test_async_scheduling_on_cuda_equals_synchronous_steps(tiny_checkpoints, bat
     assert core.blocks.num_free_blocks == core.blocks.num_blocks
 
 
+@pytest.mark.parametrize("batch", [1, 3, 17])
+def test_tree_steps_ahead_on_cuda_equal_synchronous_steps(tiny_checkpoints, batch):
+    """Tree steps launched ahead of the previous tree step's results (roots, positions, slots and sampling offsets
+    taken on the device; real graph replays and the CUDA tree kernels): greedy output equals plain decoding with
+    staggered max_tokens and a stop token met mid-output, seeded sampling with min_tokens and logprobs equals
+    synchronous tree steps, and every KV block comes back."""
+    from engine.speculative.oracle import DeviceOracle
+    from tests.engine.test_async_trees import corrupted
+
+    folder, _ = tiny_checkpoints("llama")
+    ps = graph_prompts(batch)
+    common = dict(dtype="fp32", device="cuda", max_num_seqs=64)
+    plain = LLM(folder, **common)
+    greedy = [SamplingParams(max_tokens=MAX_TOKENS - i % 7, temperature=0, ignore_eos=True) for i in range(batch)]
+    ref = [o.token_ids for o in plain.generate(ps, greedy)]
+    stops = [SamplingParams(max_tokens=MAX_TOKENS, temperature=0, stop_token_ids=[r[len(r) // 2]]) for r in ref]
+    stop_ref = [o.token_ids for o in plain.generate(ps, stops)]
+    golden = corrupted({tuple(p[:3]): p + r for p, r in zip(ps, ref)}, {tuple(p[:3]): len(p) for p in ps})
+    sampled = [SamplingParams(max_tokens=MAX_TOKENS, temperature=0.8, top_p=0.9, seed=i, min_tokens=5, logprobs=2,
+                              ignore_eos=False) for i in range(batch)]
+    outs = {}
+    for overlap in (False, True):
+        oracle = DeviceOracle(golden, 3, 1000, horizon=HORIZON, device="cuda")
+        llm = LLM(folder, drafter=oracle, spec_budget=8, adaptive=False, async_scheduling=overlap, **common)
+        core = llm.engine
+        assert core.overlap == overlap and core.runner.graphs is not None
+        launched, launch = [], core._launch_tree_ahead
+        core._launch_tree_ahead = lambda current: launched.append(launch(current)) or launched[-1]
+        outs[overlap] = llm.generate(ps * 3, greedy + stops + sampled)
+        assert core.blocks.num_free_blocks == core.blocks.num_blocks
+        assert (sum(x is not None for x in launched) >= 3) == overlap, launched
+    got = [o.token_ids for o in outs[True]]
+    assert got[:2 * batch] == ref + stop_ref
+    assert got == [o.token_ids for o in outs[False]]
+    for a, b in zip(outs[True][2 * batch:], outs[False][2 * batch:]):
+        assert [lp[0] for lp in a.logprobs] == pytest.approx([lp[0] for lp in b.logprobs], abs=1e-4)
+
+
 def test_graph_replay_follows_changed_block_tables(tiny_checkpoints):
     """Capture once, then replay a decode step whose request's KV moved to other blocks: the replay reads the
     new block table (static buffers written in place), and equals the eager forward each time."""

@@ -375,6 +375,8 @@ class EngineCore:
         plan = launched.plan
         result = self.runner.collect(launched.step)
         ready = time.perf_counter()
+        if self.inflight is not None and self.inflight.step.batch is not None:  # a tree step drafted ahead of these
+            self.speculator.confirm_ahead(self.inflight.step.batch, result.new_token_ids)
         self._next_scheduling = launched.next_scheduling
         # the step's cost: from its launch, or from the previous step's results when it was queued behind them
         seconds = ready - max(launched.t_launch, self._last_ready)

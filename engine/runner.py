@@ -106,10 +106,13 @@ class ModelRunner:
         request's root is the bonus token `after` emits for it and its root position is `after`'s plus that
         step's accepted length, all on the device (engine.inputs.prepare_tree_inputs_ahead)."""
         seqs = plan.seqs
-        roots, starts, emitted = after.tree_successors([s.request for s in seqs], self.staging)
+        requests = [s.request for s in seqs]
+        roots, starts, emitted = after.tree_successors(requests, self.staging)
+        # a drafter fed by target features takes the accepted rows' from the device
+        feats = after.accepted_features(requests, self.staging) if self.speculator.capture_layer_ids else None
         drafted = [s.spec_budget > 0 or self.watch is None or self.watch(s.request.request_id, ahead=True)
                    for s in seqs]
-        batch = self.speculator.draft(seqs, drafted, ahead=(roots, starts, emitted))
+        batch = self.speculator.draft(seqs, drafted, ahead=(roots, starts, emitted, feats))
         # positions reached in the longest case: the request's root, past its previous tree's most tokens
         most_emitted = after.most_emitted()
         max_starts = [s.request.num_computed_tokens + most_emitted[id(s.request)] for s in seqs]
@@ -383,13 +386,24 @@ class PendingStep:
         walk, starts = self.walk, self.inputs.tree_starts
         accept_len = walk.accept_len
         roots = walk.emitted.gather(1, (accept_len - 1)[:, None])[:, 0]
-        next_starts = starts + accept_len
+        return self._per_request(requests, stage, roots, starts + accept_len, accept_len)
+
+    def accepted_features(self, requests: list, stage: Staging) -> torch.Tensor:
+        """[len(requests), A, F] the captured target features of each request's accepted rows (root first; rows
+        past its accepted length are filler), for a drafter fed by them drafting ahead of this step's results."""
+        nodes = self.walk.accepted_nodes.clamp(min=0)  # [N, A]
+        num, width = nodes.shape[0], self.batch.width
+        rows = self.inputs.tree_row0 + torch.arange(num, device=nodes.device)[:, None] * width + nodes
+        return self._per_request(requests, stage, self.features[rows])[0]
+
+    def _per_request(self, requests: list, stage: Staging, *values: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Rows of per-tree `values` (this step's tree order) in the order of `requests`."""
         seqs = self.batch.seqs
         if len(requests) == len(seqs) and all(r is s.request for r, s in zip(requests, seqs)):
-            return roots, next_starts, accept_len
+            return values
         where = {id(s.request): i for i, s in enumerate(seqs)}
         index = stage([where[id(r)] for r in requests])
-        return roots[index], next_starts[index], accept_len[index]
+        return tuple(v[index] for v in values)
 
     def sampled_tokens(self, requests: list, stage: Staging) -> torch.Tensor:
         """[len(requests)] int64 on the device: the token this step samples for each of these requests (plain

@@ -30,6 +30,7 @@ from torch import nn
 from engine.model.errors import CheckpointError, ConfigError
 from engine.model.layers import GatedMLP, RMSNorm, RotaryEmbedding, apply_rope, rope_parameters
 from engine.model.loader import read_config, read_safetensors, safetensors_files
+from engine.speculative.dflash_ahead import prepare_ahead
 from engine.speculative.draft_kv import PAGE_TOKENS, DraftKVPool
 from engine.speculative.drafter import DraftRequest, proposal_width
 from engine.staging import Staging
@@ -327,6 +328,22 @@ class DFlashDrafter:
         call = self._prepare(batch)
         out = self.graphs.run(call, top_k) if self.graphs is not None else None
         return out if out is not None else self.block_topk(call.bonus, call.meta, top_k)
+
+    @torch.inference_mode()
+    def propose_ahead(self, batch: list[DraftRequest], top_k: int, root_ids: torch.Tensor,
+                      root_positions: torch.Tensor, num_new: torch.Tensor, feats: torch.Tensor
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+        """propose() for a tree step launched before the previous one's results reach the host
+        (engine/speculative/dflash_ahead.py); needs the graphs (an eager call plans from exact host lengths)."""
+        call = prepare_ahead(self, batch, root_ids, root_positions, feats, num_new)
+        out = self.graphs.run(call, top_k)
+        return out if out is not None else self.block_topk(call.bonus, call.meta, top_k)
+
+    def confirm_ahead(self, request_id: str, num_rows: int) -> None:
+        """The previous tree step's results reached the host: the num_rows accepted rows a call ahead wrote are
+        context now."""
+        if request_id in self._context_len:  # (not when the request finished meanwhile)
+            self._context_len[request_id] += num_rows
 
 
 @dataclass

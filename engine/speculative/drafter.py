@@ -51,6 +51,13 @@ class Drafter(Protocol):
         """Forget per-request state (finish, abort, preempt)."""
         ...
 
+    # Optional, for tree steps launched before the previous tree step's results reach the host (engine.core):
+    # propose_ahead(batch, top_k, root_ids, root_positions, num_new, feats=None) drafts from roots [N] and root
+    # positions [N] on the device (num_new [N]: tokens the previous step accepted, its bonus included; feats
+    # [N, A, F]: their target features, padded, for drafters with target_layer_ids); `batch` holds the host
+    # state as of before that step. A drafter with target features also has confirm_ahead(request_id, num_rows),
+    # called once the previous step's results arrive.
+
 
 def proposal_width(top_k: int, vocab_size: int, num_excluded: int = 0) -> int:
     """K actually returned for a requested top_k: at most the number of proposable tokens."""

@@ -150,8 +150,9 @@ class DeviceOracle:
         return self._gather(where[0], where[1], top_k)
 
     def propose_ahead(self, batch: list[DraftRequest], top_k: int, root_ids: torch.Tensor,
-                      root_positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """propose() for requests whose roots are still on the device (root_positions [N] int64 there)."""
+                      root_positions: torch.Tensor, num_new: torch.Tensor, feats=None) -> tuple[torch.Tensor, torch.Tensor]:
+        """propose() for requests whose roots are still on the device (root_positions [N] int64 there; the
+        drafter protocol's ahead call, engine.speculative.drafter)."""
         rows = torch.tensor([self._row(r) for r in batch]).to(self.device, non_blocking=True)
         return self._gather(rows, root_positions, top_k)
 

@@ -153,17 +153,30 @@ class Speculator:
         """Why trees cannot be drafted before the previous tree step's results reach the host, or None."""
         if not hasattr(self.drafter, "propose_ahead"):
             return "the drafter drafts from tokens on the host"
-        if self.capture_layer_ids:
-            return "the drafter reads target features of accepted tokens from the host"
+        if getattr(self.drafter, "graphs", True) is None:
+            return "the drafter has no CUDA graphs"
         return None
 
+    def confirm_ahead(self, batch: TreeBatch, new_token_ids: dict[str, list[int]]) -> None:
+        """The previous tree step's results reached the host (new_token_ids: its tokens per request) while
+        `batch`, drafted ahead of them, had already fed its accepted rows' features to the drafter from the
+        device: those rows, just recorded again, are dropped, and the drafter counts them as context."""
+        if batch.starts is None or not self.capture_layer_ids:
+            return
+        for s, drafted in zip(batch.seqs, batch.drafted):
+            rid = s.request.request_id
+            if drafted and rid in new_token_ids:
+                self.pending_hidden.pop(rid, None)
+                self.drafter.confirm_ahead(rid, len(new_token_ids[rid]))
+
     def draft(self, seqs: list[ScheduledSeq], drafted: list[bool] | None = None,
-              ahead: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> TreeBatch:
+              ahead: tuple | None = None) -> TreeBatch:
         """Drafter proposal -> per-request best-first trees, W = max budget + 1 rows each. Requests with
         drafted[i] False (budget 0, not watched) get a root-only tree without running the drafter for them. The
         drafter takes the pending features into its own state; if it fails they stay pending. ahead: (roots,
-        root positions, tokens the previous step emits) [N] on the device, for trees drafted before the previous
-        tree step's results reach the host (cannot_draft_ahead() is None)."""
+        root positions, tokens the previous step emits) [N] and the features of its accepted rows [N, A, F] (None
+        for drafters without features), on the device, for trees drafted before the previous tree step's results
+        reach the host (cannot_draft_ahead() is None)."""
         drafted = drafted if drafted is not None else [True] * len(seqs)
         tree, curve, clock, build_s, constrained = self._full_trees(seqs, drafted, ahead)
         budgets = [s.spec_budget if d else 0 for s, d in zip(seqs, drafted)]
@@ -180,8 +193,7 @@ class Speculator:
         return curve, clock
 
     def _full_trees(self, seqs: list[ScheduledSeq], drafted: list[bool] | None = None,
-                    ahead: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
-                    ) -> tuple[DraftTree, torch.Tensor, DraftClock, float, dict]:
+                    ahead: tuple | None = None) -> tuple[DraftTree, torch.Tensor, DraftClock, float, dict]:
         """The drafter's proposal built into full-budget trees (best-first trees nest, so a request's own budget
         is a cut of it), their node confidence (q and bin per node), the drafter's clock, the seconds building
         took, and the grammar-aware trees of requests with structured output (built on the host: their proposals
@@ -200,8 +212,9 @@ class Speculator:
         try:
             if batch and ahead is not None:
                 index = self.stage([i for i, d in enumerate(drafted) if d]) if len(run) < len(seqs) else None
-                roots, starts = (ahead[0], ahead[1]) if index is None else (ahead[0][index], ahead[1][index])
-                logprobs, token_ids = self.drafter.propose_ahead(batch, top_k, roots, starts)  # [N, L, K]
+                given = [a for a in ahead if a is not None]
+                given = given if index is None else [a[index] for a in given]
+                logprobs, token_ids = self.drafter.propose_ahead(batch, top_k, *given)  # [N, L, K]
             elif batch:
                 logprobs, token_ids = self.drafter.propose(batch, top_k)  # [N, L, K]
             else:

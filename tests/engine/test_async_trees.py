@@ -128,3 +128,60 @@ def test_drafters_that_need_the_host_never_draft_ahead(tiny_checkpoints):
             reasons.add(core.last_stats.scheduling)
     assert "ahead" not in reasons
     assert "synchronous: the drafter drafts from tokens on the host" in reasons, reasons
+
+
+def test_dflash_drafts_ahead_from_the_device_like_it_drafts_from_the_host(tiny_checkpoints, tmp_path):
+    """A DFlash drafter drafting ahead of the previous tree step's results writes that step's accepted rows' K/V
+    from the device (padded, past the accepted length skipped) and reads its root and positions there: its raw
+    proposals equal, call by call, those of the same engine stepping synchronously (where the host feeds it), so
+    its draft KV holds the same context. The drafter's proposals are then replaced by an oracle's, so that trees
+    are accepted several tokens deep; greedy output equals plain decoding. (GPU twin: tests/ext/test_engine_gpu.py.)"""
+    dflash_ahead_against_synchronous(tiny_checkpoints, tmp_path, "cpu")
+
+
+def dflash_ahead_against_synchronous(tiny_checkpoints, tmp_path, device: str) -> None:
+    import json
+    import os
+
+    import torch
+
+    from engine.speculative.dflash_files import save_random_dflash
+
+    folder, _ = tiny_checkpoints("qwen3")
+    with open(os.path.join(folder, "config.json")) as f:
+        save_random_dflash(str(tmp_path), json.load(f), num_layers=1, block_size=8, target_layer_ids=[0, 1])
+    ps = prompts(3)
+    params = [SamplingParams(max_tokens=MAX_TOKENS - 3 * i, temperature=0, ignore_eos=True) for i in range(3)]
+    ref = [o.token_ids for o in LLM(folder, dtype="fp32", device=device).generate(ps, params)]
+    golden = corrupted({tuple(p[:3]): p + r for p, r in zip(ps, ref)}, {tuple(p[:3]): len(p) for p in ps})
+    raw, outs, ahead = {}, {}, {}
+    for overlap in (False, True):
+        llm = LLM(folder, dtype="fp32", drafter="dflash", draft_model=str(tmp_path), spec_budget=6, adaptive=False,
+                  max_num_seqs=8, device=device, async_scheduling=overlap)
+        if device == "cpu":
+            llm.engine.enable_graphs(emulate=True)
+            llm.engine.overlap = llm.engine.budgets.pipelined = overlap
+        assert llm.engine.overlap == overlap and llm.engine.speculator.drafter.graphs is not None
+        drafter, oracle = llm.engine.speculator.drafter, DeviceOracle(golden, 3, VOCAB, horizon=7, device=device)
+        calls = raw[overlap] = []
+        propose, propose_ahead = drafter.propose, drafter.propose_ahead
+
+        def host(batch, top_k, propose=propose, oracle=oracle, calls=calls):
+            calls.append(propose(batch, top_k)[0].clone())
+            return oracle.propose(batch, top_k)
+
+        def device_(batch, top_k, roots, positions, num_new, feats, propose_ahead=propose_ahead, oracle=oracle,
+                    calls=calls):
+            calls.append(propose_ahead(batch, top_k, roots, positions, num_new, feats)[0].clone())
+            return oracle.propose_ahead(batch, top_k, roots, positions, num_new)
+
+        drafter.propose, drafter.propose_ahead = host, device_
+        outs[overlap], _, ahead[overlap] = tree_steps_ahead(llm.engine, ps, params)
+    assert outs[True] == outs[False] == ref
+    assert ahead[True] >= 3 and ahead[False] == 0
+    sync, fast = raw[False], raw[True]
+    assert len(fast) >= len(sync)  # (calls ahead for requests that finished meanwhile come on top)
+    for want, got in zip(sync, fast):
+        if want.shape == got.shape:
+            assert torch.allclose(want, got, atol=1e-4), (want - got).abs().max()
+    assert sum(a.shape == b.shape for a, b in zip(sync, fast)) >= len(sync) // 2

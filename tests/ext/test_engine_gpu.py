@@ -190,6 +190,14 @@ def test_tree_steps_ahead_on_cuda_equal_synchronous_steps(tiny_checkpoints, batc
         assert [lp[0] for lp in a.logprobs] == pytest.approx([lp[0] for lp in b.logprobs], abs=1e-4)
 
 
+def test_dflash_drafts_ahead_on_cuda_like_it_drafts_from_the_host(tiny_checkpoints, tmp_path):
+    """The DFlash drafter's calls ahead of the previous tree step's results (real graph replays of its block and
+    context writes, the CUDA kernels) propose what its host-fed calls propose; greedy output equals plain."""
+    from tests.engine.test_async_trees import dflash_ahead_against_synchronous
+
+    dflash_ahead_against_synchronous(tiny_checkpoints, tmp_path, "cuda")
+
+
 def test_graph_replay_follows_changed_block_tables(tiny_checkpoints):
     """Capture once, then replay a decode step whose request's KV moved to other blocks: the replay reads the
     new block table (static buffers written in place), and equals the eager forward each time."""

@@ -7,10 +7,11 @@ from __future__ import annotations
 import logging
 import random
 import time
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 import torch
 
+from engine.ahead import AheadLauncher, Launched
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
 from engine.cuda_graphs import BATCH_SIZES, CudaGraphs, buckets_up_to, scratch_blocks_needed, supports_graphs
@@ -20,8 +21,8 @@ from engine.messages import Delta, RequestError, StepStats
 from engine.model.loader import default_sampling, load_model, resolve_dtype
 from engine.plan import StepPlan
 from engine.request import Request, SamplingParams, next_request_id
-from engine.runner import ModelRunner, PendingStep
-from engine.sampler import RequestFault, Sampler, needs_penalty
+from engine.runner import ModelRunner
+from engine.sampler import RequestFault, Sampler
 from engine.scheduler import Scheduler
 from engine.speculative.adaptive import BudgetController
 from engine.speculative.drafter import make_drafter
@@ -30,19 +31,6 @@ from engine.startup import check_extension, eos_token_ids, signed64
 from engine.warmup import warm_up
 
 logger = logging.getLogger("ddtree.engine")
-
-
-@dataclass
-class _Launched:
-    """A step on its way: its plan, the runner's pending step, and what its statistics need."""
-
-    plan: StepPlan
-    step: PendingStep
-    schedule_time: float
-    preemptions_before: int
-    t_launch: float
-    scheduling: str = ""  # StepStats.scheduling of this step
-    next_scheduling: str = ""  # ... of the step scheduled after it, when that one could not run ahead
 
 
 class EngineCore:
@@ -121,8 +109,8 @@ class EngineCore:
         # asynchronous scheduling: on CUDA (one rank), unless --no-async-scheduling; tests may switch it on
         self.overlap = config.async_scheduling and config.is_cuda and tp is None
         self.budgets.pipelined = self.overlap
-        self.inflight: _Launched | None = None  # a step launched ahead, its results not yet read
-        self._not_ahead = ""  # why the last step could not be followed by one launched ahead
+        self.inflight: Launched | None = None  # a step launched ahead, its results not yet read
+        self.ahead = AheadLauncher(self.scheduler, self.runner, self.speculator, self.budgets)
         self._next_scheduling = "synchronous: first step" if self.overlap else ""  # the next scheduled step's
         self._last_ready = 0.0  # when the last step's results reached the host (perf_counter)
         self.alloc_watch = AllocatorWatch(torch.device(config.device)) if config.is_cuda else None
@@ -268,7 +256,7 @@ class EngineCore:
         others simply run again next step. Any other exception propagates (the engine process dies).
 
         Asynchronous scheduling (`overlap`): before waiting for a step's results the next step is launched
-        when it can be planned without them (engine.scheduler.schedule_ahead), so the host's bookkeeping of
+        when it can be planned without them (engine/ahead.py), so the host's bookkeeping of
         step k runs while the device computes step k+1; step() then returns step k's deltas and keeps step k+1
         in flight for the next call."""
         self._mirror("step")
@@ -278,12 +266,12 @@ class EngineCore:
             if current is None:
                 return []
         if self.overlap:
-            self.inflight = self._launch_ahead(current)
+            self.inflight = self.ahead.launch(current)
             if self.inflight is None:
-                current.next_scheduling = f"synchronous: {self._not_ahead}"
+                current.next_scheduling = f"synchronous: {self.ahead.why_not}"
         return self._complete(current)
 
-    def _launch_scheduled(self) -> "_Launched | None":
+    def _launch_scheduled(self) -> "Launched | None":
         """schedule() and launch; None when nothing runs (or the step failed one request)."""
         t0 = time.perf_counter()
         preemptions_before = self.scheduler.num_preemptions
@@ -303,74 +291,9 @@ class EngineCore:
             self.fail_request(fault.request_id, str(fault))
             self.last_stats = None
             return None
-        return _Launched(plan, step, schedule_time, preemptions_before, t_launch, scheduling=self._next_scheduling)
+        return Launched(plan, step, schedule_time, preemptions_before, t_launch, scheduling=self._next_scheduling)
 
-    def _launch_ahead(self, current: "_Launched") -> "_Launched | None":
-        """The step after `current`, launched before `current`'s results are read, when it can be planned
-        without them: plain decoding of the same requests, none constrained by a grammar or penalized (their
-        sampling state needs the newest token on the host), none wanting a tree or a draft this step."""
-        seqs = current.plan.seqs
-        self._not_ahead = "grammar or penalties"  # why not, for the next step's statistics
-        if any(s.request.constraint is not None or needs_penalty(s.request) for s in seqs):
-            return None
-        if current.step.is_tree_step:
-            return self._launch_tree_ahead(current)
-        self._not_ahead = "a tree or a draft wanted"
-        if self.speculator is not None and self.budgets.enabled:
-            ids = [s.request.request_id for s in seqs if not s.request.finished]
-            if any(self.budgets.budget(i, dry=True, ahead=True) or self.budgets.should_draft(i, dry=True, ahead=True)
-                   for i in ids):
-                return None
-        t0 = time.perf_counter()
-        plan = self.scheduler.schedule_ahead(current.plan)
-        if isinstance(plan, str):
-            self._not_ahead = plan
-            return None
-        if self.speculator is not None and self.budgets.enabled:
-            for s in plan.seqs:  # this step counts for the adaptive budget as a plain one at budget 0
-                self.budgets.budget(s.request.request_id, ahead=True)
-                self.budgets.should_draft(s.request.request_id, ahead=True)
-        t_launch = time.perf_counter()
-        try:
-            step = self.runner.launch(plan, after=current.step)
-        except RequestFault:
-            self._not_ahead = "a request failed"
-            return None  # the next step, scheduled as usual, meets the fault again and fails its request
-        return _Launched(plan, step, t_launch - t0, self.scheduler.num_preemptions, t_launch, scheduling="ahead")
-
-    def _launch_tree_ahead(self, current: "_Launched") -> "_Launched | None":
-        """The tree step after `current` (a tree step), launched before `current`'s accepted lengths are read:
-        the drafter drafts from roots and positions on the device (drafters that can), and the verify rows'
-        positions and slots are computed there; under CUDA graphs only (an eager step plans attention from
-        exact host lengths)."""
-        why = self.speculator.cannot_draft_ahead()
-        if why is None and self.runner.graphs is None:
-            why = "no CUDA graphs"
-        if why is not None:
-            self._not_ahead = why
-            return None
-        budgets = self.budgets if self.budgets.enabled else None
-        t0 = time.perf_counter()
-        dry = (lambda r: budgets.budget(r.request_id, dry=True, ahead=True)) if budgets else (lambda r: 10 ** 9)
-        plan = self.scheduler.schedule_ahead_trees(current.plan, dry)
-        if isinstance(plan, str):
-            self._not_ahead = plan
-            return None
-        if self.runner.graphs.bucket(len(plan.seqs), max(plan.spec_budgets) + 1) is None:
-            self._not_ahead = "no graph for the tree step"
-            return None
-        if budgets is not None:  # counted now (the values do not change: asked with the same clock)
-            for s in plan.seqs:
-                budgets.budget(s.request.request_id, ahead=True)
-        t_launch = time.perf_counter()
-        try:
-            step = self.runner.launch(plan, after=current.step)
-        except RequestFault:
-            self._not_ahead = "a request failed"
-            return None
-        return _Launched(plan, step, t_launch - t0, self.scheduler.num_preemptions, t_launch, scheduling="ahead")
-
-    def _complete(self, launched: "_Launched") -> list[Delta]:
+    def _complete(self, launched: "Launched") -> list[Delta]:
         """Waits for a launched step's results and applies them: the scheduler's update and the deltas."""
         plan = launched.plan
         result = self.runner.collect(launched.step)

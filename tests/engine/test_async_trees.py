@@ -1,4 +1,4 @@
-"""Tree steps launched ahead of their predecessor's results (EngineCore._launch_tree_ahead): with a drafter that
+"""Tree steps launched ahead of their predecessor's results (engine/ahead.py): with a drafter that
 drafts from roots and positions on the device, the next tree step is launched before the previous tree step's
 accepted lengths reach the host; its roots, positions, cache slots and sampling offsets come from the device.
 On the CPU launches are synchronous, so these tests switch asynchronous scheduling on (with the CUDA-graph

@@ -178,8 +178,8 @@ def test_tree_steps_ahead_on_cuda_equal_synchronous_steps(tiny_checkpoints, batc
         llm = LLM(folder, drafter=oracle, spec_budget=8, adaptive=False, async_scheduling=overlap, **common)
         core = llm.engine
         assert core.overlap == overlap and core.runner.graphs is not None
-        launched, launch = [], core._launch_tree_ahead
-        core._launch_tree_ahead = lambda current: launched.append(launch(current)) or launched[-1]
+        launched, launch = [], core.ahead.trees
+        core.ahead.trees = lambda current: launched.append(launch(current)) or launched[-1]
         outs[overlap] = llm.generate(ps * 3, greedy + stops + sampled)
         assert core.blocks.num_free_blocks == core.blocks.num_blocks
         assert (sum(x is not None for x in launched) >= 3) == overlap, launched

@@ -1,0 +1,97 @@
+"""Asynchronous scheduling: the step after a launched one, planned and launched before that step's results are
+read (EngineCore.step), so the host's bookkeeping of step k runs while the device computes step k+1. Two kinds:
+  - a plain decoding step after a plain decoding step: each request feeds the token the previous step samples
+    for it, gathered on the device (engine.scheduler.schedule_ahead);
+  - a tree step after a tree step, with a drafter that drafts from the device (Speculator.cannot_draft_ahead):
+    each request's root, root position and sampling offset come from the previous step's accepted length on the
+    device, its KV is reserved for the longest case (engine.scheduler.schedule_ahead_trees), the drafter is
+    fed the accepted rows from the device; under CUDA graphs only (an eager step plans attention from exact
+    host lengths).
+Requests whose sampling needs the newest token on the host (a grammar, penalties) never run ahead; when the
+next step cannot run ahead, `why_not` says why (StepStats.scheduling)."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from engine.plan import StepPlan
+from engine.runner import PendingStep
+from engine.sampler import RequestFault, needs_penalty
+
+
+@dataclass
+class Launched:
+    """A step on its way: its plan, the runner's pending step, and what its statistics need."""
+
+    plan: StepPlan
+    step: PendingStep
+    schedule_time: float
+    preemptions_before: int
+    t_launch: float
+    scheduling: str = ""  # StepStats.scheduling of this step
+    next_scheduling: str = ""  # ... of the step scheduled after it, when that one could not run ahead
+
+
+class AheadLauncher:
+    def __init__(self, scheduler, runner, speculator, budgets):
+        self.scheduler, self.runner, self.speculator, self.budgets = scheduler, runner, speculator, budgets
+        self.why_not = ""  # why the last step could not be followed by one launched ahead
+
+    def launch(self, current: Launched) -> Launched | None:
+        """The step after `current`, launched before `current`'s results are read, or None (why_not says why)."""
+        self.why_not = "grammar or penalties"
+        if any(s.request.constraint is not None or needs_penalty(s.request) for s in current.plan.seqs):
+            return None
+        return self.trees(current) if current.step.is_tree_step else self.plain(current)
+
+    def plain(self, current: Launched) -> Launched | None:
+        """Plain decoding of the same requests, when none wants a tree or a draft this step."""
+        budgets = self.budgets if self.speculator is not None and self.budgets.enabled else None
+        self.why_not = "a tree or a draft wanted"
+        if budgets is not None:
+            ids = [s.request.request_id for s in current.plan.seqs if not s.request.finished]
+            if any(budgets.budget(i, dry=True, ahead=True) or budgets.should_draft(i, dry=True, ahead=True)
+                   for i in ids):
+                return None
+        t0 = time.perf_counter()
+        plan = self.scheduler.schedule_ahead(current.plan)
+        if isinstance(plan, str):
+            self.why_not = plan
+            return None
+        if budgets is not None:
+            for s in plan.seqs:  # this step counts for the adaptive budget as a plain one at budget 0
+                budgets.budget(s.request.request_id, ahead=True)
+                budgets.should_draft(s.request.request_id, ahead=True)
+        return self._launch(plan, current, t0)
+
+    def trees(self, current: Launched) -> Launched | None:
+        """The tree step after `current` (a tree step), drafted from the device."""
+        why = self.speculator.cannot_draft_ahead()
+        if why is None and self.runner.graphs is None:
+            why = "no CUDA graphs"
+        if why is not None:
+            self.why_not = why
+            return None
+        budgets = self.budgets if self.budgets.enabled else None
+        t0 = time.perf_counter()
+        dry = (lambda r: budgets.budget(r.request_id, dry=True, ahead=True)) if budgets else (lambda r: 10 ** 9)
+        plan = self.scheduler.schedule_ahead_trees(current.plan, dry)
+        if isinstance(plan, str):
+            self.why_not = plan
+            return None
+        if self.runner.graphs.bucket(len(plan.seqs), max(plan.spec_budgets) + 1) is None:
+            self.why_not = "no graph for the tree step"
+            return None
+        if budgets is not None:  # counted now (the same answers as the dry run: the same clock)
+            for s in plan.seqs:
+                budgets.budget(s.request.request_id, ahead=True)
+        return self._launch(plan, current, t0)
+
+    def _launch(self, plan: StepPlan, current: Launched, t0: float) -> Launched | None:
+        t_launch = time.perf_counter()
+        try:
+            step = self.runner.launch(plan, after=current.step)
+        except RequestFault:
+            self.why_not = "a request failed"
+            return None  # the next step, scheduled as usual, meets the fault again and fails its request
+        return Launched(plan, step, t_launch - t0, self.scheduler.num_preemptions, t_launch, scheduling="ahead")

@@ -97,9 +97,14 @@ def test_stop_tokens_and_seeded_sampling_equal_synchronous_steps(tiny_checkpoint
     assert got_tokens == want_tokens and ahead > 0
     for r, out in zip(ref, got_tokens[:4]):
         assert out == r[:r.index(r[len(r) // 2]) + 1]
-    for want, got in zip(want_logprobs, got_logprobs):
-        assert [(round(c, 4), [t for t, _ in top]) for c, top in got] == \
-               [(round(c, 4), [t for t, _ in top]) for c, top in want]
+    assert_same_logprobs(want_logprobs, got_logprobs)
+
+
+def assert_same_logprobs(want: list[list], got: list[list]) -> None:
+    """Per request, the chosen tokens' logprobs (to 4 places) and the top tokens' ids agree."""
+    for w, g in zip(want, got, strict=True):
+        assert [(round(c, 4), [t for t, _ in top]) for c, top in g] == \
+               [(round(c, 4), [t for t, _ in top]) for c, top in w]
 
 
 def test_abort_and_arrival_while_a_step_is_in_flight(tiny_checkpoints):

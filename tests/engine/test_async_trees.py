@@ -12,7 +12,7 @@ import pytest
 
 from engine import LLM, SamplingParams
 from engine.speculative.oracle import DeviceOracle, OracleDrafter
-from tests.engine.test_async_scheduling import run
+from tests.engine.test_async_scheduling import assert_same_logprobs, run
 from tests.engine.test_cuda_graphs import prompts
 from tests.speculative.test_ddtree_e2e import golden_lookup
 
@@ -95,9 +95,7 @@ def test_seeded_sampling_ahead_equals_synchronous_tree_steps(tiny_checkpoints):
     want, want_lp, _ = tree_steps_ahead(tree_engine(folder, ps, ref, False).engine, ps, sampled)
     got, got_lp, ahead = tree_steps_ahead(tree_engine(folder, ps, ref, True).engine, ps, sampled)
     assert got == want and ahead > 0
-    for w, g in zip(want_lp, got_lp):
-        assert [(round(c, 4), [t for t, _ in top]) for c, top in g] == \
-               [(round(c, 4), [t for t, _ in top]) for c, top in w]
+    assert_same_logprobs(want_lp, got_lp)
 
 
 def test_adaptive_budget_with_tree_steps_ahead(tiny_checkpoints):

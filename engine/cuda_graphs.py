@@ -102,7 +102,6 @@ class CudaGraphs:
         self._starts = {w: torch.arange(seqs + 1, device=device) * w for w in {1, *self.widths}}
         self._columns = torch.arange(max(self.widths), device=device)  # a row's index inside its request
         self._layout: tuple | None = None  # (num_seqs, n, w, width) of the last replay: its padding is in place
-        self._rows: torch.Tensor | None = None  # the layout's rows of the step's rows (None: its first ones)
         self.graphs: dict[tuple[int, int, int], _Captured] = {}  # (requests, rows each, context capacity)
         self.pool = None
         self.emulate = emulate
@@ -159,40 +158,34 @@ class CudaGraphs:
     def run(self, input_ids: torch.Tensor, meta: AttentionMetadata, num_seqs: int, width: int
             ) -> tuple[torch.Tensor, list[torch.Tensor]] | None:
         """Replays the bucket for a step of num_seqs requests x width rows (inputs laid out request-major, as
-        engine.inputs builds them); returns the first num_seqs * width rows of hidden and captured layers (when
-        the width is the bucket's, views of the graph's output buffers, valid until the next replay), or None when
-        no bucket fits."""
+        engine.inputs builds them); returns the first num_seqs * width rows of hidden and captured layers (for
+        plain decoding, views of the graph's output buffers, valid until the next replay), or None when no bucket
+        fits."""
         key = self.bucket(num_seqs, width, max(meta.seq_lens_host) if meta.seq_lens_host else None)
         if key is None:
             return None
         n, w, context = key
         layout = (num_seqs, n, w, width)
-        if layout != self._layout:  # padding rows, request offsets and row indices stay while the layout repeats
+        if layout != self._layout:  # padding rows and request offsets stay in place while the layout repeats
             self._fill_padding(num_seqs, n, w, width)
             self.query_start_loc[:num_seqs + 1].copy_(self._starts[w][:num_seqs + 1])
-            # a request's rows past its width see only themselves (its tree's block is written every step)
-            if w > 1:
-                self.tree_masks[w][:num_seqs * w].copy_(torch.eye(w, dtype=torch.bool, device=self.device)
-                                                        .repeat(num_seqs, 1))
-            self._rows = None if width == w else \
-                (self._starts[w][:num_seqs, None] + self._columns[:width]).reshape(-1)  # rows in the layout
             self._layout = layout
-        rows = self._rows
-        if rows is None:  # the step's rows are the layout's first num_seqs * w rows
-            num_rows = num_seqs * w
-            self.input_ids[:num_rows].copy_(input_ids)
-            self.positions[:num_rows].copy_(meta.positions)
-            self.slot_mapping[:num_rows].copy_(meta.slot_mapping)
+        if w == 1:  # plain decoding: the step's rows are the first num_seqs rows
+            rows = None
+            self.input_ids[:num_seqs].copy_(input_ids)
+            self.positions[:num_seqs].copy_(meta.positions)
+            self.slot_mapping[:num_seqs].copy_(meta.slot_mapping)
         else:
+            rows = (self._starts[w][:num_seqs, None] + self._columns[:width]).reshape(-1)  # rows in the layout
             self.input_ids.index_copy_(0, rows, input_ids)
             self.positions.index_copy_(0, rows, meta.positions)
             self.slot_mapping.index_copy_(0, rows, meta.slot_mapping)
         self.seq_lens[:num_seqs].copy_(meta.seq_lens if w == width else meta.seq_lens + (w - width))
         self.block_tables[:num_seqs, :meta.block_tables.shape[1]].copy_(meta.block_tables)  # columns past a
         # request's last block are never read (the kernels stop at its length)
-        if w > 1 and meta.tree_mask is not None:
-            blocks = self.tree_masks[w][:num_seqs * w].view(num_seqs, w, w)
-            blocks[:, :width, :width].copy_(meta.tree_mask[:, :width].reshape(num_seqs, width, width))
+        if w > 1:
+            mask = self.tree_masks[w]
+            mask[:num_seqs * w].copy_(self._padded_mask(meta, num_seqs, width, w))
         if self.emulate:
             meta = self.meta(n, w, context)
             meta.query_lens_host = [w] * n  # the CPU reference reads host lengths: the real ones
@@ -204,8 +197,18 @@ class CudaGraphs:
             captured.graph.replay()
             hidden, layers = captured.hidden, captured.captured
         if rows is None:
-            return hidden[:num_seqs * w], [c[:num_seqs * w] for c in layers]
+            return hidden[:num_seqs], [c[:num_seqs] for c in layers]
         return hidden.index_select(0, rows), [c.index_select(0, rows) for c in layers]
+
+    def _padded_mask(self, meta: AttentionMetadata, num_seqs: int, width: int, w: int) -> torch.Tensor:
+        """The step's [num_seqs * width, width] visibility in the bucket's [num_seqs * w, w] layout: each request's
+        extra rows see only themselves."""
+        out = torch.eye(w, dtype=torch.bool, device=self.device).repeat(num_seqs, 1, 1)  # [N, w, w]
+        if meta.tree_mask is not None:
+            out[:, :width, :width] = meta.tree_mask[:, :width].reshape(num_seqs, width, width)
+        elif width == 1:
+            out[:, 0, 0] = True
+        return out.reshape(num_seqs * w, w)
 
     def _fill_padding(self, first: int, n: int, w: int, width: int | None = None) -> None:
         """Padding: requests first..n-1 become w-row sequences over the scratch blocks, and each real request's

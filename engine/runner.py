@@ -206,18 +206,16 @@ class ModelRunner:
         tree_tokens = tree_vis = None
         if batch is not None:
             width = batch.width
-            first, end = inputs.tree_row0, inputs.tree_row0 + batch.num_requests * width
+            tree_rows = torch.arange(inputs.tree_row0, inputs.tree_row0 + batch.num_requests * width,
+                                     device=self.device)
+            rows = torch.cat([rows, tree_rows])
             requests += [s.request for s in batch.seqs]
             num_rows += [width] * batch.num_requests
+            plain_depths = depths if depths is not None else \
+                torch.zeros(len(sampling), dtype=torch.int64, device=self.device)
             tree_depths = batch.tree.depths if batch.depth_offsets is None else \
                 batch.tree.depths + batch.depth_offsets[:, None]  # a tree drafted ahead: past `after`'s tokens
-            if sampling:
-                rows = torch.cat([rows, torch.arange(first, end, device=self.device)])
-                plain_depths = depths if depths is not None else \
-                    torch.zeros(len(sampling), dtype=torch.int64, device=self.device)
-                depths = torch.cat([plain_depths, tree_depths.reshape(-1)])
-            else:  # only trees (every step of a pipeline of tree steps): a slice, no index tensor
-                rows, depths = slice(first, end), tree_depths.reshape(-1)
+            depths = torch.cat([plain_depths, tree_depths.reshape(-1)])
             tree_tokens, tree_vis = batch.tree.node_token_ids, batch.tree.visibility
         if not requests:
             return SampleOutput(torch.empty(0, dtype=torch.int64, device=self.device), [], None, None, None), None

@@ -183,3 +183,31 @@ def dflash_ahead_against_synchronous(tiny_checkpoints, tmp_path, device: str) ->
         if want.shape == got.shape:
             assert torch.allclose(want, got, atol=1e-4), (want - got).abs().max()
     assert sum(a.shape == b.shape for a, b in zip(sync, fast)) >= len(sync) // 2
+
+
+def test_abort_and_arrival_while_a_tree_step_runs_ahead(tiny_checkpoints):
+    """A request aborted while the tree step after it is in flight gets nothing more; a request arriving then
+    waits for a synchronous step, and the others' outputs are unchanged. Every block comes back, in-flight ones
+    too."""
+    folder, _ = tiny_checkpoints("llama")
+    ps = prompts(3)
+    sp = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
+    ref = plain_greedy(folder, ps, sp)
+    core = tree_engine(folder, ps, ref, True).engine
+    ids = [core.add_request(p, sp) for p in ps[:2]]
+    out = {i: [] for i in ids}
+    while not (core.inflight is not None and core.inflight.step.is_tree_step):
+        for d in core.step():
+            out[d.request_id].extend(d.new_token_ids)
+    assert core.abort(ids[1])  # the tree step in flight was launched for it too
+    late = core.add_request(ps[2], sp)
+    out[late], aborted_after, reasons = [], len(out[ids[1]]), set()
+    while core.has_unfinished():
+        for d in core.step():
+            out[d.request_id].extend(d.new_token_ids)
+        reasons.add(core.last_stats.scheduling if core.last_stats else None)
+    assert out[ids[0]] == ref[0] and out[late] == ref[2]
+    assert len(out[ids[1]]) == aborted_after and out[ids[1]] == ref[1][:aborted_after]
+    assert "synchronous: waiting requests" in reasons and "ahead" in reasons
+    assert core.blocks.num_free_blocks == core.blocks.num_blocks
+

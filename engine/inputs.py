@@ -11,7 +11,7 @@ import torch
 from engine.plan import ScheduledSeq
 from engine.speculative.speculator import Speculator, TreeBatch
 from engine.staging import Staging
-from ext.metadata import AttentionMetadata
+from ext.metadata import AttentionMetadata, flat_block_table, slots_on_device
 
 
 @dataclass
@@ -93,12 +93,7 @@ def prepare_inputs(plain: list[ScheduledSeq], batch: TreeBatch | None, block_siz
         query_lens.append(num_pad)
         seq_lens.append(num_pad)
         tables.append([0] * -(-num_pad // block_size))
-    num_cols = max((len(t) for t in tables), default=1) or 1
-    table = []
-    for t in tables:
-        table += t
-        if len(t) < num_cols:
-            table += [0] * (num_cols - len(t))
+    table, num_cols = flat_block_table(tables)
     # two host-to-device copies for the whole step: the int64 arrays, then the int32 ones
     pad_pos = list(range(num_pad))
     ids_d, pos_d, slots_d, starts_d, tree_slots_d, offsets_d, pad_pos_d, pad_slots_d, pad_ids_d = stage.pack(
@@ -135,14 +130,12 @@ def prepare_tree_inputs_ahead(batch: TreeBatch, max_starts: list[int], block_siz
     there from the block tables, which the scheduler grew for the longest case (max_starts: each root's
     largest possible position, which the host-side lengths report)."""
     n, width = batch.num_requests, batch.width
-    tables = [s.request.block_ids for s in batch.seqs]
-    num_cols = max(len(t) for t in tables)
-    flat = [b for t in tables for b in t + [0] * (num_cols - len(t))]
+    flat, num_cols = flat_block_table([s.request.block_ids for s in batch.seqs])
     qsl_d, table_d = stage.pack([_cumulative([width] * n), flat], torch.int32)
     table_d = table_d.view(n, num_cols)
     starts = batch.starts  # [N] int64
     pos = starts[:, None] + torch.arange(width, device=starts.device)  # [N, W] logical KV positions
-    tree_slots = table_d.long().gather(1, pos // block_size) * block_size + pos % block_size  # [N, W]
+    tree_slots = slots_on_device(table_d, pos, block_size)  # [N, W]
     tree_ids, tree_pos, tree_vis = Speculator.verify_rows(batch, starts)
     meta = AttentionMetadata(
         positions=tree_pos, slot_mapping=tree_slots.reshape(-1), query_start_loc=qsl_d,

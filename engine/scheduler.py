@@ -157,9 +157,9 @@ class Scheduler:
         this does not apply, blocks run out or no request wants a tree."""
         if self.waiting:
             return "waiting requests"
-        trees = {id(s.request): s for s in previous.seqs if s.sample and s.num_new_tokens == 1}
+        trees = {id(s.request) for s in previous.seqs if s.sample and s.num_new_tokens == 1}
         if any(id(r) not in trees for r in self.running):
-            return "after a prefill step"
+            return "a request outside the previous tree step"
         step_budget = self.step_budget(len(self.running))
         budgets: list[tuple[Request, int, int]] = []  # (request, budget, most tokens `previous` emits for it)
         for s in previous.seqs:

@@ -98,6 +98,24 @@ def pack_bits(mask: torch.Tensor) -> torch.Tensor:
     return (padded.view(num_tokens, words, 64) << shifts).sum(-1)
 
 
+def flat_block_table(tables: list[list[int]]) -> tuple[list[int], int]:
+    """Per-sequence block lists -> (one flat row-major list, each row padded with block 0 to the longest, and
+    the number of columns). Padding entries are never read (kernels stop at each sequence's length)."""
+    num_cols = max((len(t) for t in tables), default=1) or 1
+    flat = []
+    for t in tables:
+        flat += t
+        if len(t) < num_cols:
+            flat += [0] * (num_cols - len(t))
+    return flat, num_cols
+
+
+def slots_on_device(block_tables: torch.Tensor, positions: torch.Tensor, block_size: int) -> torch.Tensor:
+    """Cache slots of logical positions computed on the device: block_tables [N, C] (any int dtype), positions
+    [N, K] int64 -> [N, K] int64 (for steps whose positions are not known on the host)."""
+    return block_tables.gather(1, positions // block_size).long() * block_size + positions % block_size
+
+
 def build_metadata(
     positions: list[int],
     slot_mapping: list[int],

@@ -35,7 +35,7 @@ from engine.speculative.draft_kv import PAGE_TOKENS, DraftKVPool
 from engine.speculative.drafter import DraftRequest, proposal_width
 from engine.staging import Staging
 from ext import ops
-from ext.metadata import AttentionMetadata
+from ext.metadata import AttentionMetadata, flat_block_table
 from ext.ops import topk_logprobs
 
 DFLASH2_MARKERS = ("attention_conv", "mlp_conv", "candidate_selector")
@@ -270,11 +270,9 @@ class DFlashDrafter:
         block_positions = [start + j for start in starts for j in range(bs)]
         context_d, context_slots_d, bonus_d, positions_d, block_slots_d = self.stage.pack(
             [context_positions, context_slots, [r.token_ids[-1] for r in batch], block_positions, block_slots])
-        num_cols = max(len(t) for t in tables)
+        flat, num_cols = flat_block_table(tables)
         seq_lens = [start + bs for start in starts]
-        qsl_d, seq_lens_d, table_d = self.stage.pack(
-            [list(range(0, (n + 1) * bs, bs)), seq_lens, [p for t in tables for p in t + [0] * (num_cols - len(t))]],
-            torch.int32)
+        qsl_d, seq_lens_d, table_d = self.stage.pack([list(range(0, (n + 1) * bs, bs)), seq_lens, flat], torch.int32)
         if any(counts):  # draft-KV materialization, one batched projection for all requests' new rows
             rows = [r.new_hidden for r, c in zip(batch, counts) if c]
             if self.graphs is None or not self.graphs.write_context(rows, context_d, context_slots_d):

@@ -17,7 +17,7 @@ import torch
 
 from engine.speculative.draft_kv import PAGE_TOKENS
 from engine.speculative.drafter import DraftRequest
-from ext.metadata import AttentionMetadata
+from ext.metadata import AttentionMetadata, flat_block_table, slots_on_device
 
 
 def prepare_ahead(drafter, batch: list[DraftRequest], root_ids: torch.Tensor, root_positions: torch.Tensor,
@@ -32,32 +32,32 @@ def prepare_ahead(drafter, batch: list[DraftRequest], root_ids: torch.Tensor, ro
     pool, stage = drafter.pool, drafter.stage
     prev = [r.root_position for r in batch]  # the previous tree's roots
     tables = [pool.reserve(r.request_id, p + span + bs) for r, p in zip(batch, prev)]
-    host_positions, host_slots, ahead_positions, ahead_slots = [], [], [], []
+    # context rows: every request's host-held rows, then every request's span of the previous step's rows
+    positions, slots = [], []
     for r, c, p in zip(batch, counts, prev):
-        host_positions.extend(range(p - c, p))
-        host_slots.extend(pool.slots(r.request_id, p - c, c))
-        ahead_positions.extend(range(p, p + span))
-        ahead_slots.extend(pool.slots(r.request_id, p, span))
-    num_cols = max(len(t) for t in tables)
-    flat = [page for t in tables for page in t + [0] * (num_cols - len(t))]
-    host_pos_d, host_slots_d, ahead_pos_d, ahead_slots_d, table_d = stage.pack(
-        [host_positions, host_slots, ahead_positions, ahead_slots, flat])
-    qsl_d, table32_d = stage.pack([list(range(0, (n + 1) * bs, bs)), flat], torch.int32)
+        positions.extend(range(p - c, p))
+        slots.extend(pool.slots(r.request_id, p - c, c))
+    num_host = len(positions)
+    for r, p in zip(batch, prev):
+        positions.extend(range(p, p + span))
+        slots.extend(pool.slots(r.request_id, p, span))
+    flat, num_cols = flat_block_table(tables)
+    positions, slots = stage.pack([positions, slots])
+    qsl_d, table_d = stage.pack([list(range(0, (n + 1) * bs, bs)), flat], torch.int32)
+    table = table_d.view(n, num_cols)
     # the previous step's rows past its accepted length write nowhere
-    real = torch.arange(span, device=feats.device)[None, :] < num_new[:, None]  # [N, A]
-    ahead_slots_d = torch.where(real.reshape(-1), ahead_slots_d, -1)
+    past = torch.arange(span, device=feats.device)[None, :] >= num_new[:, None]  # [N, A]
+    slots[num_host:].masked_fill_(past.reshape(-1), -1)
     rows = [r.new_hidden for r, c in zip(batch, counts) if c] + [feats.reshape(n * span, -1)]
-    positions, slots = torch.cat([host_pos_d, ahead_pos_d]), torch.cat([host_slots_d, ahead_slots_d])
     if drafter.graphs is None or not drafter.graphs.write_context(rows, positions, slots):
         drafter.write_context(torch.cat(rows).to(drafter.device, drafter.dtype), positions, slots)
     for r, p in zip(batch, prev):
         drafter._context_len[r.request_id] = p
-    table = table_d.view(n, num_cols)
     block_positions = root_positions[:, None] + torch.arange(bs, device=feats.device)  # [N, bs]
-    block_slots = table.gather(1, block_positions // PAGE_TOKENS) * PAGE_TOKENS + block_positions % PAGE_TOKENS
+    block_slots = slots_on_device(table, block_positions, PAGE_TOKENS)
     meta = AttentionMetadata(
         positions=block_positions.reshape(-1), slot_mapping=block_slots.reshape(-1), query_start_loc=qsl_d,
-        seq_lens=(root_positions + bs).to(torch.int32), block_tables=table32_d.view(n, num_cols),
+        seq_lens=(root_positions + bs).to(torch.int32), block_tables=table,
         block_size=PAGE_TOKENS, tree_mask=drafter._block_mask(n * bs), query_lens_host=[bs] * n,
         seq_lens_host=[p + span + bs for p in prev])
     return DraftCall(root_ids, meta)

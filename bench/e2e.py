@@ -98,11 +98,15 @@ def run_ours(args, model_path: str, load_format: str) -> None:
     del plain, sync
     free_engine_memory()
     oracle = DeviceOracle(goldens[args.batch[0]], args.prompt_len, vocab, args.depth, args.device)
-    # tree steps run ahead of their predecessor's results (the device oracle drafts from the device); the
-    # synchronous run is the same engine with every step waiting for its results
+    # tree steps run ahead of their predecessor's results (the device oracle drafts from the device) as whole-round
+    # graphs; the synchronous run is the same engine with every step waiting for its results, the forward-only
+    # run the same engine with only the target forward of a tree step in a graph (engine/round_graphs.py off)
     for mode, kwargs in (("chain", dict(chain=True)), ("ddtree", dict(spec_budget=args.budget)),
-                         ("ddtree, synchronous steps", dict(spec_budget=args.budget, async_scheduling=False))):
+                         ("ddtree, synchronous steps", dict(spec_budget=args.budget, async_scheduling=False)),
+                         ("ddtree, forward-only graphs", dict(spec_budget=args.budget))):
         llm = LLM(model_path, drafter=oracle, **kwargs, **common)
+        if mode.endswith("forward-only graphs"):
+            llm.engine.runner.rounds = None
         for batch in args.batch:
             ps = prompts(vocab, batch, args.prompt_len)
             # A verify step rounds in bf16 unlike a plain step (other GEMM shapes), so a greedy output can leave

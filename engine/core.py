@@ -21,6 +21,7 @@ from engine.messages import Delta, RequestError, StepStats
 from engine.model.loader import default_sampling, load_model, resolve_dtype
 from engine.plan import StepPlan
 from engine.request import Request, SamplingParams, next_request_id
+from engine.round_graphs import RoundGraphs
 from engine.runner import ModelRunner
 from engine.sampler import RequestFault, Sampler
 from engine.scheduler import Scheduler
@@ -154,6 +155,13 @@ class EngineCore:
         if not emulate:
             graphs.capture()
         self.runner.graphs = graphs
+        if self.speculator is not None:  # tree steps of greedy requests as whole-round graphs
+            spec = self.speculator
+            rounds = RoundGraphs(graphs, self.model, self.runner.slot_views, spec.max_budget, spec.horizon,
+                                 min(spec.draft_top_k, self.model.vocab_size))
+            if not emulate:
+                rounds.capture()
+            self.runner.rounds = rounds
         if self.speculator is not None:  # the drafter's call for every batch size up to max_num_seqs
             self.speculator.capture_draft_graphs(buckets_up_to(BATCH_SIZES, config.max_num_seqs), self.max_model_len,
                                                  emulate=emulate)

@@ -164,12 +164,8 @@ class CudaGraphs:
         key = self.bucket(num_seqs, width, max(meta.seq_lens_host) if meta.seq_lens_host else None)
         if key is None:
             return None
-        n, w, context = key
-        layout = (num_seqs, n, w, width)
-        if layout != self._layout:  # padding rows and request offsets stay in place while the layout repeats
-            self._fill_padding(num_seqs, n, w, width)
-            self.query_start_loc[:num_seqs + 1].copy_(self._starts[w][:num_seqs + 1])
-            self._layout = layout
+        n, w, _ = key
+        self.set_layout(num_seqs, n, w, width)
         if w == 1:  # plain decoding: the step's rows are the first num_seqs rows
             rows = None
             self.input_ids[:num_seqs].copy_(input_ids)
@@ -186,19 +182,36 @@ class CudaGraphs:
         if w > 1:
             mask = self.tree_masks[w]
             mask[:num_seqs * w].copy_(self._padded_mask(meta, num_seqs, width, w))
-        if self.emulate:
-            meta = self.meta(n, w, context)
-            meta.query_lens_host = [w] * n  # the CPU reference reads host lengths: the real ones
-            meta.seq_lens_host = self.seq_lens[:n].tolist()
-            hidden, layers = self.model(self.input_ids[:n * w], meta, self.kv_caches,
-                                        capture_layer_ids=self.capture_layer_ids)
-        else:
-            captured = self.graphs[key]
-            captured.graph.replay()
-            hidden, layers = captured.hidden, captured.captured
+        hidden, layers = self.replay(key)
         if rows is None:
             return hidden[:num_seqs], [c[:num_seqs] for c in layers]
         return hidden.index_select(0, rows), [c.index_select(0, rows) for c in layers]
+
+    def set_layout(self, num_seqs: int, n: int, w: int, width: int) -> None:
+        """num_seqs requests of width rows each in bucket (n, w): padding rows and request offsets in place (kept
+        while the layout repeats)."""
+        layout = (num_seqs, n, w, width)
+        if layout != self._layout:
+            self._fill_padding(num_seqs, n, w, width)
+            self.query_start_loc[:num_seqs + 1].copy_(self._starts[w][:num_seqs + 1])
+            self._layout = layout
+
+    def forget_layout(self) -> None:
+        """Something else wrote the static buffers: the next step lays its padding out again."""
+        self._layout = None
+
+    def replay(self, key: tuple[int, int, int]) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """The bucket's forward over what its static buffers hold now: (hidden [n * w, hidden], captured layers),
+        the graph's own output buffers (valid until its next replay)."""
+        n, w, _ = key
+        if self.emulate:
+            meta = self.meta(*key)
+            meta.query_lens_host = [w] * n  # the CPU reference reads host lengths: the real ones
+            meta.seq_lens_host = self.seq_lens[:n].tolist()
+            return self.model(self.input_ids[:n * w], meta, self.kv_caches, capture_layer_ids=self.capture_layer_ids)
+        captured = self.graphs[key]
+        captured.graph.replay()
+        return captured.hidden, captured.captured
 
     def _padded_mask(self, meta: AttentionMetadata, num_seqs: int, width: int, w: int) -> torch.Tensor:
         """The step's [num_seqs * width, width] visibility in the bucket's [num_seqs * w, w] layout: each request's

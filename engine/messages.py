@@ -86,7 +86,9 @@ class StepStats:
     # prefix cache, over the requests admitted this step: prompt tokens looked up, and found cached
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
-    # "replay" when a CUDA graph ran the forward, "eager: <why>" when graphs exist but could not serve the step
+    # "replay" when a CUDA graph ran the forward; for a step of only trees "replay: whole round" (the tree build,
+    # forward, sampling, walk and compaction replayed: engine/round_graphs.py) or "replay: forward only (<why>)";
+    # "eager: <why>" when graphs exist but could not serve the step
     cuda_graph: str = ""
     # asynchronous scheduling (CUDA, one rank): "ahead" when the step was launched before its predecessor's
     # results were read, "synchronous: <why not>" otherwise; "" when asynchronous scheduling is off

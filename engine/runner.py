@@ -14,8 +14,9 @@ import torch
 from engine.inputs import StepInputs, prepare_inputs, prepare_tree_inputs_ahead
 from engine.plan import ScheduledSeq, StepPlan, StepResult
 from engine.sampler import SampleOutput, Sampler, SamplingBatch
-from engine.speculative.speculator import Speculator, TreeBatch, Walk
+from engine.speculative.speculator import Proposal, Speculator, TreeBatch, Walk
 from engine.staging import Staging
+from engine.step_results import HostResults, ResultCopy, RoundCopy
 
 
 # Eager steps' row counts are rounded up to a multiple of this on CUDA: cuBLAS picks its kernels once per row
@@ -33,6 +34,7 @@ class ModelRunner:
         self.sampler = sampler if sampler is not None else Sampler(model.vocab_size, device)
         self.speculator = speculator
         self.graphs = None  # engine.cuda_graphs.CudaGraphs once captured (CUDA, not --enforce-eager)
+        self.rounds = None  # engine.round_graphs.RoundGraphs: tree steps as whole-round graphs (with graphs)
         self.staging = Staging(device)  # pinned host buffers for the step's metadata (reset every step)
         self.sampler.stage = self.staging
         if speculator is not None:
@@ -93,13 +95,41 @@ class ModelRunner:
         drafted = [s.spec_budget > 0 or self.watch is None or self.watch(s.request.request_id) for s in tree_seqs]
         # a step that fails after this leaves no trace the next step would see: the drafter's state covers
         # committed tokens only, features are recorded and tokens returned only at the end
-        batch = spec.draft(tree_seqs, drafted) if tree_seqs else None
+        batch = why = None
+        if tree_seqs:
+            proposal = spec.propose(tree_seqs, drafted)
+            why = self._round_blocker(proposal) if not plain else None
+            if why is None and not plain:
+                return self._launch_round(proposal)
+            batch = spec.build(proposal)
         # decoding requests at budget 0 still draft (no verify rows): their curves tell the adaptive budget
         # when a tree would pay again (never for requests scheduled ahead: their last token is not known)
         watch = [s for s in plain if _decoding(s) and not s.num_ahead and self.watch(s.request.request_id)] \
             if spec is not None and self.watch is not None else []
         watched = (watch, *spec.curves(watch)) if watch else None
-        return self._launch(plain, batch, watched, input_ids)
+        return self._launch(plain, batch, watched, input_ids, why)
+
+    def _round_blocker(self, proposal: Proposal) -> str | None:
+        """Why a tree step of only trees cannot run as a whole-round graph (engine/round_graphs.py), or None."""
+        if self.rounds is None:
+            return "" if self.graphs is None else "no round graphs"
+        width = max(proposal.budgets) + 1
+        return self.rounds.why_not(proposal.seqs, width, self.sampler.fault_seed is not None) or \
+            self.rounds.fits(proposal)
+
+    def _launch_round(self, proposal: Proposal) -> "PendingStep":
+        """A tree step as three graph replays (engine/round_graphs.py); its results come back in one copy."""
+        t1 = time.perf_counter()
+        step = self.rounds.run(proposal, self.block_size, self.staging)
+        t2 = time.perf_counter()
+        batch = TreeBatch(proposal.seqs, step.tree, proposal.budgets, proposal.drafted, step.curve,
+                          clock=proposal.clock, starts=proposal.starts, depth_offsets=proposal.depth_offsets)
+        features = torch.cat(step.captured, dim=-1) if step.captured else None  # a copy: the buffers get reused
+        inputs = StepInputs(None, None, [], 0, step.tree_slots, step.starts)
+        none = SampleOutput(torch.empty(0, dtype=torch.int64, device=self.device), [], None, None, None)
+        copy = RoundCopy(step.packed, step.walk.accepted_nodes.shape[1])
+        return PendingStep([], batch, None, inputs, [], none, step.walk, features, "replay: whole round", copy,
+                           t1, t2)
 
     def _launch_tree_ahead(self, plan: StepPlan, after: "PendingStep") -> "PendingStep":
         """A tree step for every request of `plan`, launched before `after` (a tree step) has reported: each
@@ -112,16 +142,20 @@ class ModelRunner:
         feats = after.accepted_features(requests, self.staging) if self.speculator.capture_layer_ids else None
         drafted = [s.spec_budget > 0 or self.watch is None or self.watch(s.request.request_id, ahead=True)
                    for s in seqs]
-        batch = self.speculator.draft(seqs, drafted, ahead=(roots, starts, emitted, feats))
+        proposal = self.speculator.propose(seqs, drafted, ahead=(roots, starts, emitted, feats))
+        why = self._round_blocker(proposal)
+        if why is None:
+            return self._launch_round(proposal)
+        batch = self.speculator.build(proposal)
         # positions reached in the longest case: the request's root, past its previous tree's most tokens
         most_emitted = after.most_emitted()
         max_starts = [s.request.num_computed_tokens + most_emitted[id(s.request)] for s in seqs]
         t1 = time.perf_counter()
         inputs = prepare_tree_inputs_ahead(batch, max_starts, self.block_size, self.staging, self.dense_prefill_min_tokens)
-        return self._run(plain=[], batch=batch, watched=None, inputs=inputs, t1=t1)
+        return self._run(plain=[], batch=batch, watched=None, inputs=inputs, t1=t1, round_why=why)
 
     def _launch(self, plain: list[ScheduledSeq], batch: TreeBatch | None, watched: tuple | None,
-                ahead_ids: torch.Tensor | None) -> "PendingStep":
+                ahead_ids: torch.Tensor | None, round_why: str | None = None) -> "PendingStep":
         t1 = time.perf_counter()
         shape = _uniform_shape(plain, batch)  # None: a mixed step, never a graph replay
         pad_to = self.eager_pad_to if (self.graphs is None or shape is None) and ahead_ids is None else 0
@@ -129,13 +163,16 @@ class ModelRunner:
                                 self.dense_prefill_min_tokens)
         if ahead_ids is not None:
             inputs.input_ids = ahead_ids
-        return self._run(plain, batch, watched, inputs, t1)
+        return self._run(plain, batch, watched, inputs, t1, round_why)
 
     def _run(self, plain: list[ScheduledSeq], batch: TreeBatch | None, watched: tuple | None, inputs: StepInputs,
-             t1: float) -> "PendingStep":
-        """The target forward, sampling, walk and compaction of a prepared step, and its results' copy."""
+             t1: float, round_why: str | None = None) -> "PendingStep":
+        """The target forward, sampling, walk and compaction of a prepared step, and its results' copy. round_why:
+        why a step of only trees is not a whole-round graph (said in the step's graph mode when it replays)."""
         shape = _uniform_shape(plain, batch)
         hidden, captured, graph_mode = self._forward(shape, inputs)
+        if graph_mode == "replay" and round_why:
+            graph_mode = f"replay: forward only ({round_why})"
         features = torch.cat(captured, dim=-1) if captured else None  # [num_tokens, num_layers * hidden]
         t2 = time.perf_counter()
         sampling = [(s.request, r0 + n - 1) for s, (r0, n) in zip(plain, inputs.plain_rows) if s.sample]
@@ -143,7 +180,7 @@ class ModelRunner:
         out, walk = self._sample(hidden, inputs, sampling, batch, ahead)
         curves = [c for c in (batch.curve if batch is not None else None, watched[1] if watched else None)
                   if c is not None]
-        copy = _ResultCopy(out, walk, len(sampling), torch.cat(curves) if curves else None)
+        copy = ResultCopy(out, walk, len(sampling), torch.cat(curves) if curves else None)
         return PendingStep(plain, batch, watched, inputs, sampling, out, walk, features, graph_mode, copy, t1, t2)
 
     def collect(self, step: "PendingStep") -> StepResult:
@@ -230,7 +267,7 @@ class ModelRunner:
             Speculator.compact(self.slot_views, walk, inputs.tree_slots)
         return out, walk
 
-    def _tree_results(self, batch: TreeBatch, inputs: StepInputs, host: "_HostResults", num_plain: int,
+    def _tree_results(self, batch: TreeBatch, inputs: StepInputs, host: "HostResults", num_plain: int,
                       features: torch.Tensor | None, result: StepResult) -> None:
         width = batch.width
         for i, s in enumerate(batch.seqs):
@@ -288,71 +325,6 @@ def _uniform_shape(plain: list[ScheduledSeq], batch: TreeBatch | None) -> tuple[
     return (len(plain), 1) if plain and all(_decoding(s) for s in plain) else None
 
 
-class _HostResults:
-    """The step's results after the one device-to-host copy."""
-
-    def __init__(self, values: list[float], num_plain: int, walk: Walk | None, out: SampleOutput,
-                 curve: torch.Tensor | None):
-        pos = 0
-
-        def take(n: int) -> list:
-            nonlocal pos
-            part = values[pos:pos + n]
-            pos += n
-            return part
-
-        self.tokens = [int(t) for t in take(num_plain)]
-        self.accept_len, self.accepted, self.emitted = [], [], []
-        if walk is not None:
-            num_reqs, width = walk.accepted_nodes.shape
-            self.accept_len = [int(t) for t in take(num_reqs)]
-            # per request, width values each; only the first accept_len are read (converted there)
-            self.accepted = [take(width) for _ in range(num_reqs)]
-            self.emitted = [take(width) for _ in range(num_reqs)]
-        self.curves = [take(curve.shape[1]) for _ in range(curve.shape[0])] if curve is not None else []
-        self._lp_index = {row: k for k, row in enumerate(out.logprob_rows)}
-        self._chosen = take(len(out.logprob_rows))
-        n_top = out.top_ids.shape[1] if out.top_ids is not None else 0
-        self._top_vals = [take(n_top) for _ in out.logprob_rows]
-        self._top_ids = [[int(t) for t in take(n_top)] for _ in out.logprob_rows]
-
-    def logprob(self, row: int, num_top: int) -> tuple[float, list[tuple[int, float]]]:
-        k = self._lp_index[row]
-        return self._chosen[k], list(zip(self._top_ids[k][:num_top], self._top_vals[k][:num_top]))
-
-
-class _ResultCopy:
-    """Everything the host needs from a step, packed on the device and copied to the host in one copy: on CUDA
-    a non-blocking copy into pinned memory and an event, so the host can launch the next step before waiting."""
-
-    def __init__(self, out: SampleOutput, walk: Walk | None, num_plain: int, curve: torch.Tensor | None):
-        self.out, self.walk, self.num_plain, self.curve = out, walk, num_plain, curve
-        parts = [out.tokens[:num_plain]]
-        if walk is not None:
-            parts += [walk.accept_len, walk.accepted_nodes, walk.emitted]
-        if curve is not None:
-            parts.append(curve)
-        if out.logprob_rows:
-            parts.append(out.chosen_logprobs)
-            if out.top_ids is not None:
-                parts += [out.top_logprobs, out.top_ids]
-        # one part (plain decoding without logprobs): copied as it is; several: packed as float64 (exact for ids)
-        packed = parts[0].reshape(-1) if len(parts) == 1 else torch.cat([p.reshape(-1).to(torch.float64)
-                                                                          for p in parts])
-        self.event = None
-        if packed.is_cuda:
-            self.host = packed.to("cpu", non_blocking=True)  # into pinned memory
-            self.event = torch.cuda.Event()
-            self.event.record()
-        else:
-            self.host = packed
-
-    def wait(self) -> _HostResults:
-        if self.event is not None:
-            self.event.synchronize()
-        return _HostResults(self.host.tolist(), self.num_plain, self.walk, self.out, self.curve)
-
-
 @dataclass
 class PendingStep:
     """A launched step: what collect() needs once its results reach the host."""
@@ -366,7 +338,7 @@ class PendingStep:
     walk: Walk | None
     features: torch.Tensor | None
     graph_mode: str
-    copy: _ResultCopy
+    copy: ResultCopy
     t1: float
     t2: float
 

@@ -96,6 +96,32 @@ class Walk:
     emitted: torch.Tensor  # [N, A] int64 accepted drafts then the bonus, -1 padded
 
 
+@dataclass
+class Proposal:
+    """A tree step's drafter output before its trees are built: per request (plan order) the per-depth top-K
+    log-probs and ids [N, L, K] on the target's device (zeros for requests not drafted)."""
+
+    seqs: list[ScheduledSeq]
+    drafted: list[bool]
+    logprobs: torch.Tensor  # [N, L, K] float32, descending along K
+    token_ids: torch.Tensor  # [N, L, K] int64
+    clock: DraftClock
+    # drafted ahead of the previous tree step's results: [N] int64 roots, root positions and the tokens that step
+    # emits per request, on the device (None: the host knows them)
+    roots: torch.Tensor | None = None
+    starts: torch.Tensor | None = None
+    depth_offsets: torch.Tensor | None = None
+
+    @property
+    def budgets(self) -> list[int]:
+        """Drafted nodes per request this step (0 for requests not drafted)."""
+        return [s.spec_budget if d else 0 for s, d in zip(self.seqs, self.drafted)]
+
+    def full_budgets(self, max_budget: int) -> list[int]:
+        """The budget each request's full tree is built with (its node confidence covers all of them)."""
+        return [max_budget if d else 0 for d in self.drafted]
+
+
 class Speculator:
     def __init__(self, drafter, max_budget: int, chain: bool = False, device: torch.device | str = "cpu",
                  grammar_pruning: bool = True):
@@ -177,27 +203,31 @@ class Speculator:
         root positions, tokens the previous step emits) [N] and the features of its accepted rows [N, A, F] (None
         for drafters without features), on the device, for trees drafted before the previous tree step's results
         reach the host (cannot_draft_ahead() is None)."""
-        drafted = drafted if drafted is not None else [True] * len(seqs)
-        tree, curve, clock, build_s, constrained = self._full_trees(seqs, drafted, ahead)
-        budgets = [s.spec_budget if d else 0 for s, d in zip(seqs, drafted)]
-        tree = tree.truncated(self.stage(budgets), max(budgets) + 1)
-        return TreeBatch(seqs, tree, budgets, drafted, curve, tree_build_s=build_s, clock=clock,
-                         constrained=constrained, num_pruned=sum(c.num_pruned for c in constrained.values()),
-                         starts=ahead[1] if ahead else None, depth_offsets=ahead[2] if ahead else None)
+        return self.build(self.propose(seqs, drafted, ahead))
+
+    def build(self, proposal: "Proposal") -> TreeBatch:
+        """The proposal's trees, each cut to its request's budget (the tree step's verify rows)."""
+        seqs, drafted = proposal.seqs, proposal.drafted
+        t1 = time.perf_counter()
+        tree, curve, constrained = self._full_trees(proposal)
+        tree = tree.truncated(self.stage(proposal.budgets), max(proposal.budgets) + 1)
+        return TreeBatch(seqs, tree, proposal.budgets, drafted, curve, tree_build_s=time.perf_counter() - t1,
+                         clock=proposal.clock, constrained=constrained,
+                         num_pruned=sum(c.num_pruned for c in constrained.values()),
+                         starts=proposal.starts, depth_offsets=proposal.depth_offsets)
 
     def curves(self, seqs: list[ScheduledSeq]) -> tuple[torch.Tensor, DraftClock]:
         """[M, 2B] node confidence of these requests' full-budget trees, verified by nobody this step (what the
         adaptive budget reads to decide whether a request at budget 0 should verify a tree next step), and the
         drafter's clock."""
-        _, curve, clock, _, _ = self._full_trees(seqs)
-        return curve, clock
+        proposal = self.propose(seqs)
+        _, curve, _ = self._full_trees(proposal)
+        return curve, proposal.clock
 
-    def _full_trees(self, seqs: list[ScheduledSeq], drafted: list[bool] | None = None,
-                    ahead: tuple | None = None) -> tuple[DraftTree, torch.Tensor, DraftClock, float, dict]:
-        """The drafter's proposal built into full-budget trees (best-first trees nest, so a request's own budget
-        is a cut of it), their node confidence (q and bin per node), the drafter's clock, the seconds building
-        took, and the grammar-aware trees of requests with structured output (built on the host: their proposals
-        come to the host, a sync that only steps with such requests pay)."""
+    def propose(self, seqs: list[ScheduledSeq], drafted: list[bool] | None = None,
+                ahead: tuple | None = None) -> "Proposal":
+        """The drafter's per-depth top-K for these requests (zeros for the undrafted), on the target's device;
+        arguments as draft()."""
         drafted = drafted if drafted is not None else [True] * len(seqs)
         run = [s for s, d in zip(seqs, drafted) if d]
         consumed, batch = {}, []
@@ -224,19 +254,26 @@ class Speculator:
             self.restore_hidden(consumed)
             raise
         clock.stop()
-        t1 = time.perf_counter()
         device = self.device
         logprobs, token_ids = logprobs.to(device, non_blocking=True), token_ids.to(device, non_blocking=True)
         if len(run) < len(seqs):  # undrafted requests: any proposal will do, their trees hold the root only
             index = self.stage([i for i, d in enumerate(drafted) if d])
             logprobs = logprobs.new_zeros((len(seqs), *logprobs.shape[1:])).index_copy_(0, index, logprobs)
             token_ids = token_ids.new_zeros((len(seqs), *token_ids.shape[1:])).index_copy_(0, index, token_ids)
-        roots = ahead[0] if ahead is not None else self.stage([s.request.last_token_id for s in seqs])
+        return Proposal(seqs, drafted, logprobs, token_ids, clock, *(ahead[:3] if ahead is not None else (None,) * 3))
+
+    def _full_trees(self, proposal: "Proposal") -> tuple[DraftTree, torch.Tensor, dict]:
+        """The proposal built into full-budget trees (best-first trees nest, so a request's own budget is a cut of
+        it), their node confidence (q and bin per node) and the grammar-aware trees of requests with structured
+        output (built on the host: their proposals come to the host, a sync that only steps with such requests
+        pay)."""
+        seqs, drafted = proposal.seqs, proposal.drafted
+        roots = proposal.roots if proposal.roots is not None else self.stage([s.request.last_token_id for s in seqs])
         # the full budget's node probabilities tell the adaptive budget what a bigger tree would bring
-        full = self.stage([self.max_budget if d else 0 for d in drafted])
-        tree = DraftTree.from_topk(logprobs, token_ids, roots, full, self.max_budget)
-        constrained = self._constrained_trees(seqs, logprobs, token_ids, tree, drafted)
-        return tree, node_confidence(tree.node_probabilities()), clock, time.perf_counter() - t1, constrained
+        full = self.stage(proposal.full_budgets(self.max_budget))
+        tree = DraftTree.from_topk(proposal.logprobs, proposal.token_ids, roots, full, self.max_budget)
+        constrained = self._constrained_trees(seqs, proposal.logprobs, proposal.token_ids, tree, drafted)
+        return tree, node_confidence(tree.node_probabilities()), constrained
 
     def _constrained_trees(self, seqs: list[ScheduledSeq], logprobs: torch.Tensor, token_ids: torch.Tensor,
                            tree: DraftTree, drafted: list[bool]) -> dict[int, ConstrainedTree]:

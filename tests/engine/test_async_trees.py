@@ -46,20 +46,22 @@ def plain_greedy(folder, ps, params) -> list[list[int]]:
     return [o.token_ids for o in LLM(folder, dtype="fp32").generate(ps, params)]
 
 
-def tree_steps_ahead(core, ps, params) -> tuple[list[list[int]], list, int]:
-    """run() that also counts the tree steps that ran ahead of their predecessor's results."""
+def tree_steps_ahead(core, ps, params, graph_mode: str | None = None) -> tuple[list[list[int]], list, int]:
+    """run() that also counts the tree steps that ran ahead of their predecessor's results (only those whose
+    CUDA-graph mode is graph_mode, when given)."""
     stats = []
     step = core.step
 
     def spy():
         deltas = step()
         if core.last_stats is not None:
-            stats.append((core.last_stats.scheduling, any(core.last_stats.spec_budgets)))
+            st = core.last_stats
+            stats.append((st.scheduling, any(st.spec_budgets), graph_mode in (None, st.cuda_graph)))
         return deltas
 
     core.step = spy
     tokens, logprobs, _ = run(core, ps, params)
-    return tokens, logprobs, sum(1 for mode, tree in stats if mode == "ahead" and tree)
+    return tokens, logprobs, sum(1 for mode, tree, graph in stats if mode == "ahead" and tree and graph)
 
 
 @pytest.mark.parametrize("batch", [1, 3, 17])
@@ -69,9 +71,9 @@ def test_greedy_tree_steps_ahead_equal_plain_decoding(tiny_checkpoints, batch):
     # different lengths: requests finish (or may finish) while the tree step after them is in flight
     params = [SamplingParams(max_tokens=MAX_TOKENS - i % 7, temperature=0, ignore_eos=True) for i in range(batch)]
     ref = plain_greedy(folder, ps, params)
-    out, _, ahead = tree_steps_ahead(tree_engine(folder, ps, ref, True).engine, ps, params)
+    out, _, ahead = tree_steps_ahead(tree_engine(folder, ps, ref, True).engine, ps, params, "replay: whole round")
     assert out == ref
-    assert ahead >= 3, ahead  # tree steps did run ahead (with drafts rejected at varying depths)
+    assert ahead >= 3, ahead  # tree steps did run ahead as whole rounds (with drafts rejected at varying depths)
 
 
 def test_stop_tokens_while_a_tree_step_runs_ahead(tiny_checkpoints):
@@ -93,7 +95,8 @@ def test_seeded_sampling_ahead_equals_synchronous_tree_steps(tiny_checkpoints):
     sampled = [SamplingParams(max_tokens=MAX_TOKENS, temperature=0.8, top_p=0.9, top_k=40, min_tokens=6, seed=s,
                               logprobs=2, ignore_eos=False) for s in range(4)]
     want, want_lp, _ = tree_steps_ahead(tree_engine(folder, ps, ref, False).engine, ps, sampled)
-    got, got_lp, ahead = tree_steps_ahead(tree_engine(folder, ps, ref, True).engine, ps, sampled)
+    got, got_lp, ahead = tree_steps_ahead(tree_engine(folder, ps, ref, True).engine, ps, sampled,
+                                          "replay: forward only (requests sample at temperature > 0)")
     assert got == want and ahead > 0
     assert_same_logprobs(want_lp, got_lp)
 

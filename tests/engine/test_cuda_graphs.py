@@ -26,9 +26,9 @@ def greedy(llm, ps) -> list[list[int]]:
     return [o.token_ids for o in llm.generate(ps, sp)]
 
 
-def graph_modes(llm, ps) -> tuple[list[list[int]], set[str]]:
+def graph_modes(llm, ps, logprobs: int | None = None) -> tuple[list[list[int]], set[str]]:
     core, modes, out = llm.engine, set(), {}
-    sp = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
+    sp = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True, logprobs=logprobs)
     ids = [core.add_request(p, sp) for p in ps]
     out = {rid: [] for rid in ids}
     while core.has_unfinished():
@@ -84,8 +84,9 @@ def test_plain_decoding_graphs_follow_the_context_length(tiny_checkpoints, monke
 
 @pytest.mark.parametrize("batch", [1, 3, 17])
 @pytest.mark.parametrize("budget", [1, 3, 12, 16])  # widths 2, 4 (padded to 5), 13 (padded to 17: past a block) and 17
-def test_emulated_graph_layout_equals_eager_for_ddtree(tiny_checkpoints, batch, budget, monkeypatch):
-    from engine.speculative import speculator
+@pytest.mark.parametrize("logprobs", [None, 1])  # greedy tree steps run as whole rounds; with logprobs they do not
+def test_emulated_graph_layout_equals_eager_for_ddtree(tiny_checkpoints, batch, budget, logprobs, monkeypatch):
+    from engine.speculative import verify
 
     folder, _ = tiny_checkpoints("llama")
     ps = prompts(batch)
@@ -97,18 +98,21 @@ def test_emulated_graph_layout_equals_eager_for_ddtree(tiny_checkpoints, batch, 
               max_num_seqs=1 if batch == 1 else 32)
     llm.engine.enable_graphs(emulate=True)
     walks = []
-    walk = speculator.Speculator.walk
+    accept = verify.accept
 
-    def spy(tree_batch, targets):
-        result = walk(tree_batch, targets)
-        walks.append((torch.tensor(tree_batch.budgets), result.accepted_nodes.clone()))
+    def spy(tree, targets):
+        result = accept(tree, targets)
+        walks.append((tree.num_nodes.clone(), result.accepted_nodes.clone()))
         return result
 
-    monkeypatch.setattr(speculator.Speculator, "walk", staticmethod(spy))
-    out, modes = graph_modes(llm, ps)
-    assert out == ref and "replay" in modes
-    for budgets, nodes in walks:
-        assert bool((nodes <= budgets[:, None]).all())  # padding rows (past each budget) never accepted
+    monkeypatch.setattr(verify, "accept", spy)
+    out, modes = graph_modes(llm, ps, logprobs)
+    assert out == ref
+    tree_mode = "replay: whole round" if logprobs is None else "replay: forward only (requests ask for logprobs)"
+    assert tree_mode in modes and not any(m.startswith("replay: ") and m != tree_mode for m in modes), modes
+    for num_nodes, nodes in walks:
+        assert bool((num_nodes <= budget + 1).all())  # a bucket's rows past the budget are padding, not nodes
+        assert bool((nodes < num_nodes[:, None]).all())  # padding rows never accepted
     assert any(bool((nodes[:, 1:] > 0).any()) for _, nodes in walks)
 
 

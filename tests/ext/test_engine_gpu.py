@@ -102,18 +102,28 @@ def test_cuda_graphs_equal_eager_for_plain_and_ddtree(tiny_checkpoints, family, 
     ref = [o.token_ids for o in eager.generate(ps, sp)]
     graphed = LLM(folder, dtype="fp32", device="cuda", max_num_seqs=32)
     assert graphed.engine.runner.graphs is not None and eager.engine.runner.graphs is None
-    core = graphed.engine
+    out, modes = step_modes(graphed, ps, sp)
+    assert out == ref and "replay" in modes
+    oracle = OracleDrafter(golden_lookup([(p + r, len(p)) for p, r in zip(ps, ref)]), 1000, horizon=HORIZON,
+                           noise=0.3, noise_rank=2, seed=3)
+    spec = LLM(folder, dtype="fp32", device="cuda", drafter=oracle, spec_budget=16, adaptive=False, max_num_seqs=32)
+    out, modes = step_modes(spec, ps, sp)  # greedy tree steps: whole-round graphs (tree build to compaction)
+    assert out == ref and "replay: whole round" in modes, modes
+    with_logprobs = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True, logprobs=1)
+    out, modes = step_modes(spec, ps, with_logprobs)  # the forward's graph only: sampled outside
+    assert out == ref and "replay: forward only (requests ask for logprobs)" in modes, modes
+
+
+def step_modes(llm, ps, sp) -> tuple[list[list[int]], set]:
+    """Steps the engine to the end: (tokens per prompt, the steps' CUDA-graph modes)."""
+    core = llm.engine
     ids = [core.add_request(p, sp) for p in ps]
     out, modes = {rid: [] for rid in ids}, set()
     while core.has_unfinished():
         for d in core.step():
             out[d.request_id].extend(d.new_token_ids)
         modes.add(core.last_stats.cuda_graph if core.last_stats else None)
-    assert [out[rid] for rid in ids] == ref and "replay" in modes
-    oracle = OracleDrafter(golden_lookup([(p + r, len(p)) for p, r in zip(ps, ref)]), 1000, horizon=HORIZON,
-                           noise=0.3, noise_rank=2, seed=3)
-    spec = LLM(folder, dtype="fp32", device="cuda", drafter=oracle, spec_budget=16, max_num_seqs=32)
-    assert [o.token_ids for o in spec.generate(ps, sp)] == ref
+    return [out[rid] for rid in ids], modes
 
 
 @pytest.mark.parametrize("batch", [1, 3, 17])
@@ -188,6 +198,42 @@ def test_tree_steps_ahead_on_cuda_equal_synchronous_steps(tiny_checkpoints, batc
     assert got == [o.token_ids for o in outs[False]]
     for a, b in zip(outs[True][2 * batch:], outs[False][2 * batch:]):
         assert [lp[0] for lp in a.logprobs] == pytest.approx([lp[0] for lp in b.logprobs], abs=1e-4)
+
+
+@pytest.mark.parametrize("batch", [1, 3, 17])
+def test_whole_round_graphs_ahead_on_cuda_equal_plain_decoding(tiny_checkpoints, batch):
+    """Greedy tree steps as whole-round graphs (tree build, verify rows, forward, walk and compaction replayed;
+    roots and root positions from the previous round's epilogue when launched ahead), with drafts rejected at
+    varying depths, staggered max_tokens and a stop token met mid-output: output equals plain decoding, tree
+    steps ran ahead as whole rounds, and every KV block comes back."""
+    from engine.speculative.oracle import DeviceOracle
+    from tests.engine.test_async_trees import corrupted
+
+    folder, _ = tiny_checkpoints("llama")
+    ps = graph_prompts(batch)
+    common = dict(dtype="fp32", device="cuda", max_num_seqs=64)
+    plain = LLM(folder, **common)
+    greedy = [SamplingParams(max_tokens=MAX_TOKENS - i % 7, temperature=0, ignore_eos=True) for i in range(batch)]
+    greedy += [SamplingParams(max_tokens=MAX_TOKENS, temperature=0, stop_token_ids=[r[len(r) // 2]])
+               for r in [o.token_ids for o in plain.generate(ps, greedy)]]
+    ref = [o.token_ids for o in plain.generate(ps * 2, greedy)]
+    golden = corrupted({tuple(p[:3]): p + r for p, r in zip(ps, ref)}, {tuple(p[:3]): len(p) for p in ps})
+    oracle = DeviceOracle(golden, 3, 1000, horizon=HORIZON, device="cuda")
+    llm = LLM(folder, drafter=oracle, spec_budget=8, adaptive=False, **common)
+    core = llm.engine
+    ids = [core.add_request(p, sp) for p, sp in zip(ps * 2, greedy)]
+    out, steps, accepted = {i: [] for i in ids}, set(), []
+    while core.has_unfinished():
+        for d in core.step():
+            out[d.request_id].extend(d.new_token_ids)
+        if core.last_stats is not None:
+            steps.add((core.last_stats.cuda_graph, core.last_stats.scheduling))
+            accepted += core.last_stats.accept_lengths
+    assert [out[i] for i in ids] == ref
+    assert ("replay: whole round", "ahead") in steps, steps
+    # the golden token is wrong every 5th position: a tree whose rows were read intact accepts ~3 a step
+    assert sum(accepted) / len(accepted) > 2.0, accepted
+    assert core.blocks.num_free_blocks == core.blocks.num_blocks
 
 
 def test_dflash_drafts_ahead_on_cuda_like_it_drafts_from_the_host(tiny_checkpoints, tmp_path):

@@ -312,7 +312,7 @@ def test_budget_zero_requests_beside_a_tree_are_not_drafted_for_under_graphs(tin
         step_drafts.clear()
         for delta in core.step():
             outputs[delta.request_id].extend(delta.new_token_ids)
-        if ids[0] in step_drafts and core.last_stats.cuda_graph == "replay":
+        if ids[0] in step_drafts and core.last_stats.cuda_graph.startswith("replay"):
             tree_steps += 1
             others_drafted += len(step_drafts - {ids[0]})
     assert [outputs[i] for i in ids] == ref

@@ -144,8 +144,9 @@ class Metrics:
         self.batch_size = histogram("batch_size", "Requests per engine step.", BATCH_SIZE_BUCKETS).labels(model_name)
         self.spec_budget = histogram("spec_decode_budget", "Tree budget the adaptive speculation chose per decoding "
                                      "request per step (0 = plain decoding).", BUDGET_BUCKETS).labels(model_name)
-        self.engine_steps = counter("engine_steps", "Engine steps on a device with CUDA graphs: replayed, or eager "
-                                    "with the reason.", ["mode", "reason"])
+        self.engine_steps = counter("engine_steps", "Engine steps on a device with CUDA graphs: replayed (a tree "
+                                    "step as a whole round, or its forward only with the reason), or eager with the "
+                                    "reason.", ["mode", "reason"])
         self.step_scheduling = counter("engine_step_scheduling", "Engine steps under asynchronous scheduling: "
                                        "launched ahead of the previous step's results, or synchronous with the "
                                        "reason.", ["scheduling", "reason"])

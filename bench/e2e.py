@@ -58,8 +58,12 @@ def prompts(vocab: int, batch: int, length: int) -> list[list[int]]:
     return [torch.randint(0, vocab, (length,), generator=g).tolist() for _ in range(batch)]
 
 
-def timed(llm: LLM, ps: list[list[int]], new_tokens: int) -> tuple[float, list]:
-    sp = SamplingParams(max_tokens=new_tokens, temperature=0, ignore_eos=True)
+def timed(llm: LLM, ps: list[list[int]], new_tokens: int, temperature: float = 0.0, top_p: float = 1.0
+          ) -> tuple[float, list]:
+    """Seconds to generate new_tokens for every prompt, and the outputs (seeded per request at temperature > 0:
+    every pass draws the same tokens, which the oracle can then replay)."""
+    sp = [SamplingParams(max_tokens=new_tokens, temperature=temperature, top_p=top_p, seed=i, ignore_eos=True)
+          for i in range(len(ps))]
     llm.generate([ps[0]], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))  # warm-up
     # a fresh adaptive budget: the warm-up request ran alone (other GEMM shapes than the batch whose output the
     # oracle replays) and may have left that output, and a previous pass's requests may have too
@@ -86,12 +90,12 @@ def run_ours(args, model_path: str, load_format: str) -> None:
     goldens = {}  # batch -> prompt -> prompt + plain output (bf16 rounding differs with the batch's shapes)
     for batch in args.batch:
         ps = prompts(vocab, batch, args.prompt_len)
-        elapsed, outs = timed(plain, ps, args.new_tokens)
+        elapsed, outs = timed(plain, ps, args.new_tokens, args.temperature, args.top_p)
         tokens = sum(len(o.token_ids) for o in outs)
         emit(bench="ours", mode="plain", batch=batch, tok_s=round(tokens / elapsed, 1),
              ms_per_step=round(elapsed / args.new_tokens * 1e3, 3))
         goldens[batch] = {tuple(p): p + o.token_ids for p, o in zip(ps, outs)}
-        elapsed, sync_outs = timed(sync, ps, args.new_tokens)
+        elapsed, sync_outs = timed(sync, ps, args.new_tokens, args.temperature, args.top_p)
         assert [o.token_ids for o in sync_outs] == [o.token_ids for o in outs]
         emit(bench="ours", mode="plain, synchronous steps", batch=batch, tok_s=round(tokens / elapsed, 1),
              ms_per_step=round(elapsed / args.new_tokens * 1e3, 3))
@@ -113,13 +117,13 @@ def run_ours(args, model_path: str, load_format: str) -> None:
             # the plain one at a near-tie and the oracle then proposes junk for the rest of that request. The
             # first, untimed pass counts those requests; the timed pass replays this mode's own output.
             oracle.load(goldens[batch])
-            elapsed, own = timed(llm, ps, args.new_tokens)
+            elapsed, own = timed(llm, ps, args.new_tokens, args.temperature, args.top_p)
             diverged = sum(p + o.token_ids != goldens[batch][tuple(p)] for p, o in zip(ps, own))
             # both modes' first passes replay the same plain output: the same drafter, wrong where a request
             # left that output (the engine's first steps of these shapes are in it too)
             emit_spec(f"{mode}, first pass replaying plain", batch, elapsed, own, diverged_from_plain=diverged)
             oracle.load({tuple(p): p + o.token_ids for p, o in zip(ps, own)})
-            elapsed, outs = timed(llm, ps, args.new_tokens)
+            elapsed, outs = timed(llm, ps, args.new_tokens, args.temperature, args.top_p)
             emit_spec(mode, batch, elapsed, outs, diverged_from_plain=diverged)
         del llm
         free_engine_memory()
@@ -163,6 +167,8 @@ def main() -> None:
     p.add_argument("--prompt-len", type=int, default=512)
     p.add_argument("--new-tokens", type=int, default=128)
     p.add_argument("--budget", type=int, default=16)
+    p.add_argument("--temperature", type=float, default=0.0, help="ours: sample (seeded per request) instead of argmax")
+    p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--depth", type=int, default=7, help="oracle horizon (tau = depth + 1 when all accepted)")
     p.add_argument("--max-num-batched-tokens", type=int, default=None,
                    help="the engine's step token budget (default: the engine's own, 8192 on CUDA)")

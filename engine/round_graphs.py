@@ -1,25 +1,28 @@
-"""Whole-round CUDA graphs for tree steps. A tree step of greedy requests is, besides the drafter's call, three
-graph replays per bucket (N requests x W rows, the forward graphs' buckets with W > 1) and two copies:
+"""Whole-round CUDA graphs for tree steps. A tree step is, besides the drafter's call, three graph replays per
+bucket (N requests x W rows, the forward graphs' buckets with W > 1) and a few copies:
 
   prologue  the best-first trees built from the drafter's proposal (full budget, then cut to each request's
             budget), their node confidence, and the verify rows written into the forward graph's static buffers:
             input ids, rope positions (root position + depth), cache slots (looked up in the block tables on
             the device), key counts and the tree mask;
   forward   the target forward's own graph (engine/cuda_graphs.py);
-  epilogue  logits of every row, argmax, the tree walk, the KV compaction, and one packed result per request
-            (accept length, accepted rows, emitted tokens, node confidence).
+  epilogue  logits of every row, the target's token after it (a variant per way of choosing it: argmax, the
+            sampler's draw at temperature > 0 with min-p, the same after top-k/top-p), the tree walk, the KV
+            compaction, and one packed result per request (accept length, accepted rows, emitted tokens, node
+            confidence).
 
 Without it the same step launches ~150 operators from the host after the forward's replay, which at small
 batches bounds the step. Inputs live in static buffers the host fills with one staged copy (budgets, roots,
-root positions, block tables) and two device copies (the proposal); roots and root positions may come from the
-previous tree step's epilogue on the device (a step launched ahead of its predecessor's results).
+root positions, seeds, output counts, block tables), one more for sampling parameters, and two device copies
+(the proposal); roots, root positions and output offsets may come from the previous tree step's epilogue on
+the device (a step launched ahead of its predecessor's results).
 
 Invariants: rows a request does not own in the bucket (its rows past the step's W, and every row of a padding
 request) write their K/V into the scratch slots (engine/cuda_graphs.py) and are never accepted; a bucket's
 outputs are static (rewritten by its next replay), so every reader of them is enqueued before that replay or
 reads the host copy; their memory pool is not the forward graphs' (whose replays rewrite what their captures
-freed). Steps the epilogue cannot serve (sampling at temperature > 0, logprobs, penalties, logit
-bias, min_tokens, grammars) replay the forward graph only, and say why in StepStats.cuda_graph.
+freed). Steps the epilogue cannot serve (logprobs, penalties, logit bias, min_tokens, grammars, a bucket
+without the variant) replay the forward graph only, and say why in StepStats.cuda_graph.
 """
 from __future__ import annotations
 
@@ -29,7 +32,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.plan import ScheduledSeq
-from engine.sampler import needs_penalty
+from engine.sampler import apply_top_k_top_p, needs_penalty, uniforms
 from engine.speculative.adaptive import node_confidence
 from engine.speculative.speculator import Proposal, Walk
 from engine.speculative.tree import DraftTree
@@ -40,8 +43,15 @@ from ext.metadata import flat_block_table, slots_on_device
 
 logger = logging.getLogger("ddtree.engine")
 
-# rows of RoundGraphs.small: per request of the bucket
-BUDGET, FULL, OWNED, ROOT, START = range(5)
+# rows of RoundGraphs.small (int64) and .params (float32): per request of the bucket
+BUDGET, FULL, OWNED, ROOT, START, SEED, OUTPUT, OFFSET = range(8)
+TEMPERATURE, TOP_P, MIN_P, TOP_K = range(4)
+# epilogue variants: how the target's token after each row is chosen
+GREEDY, SAMPLED, TOP_K_P = "greedy", "sampled", "sampled with top-k/top-p"
+VARIANTS = (GREEDY, SAMPLED, TOP_K_P)
+# the top-k/top-p epilogue sorts every row's logits: captured for buckets of at most this many row x vocabulary
+# elements (its sort buffers stay in the round graphs' pool)
+TOP_K_P_MAX_ELEMENTS = 64 << 20
 
 
 @dataclass
@@ -61,8 +71,11 @@ class RoundStep:
 @dataclass
 class _Round:
     prologue: torch.cuda.CUDAGraph | None
-    epilogue: torch.cuda.CUDAGraph | None
-    outputs: tuple  # (tree, curve, slots, walk, packed) of the capture
+    built: tuple  # (tree, curve, slots) of the prologue's capture
+    epilogues: dict  # variant -> (graph, (walk, packed) of its capture)
+
+
+_NONE = _Round(None, (), {})
 
 
 class RoundGraphs:
@@ -73,7 +86,8 @@ class RoundGraphs:
         device, most = graphs.device, max(graphs.batch_sizes)
         self.logprobs = torch.zeros(most, horizon, top_k, dtype=torch.float32, device=device)
         self.token_ids = torch.zeros(most, horizon, top_k, dtype=torch.int64, device=device)
-        self.small = torch.zeros(5, most, dtype=torch.int64, device=device)  # BUDGET, FULL, OWNED, ROOT, START
+        self.small = torch.zeros(8, most, dtype=torch.int64, device=device)  # BUDGET .. OFFSET
+        self.params = torch.zeros(4, most, dtype=torch.float32, device=device)  # TEMPERATURE .. TOP_K
         self.keys = [b for b in graphs.buckets if b[1] > 1]
         self.columns = torch.arange(max(graphs.widths), device=device)  # a row's index inside its request
         self.rounds: dict[tuple[int, int, int], _Round] = {}
@@ -84,34 +98,36 @@ class RoundGraphs:
 
     # ------------------------------------------------------------------------------------------ eligibility
 
-    def why_not(self, seqs: list[ScheduledSeq], width: int, fault_injection: bool = False) -> str | None:
-        """Why this tree step (every request decoding, `width` rows each) cannot run as a whole round, or None."""
-        why = self._why_not(seqs, width, fault_injection)
-        if why is not None and why not in self._told:
+    def plan(self, seqs: list[ScheduledSeq], width: int, fault_injection: bool = False) -> tuple[str | None, str]:
+        """(the epilogue variant, None) when this tree step (every request decoding, `width` rows each) can run
+        as a whole round, else (None, why not)."""
+        variant, why = self._plan(seqs, width, fault_injection)
+        if why and why not in self._told:
             self._told.add(why)
             logger.info("tree steps whose %s run their sampling, walk and compaction outside the CUDA graphs "
                         "(counted in engine_steps_total{mode=\"replay\"})", why)
-        return why
+        return variant, why
 
-    def _why_not(self, seqs: list[ScheduledSeq], width: int, fault_injection: bool) -> str | None:
-        key = self.graphs.bucket(len(seqs), width)
-        if key is None or (key not in self.rounds and not self.graphs.emulate):
-            return f"shape {len(seqs)}x{width} has no round graph"
+    def _plan(self, seqs: list[ScheduledSeq], width: int, fault_injection: bool) -> tuple[str | None, str]:
         if fault_injection:
-            return "requests face an injected fault"
+            return None, "requests face an injected fault"
+        variant = GREEDY
         for s in seqs:
             req, sp = s.request, s.request.sampling
-            if not sp.greedy:
-                return "requests sample at temperature > 0"
             if sp.logprobs is not None:
-                return "requests ask for logprobs"
+                return None, "requests ask for logprobs"
             if sp.logit_bias or needs_penalty(req):
-                return "requests have penalties or a logit bias"
+                return None, "requests have penalties or a logit bias"
             if sp.min_tokens > req.num_output_tokens:
-                return "requests are below min_tokens"
+                return None, "requests are below min_tokens"
             if req.constraint is not None:
-                return "requests have a grammar"
-        return None
+                return None, "requests have a grammar"
+            if not sp.greedy:
+                variant = TOP_K_P if (sp.top_k and sp.top_k > 0) or sp.top_p < 1.0 or variant == TOP_K_P else SAMPLED
+        key = self.graphs.bucket(len(seqs), width)
+        if key is None or not (self.graphs.emulate or variant in self.rounds.get(key, _NONE).epilogues):
+            return None, f"shape {len(seqs)}x{width} has no round graph ({variant})"
+        return variant, ""
 
     def fits(self, proposal: Proposal) -> str | None:
         """Why this proposal does not fit the static buffers, or None."""
@@ -125,68 +141,92 @@ class RoundGraphs:
 
     @torch.inference_mode()
     def capture(self) -> None:
-        """Prologue and epilogue graphs of every tree bucket, in one memory pool of their own."""
+        """Prologue and epilogue graphs of every tree bucket (an epilogue per variant; the top-k/top-p one only
+        up to TOP_K_P_MAX_ELEMENTS), in one memory pool of their own."""
         graphs = self.graphs
         for key in sorted(self.keys, key=lambda b: -b[0] * b[1]):
             n, w, _ = key
             graphs.set_layout(0, n, w, w)  # every request a padding request: nothing but scratch is written
             self.small.zero_()
+            self.params.zero_()
             hidden = graphs.graphs[key].hidden
-            self._prologue(n, w)  # warm-up, eager
-            self._epilogue(n, w, hidden, *self._prologue(n, w))
+            variants = [v for v in VARIANTS if v != TOP_K_P or n * w * self.model.vocab_size <= TOP_K_P_MAX_ELEMENTS]
+            built = self._prologue(n, w)  # warm-up, eager
+            for variant in variants:
+                self._epilogue(n, w, hidden, *built, variant)
             torch.cuda.synchronize(graphs.device)
-            prologue, epilogue = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
+            prologue = torch.cuda.CUDAGraph()
             with torch.cuda.graph(prologue, pool=self.pool):
                 built = self._prologue(n, w)
             self.pool = prologue.pool()
-            with torch.cuda.graph(epilogue, pool=self.pool):
-                walk, packed = self._epilogue(n, w, hidden, *built)
-            self.rounds[key] = _Round(prologue, epilogue, (*built, walk, packed))
+            epilogues = {}
+            for variant in variants:
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=self.pool):
+                    epilogues[variant] = (graph, self._epilogue(n, w, hidden, *built, variant))
+            self.rounds[key] = _Round(prologue, built, epilogues)
         graphs.forget_layout()  # the next step writes its own
         torch.cuda.synchronize(graphs.device)
-        logger.info("captured %d whole-round tree-step graph pairs", len(self.rounds))
+        logger.info("captured whole-round tree-step graphs for %d buckets", len(self.rounds))
 
     # ------------------------------------------------------------------------------------------------- run
 
-    def run(self, proposal: Proposal, block_size: int, stage: Staging) -> RoundStep:
-        """Replays the round for a proposal (why_not() and fits() None): its roots and root positions from the
-        proposal when drafted ahead, else from the requests on the host."""
+    def run(self, proposal: Proposal, variant: str, block_size: int, stage: Staging) -> RoundStep:
+        """Replays the round for a proposal (plan() gave `variant`; fits() None): its roots, root positions and
+        output offsets from the proposal when drafted ahead, else from the requests on the host."""
         seqs, graphs = proposal.seqs, self.graphs
         num, budgets = len(seqs), proposal.budgets
         width = max(budgets) + 1
         key = graphs.bucket(num, width)
         n, w, _ = key
         graphs.set_layout(num, n, w, w)  # the prologue writes every row of the real requests
-        pad = [0] * (n - num)
-        host_ends = proposal.roots is None
-        roots = [s.request.last_token_id for s in seqs] if host_ends else [0] * num
-        starts = [s.request.num_computed_tokens for s in seqs] if host_ends else [0] * num
-        flat, num_cols = flat_block_table([s.request.block_ids for s in seqs])
-        small, table = stage.pack([budgets + pad + proposal.full_budgets(self.max_budget) + pad
-                                   + [width] * num + pad + roots + pad + starts + pad, flat])
-        self.small[:, :n].copy_(small.view(5, n))
-        if not host_ends:
-            self.small[ROOT, :num].copy_(proposal.roots)
-            self.small[START, :num].copy_(proposal.starts)
-        graphs.block_tables[:num, :num_cols].copy_(table.view(num, num_cols))
-        self.logprobs[:num].copy_(proposal.logprobs)
-        self.token_ids[:num].copy_(proposal.token_ids)
+        self._stage_inputs(proposal, n, w, width, variant, stage)
         if graphs.emulate:
             built = self._prologue(n, w)
             hidden, layers = graphs.replay(key)
-            walk, packed = self._epilogue(n, w, hidden, *built)
+            walk, packed = self._epilogue(n, w, hidden, *built, variant)
         else:
             rnd = self.rounds[key]
             rnd.prologue.replay()
             _, layers = graphs.replay(key)
-            rnd.epilogue.replay()
-            built, (walk, packed) = rnd.outputs[:3], rnd.outputs[3:]
+            graph, (walk, packed) = rnd.epilogues[variant]
+            graph.replay()
+            built = rnd.built
         tree, curve, slots = built
         cut = DraftTree(*(t[:num] for t in (tree.node_token_ids, tree.parents, tree.depths, tree.num_nodes,
                                             tree.visibility, tree.scores)), tree.max_depth)
         return RoundStep(cut, curve[:num], slots[:num],
                          Walk(walk.accepted_nodes[:num], walk.accept_len[:num], walk.emitted[:num]),
                          self.small[START, :num], packed[:num], [c[:num * w] for c in layers], w)
+
+    def _stage_inputs(self, proposal: Proposal, n: int, w: int, width: int, variant: str, stage: Staging) -> None:
+        """The static inputs of a round: one staged copy of the requests' integers and block tables (and one of
+        their sampling parameters), the proposal, and what the previous round left on the device."""
+        seqs, num = proposal.seqs, len(proposal.seqs)
+        pad = [0] * (n - num)
+        host_ends = proposal.roots is None
+        sampled = variant != GREEDY
+        rows = [proposal.budgets, proposal.full_budgets(self.max_budget), [width] * num,
+                [s.request.last_token_id for s in seqs] if host_ends else [0] * num,
+                [s.request.num_computed_tokens for s in seqs] if host_ends else [0] * num]
+        if sampled:
+            rows += [[s.request.seed for s in seqs], [s.request.num_output_tokens for s in seqs], [0] * num]
+        flat, num_cols = flat_block_table([s.request.block_ids for s in seqs])
+        small, table = stage.pack([[v for row in rows for v in row + pad], flat])
+        self.small[:len(rows), :n].copy_(small.view(len(rows), n))
+        if sampled:
+            params = [(sp.temperature, sp.top_p, sp.min_p, float(sp.top_k if sp.top_k and sp.top_k > 0 else 0))
+                      for sp in (s.request.sampling for s in seqs)]
+            self.params[:, :num].copy_(stage([list(col) for col in zip(*params)], torch.float32))
+        if not host_ends:
+            self.small[ROOT, :num].copy_(proposal.roots)
+            self.small[START, :num].copy_(proposal.starts)
+            if sampled:
+                self.small[OFFSET, :num].copy_(proposal.depth_offsets)
+        graphs = self.graphs
+        graphs.block_tables[:num, :num_cols].copy_(table.view(num, num_cols))
+        self.logprobs[:num].copy_(proposal.logprobs)
+        self.token_ids[:num].copy_(proposal.token_ids)
 
     # --------------------------------------------------------------------------------------- graph bodies
 
@@ -215,11 +255,31 @@ class RoundGraphs:
         return tree, curve, slots
 
     def _epilogue(self, n: int, w: int, hidden: torch.Tensor, tree: DraftTree, curve: torch.Tensor,
-                  slots: torch.Tensor) -> tuple[Walk, torch.Tensor]:
-        """Greedy targets of every row, the walk, the compaction and the packed results of bucket (n, w)."""
+                  slots: torch.Tensor, variant: str) -> tuple[Walk, torch.Tensor]:
+        """The target's token after every row, the walk, the compaction and the packed results of bucket
+        (n, w)."""
         logits = self.model.compute_logits(hidden)  # [n * w, vocab] fp32
-        result = verify.accept(tree, logits.argmax(-1).view(n, w))
+        targets = logits.argmax(-1)
+        if variant != GREEDY:
+            targets = self._draw(n, w, logits, targets, tree, variant == TOP_K_P)
+        result = verify.accept(tree, targets.view(n, w))
         walk = Walk(result.accepted_nodes, result.accept_len, result.emitted_token_ids)
         ops.kv_compact_tree(self.slot_views, walk.accepted_nodes, slots)
         parts = [walk.accept_len[:, None], walk.accepted_nodes, walk.emitted, curve]
         return walk, torch.cat([p.to(torch.float64) for p in parts], dim=1)
+
+    def _draw(self, n: int, w: int, logits: torch.Tensor, greedy: torch.Tensor, tree: DraftTree,
+              top_k_p: bool) -> torch.Tensor:
+        """engine/sampler.py's draw for every row of the requests at temperature > 0 (the same uniform per
+        output position, so a round draws what the sampler draws); other rows keep their argmax."""
+        def per_row(values: torch.Tensor) -> torch.Tensor:  # [n] -> [n * w]
+            return values[:n, None].expand(n, w).reshape(-1)
+
+        temperature, top_p, min_p, top_k = (per_row(p) for p in self.params)
+        sampled = temperature > 0
+        x = logits / torch.where(sampled, temperature, 1.0)[:, None]
+        if top_k_p:
+            x = apply_top_k_top_p(x, top_k.to(torch.int64), top_p)
+        output = per_row(self.small[OUTPUT]) + per_row(self.small[OFFSET]) + tree.depths.reshape(-1)
+        drawn = ops.sample_tokens(x, torch.ones_like(temperature), min_p, uniforms(per_row(self.small[SEED]), output))
+        return torch.where(sampled, drawn, greedy)

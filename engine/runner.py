@@ -98,9 +98,10 @@ class ModelRunner:
         batch = why = None
         if tree_seqs:
             proposal = spec.propose(tree_seqs, drafted)
-            why = self._round_blocker(proposal) if not plain else None
-            if why is None and not plain:
-                return self._launch_round(proposal)
+            if not plain:
+                variant, why = self._round_plan(proposal)
+                if variant is not None:
+                    return self._launch_round(proposal, variant)
             batch = spec.build(proposal)
         # decoding requests at budget 0 still draft (no verify rows): their curves tell the adaptive budget
         # when a tree would pay again (never for requests scheduled ahead: their last token is not known)
@@ -109,18 +110,19 @@ class ModelRunner:
         watched = (watch, *spec.curves(watch)) if watch else None
         return self._launch(plain, batch, watched, input_ids, why)
 
-    def _round_blocker(self, proposal: Proposal) -> str | None:
-        """Why a tree step of only trees cannot run as a whole-round graph (engine/round_graphs.py), or None."""
+    def _round_plan(self, proposal: Proposal) -> tuple[str | None, str]:
+        """A step of only trees as a whole-round graph (engine/round_graphs.py): (its epilogue variant, "") or
+        (None, why not; "" without graphs)."""
         if self.rounds is None:
-            return "" if self.graphs is None else "no round graphs"
-        width = max(proposal.budgets) + 1
-        return self.rounds.why_not(proposal.seqs, width, self.sampler.fault_seed is not None) or \
-            self.rounds.fits(proposal)
+            return None, "" if self.graphs is None else "no round graphs"
+        variant, why = self.rounds.plan(proposal.seqs, max(proposal.budgets) + 1, self.sampler.fault_seed is not None)
+        why = why or self.rounds.fits(proposal) or ""
+        return (variant, "") if not why else (None, why)
 
-    def _launch_round(self, proposal: Proposal) -> "PendingStep":
+    def _launch_round(self, proposal: Proposal, variant: str) -> "PendingStep":
         """A tree step as three graph replays (engine/round_graphs.py); its results come back in one copy."""
         t1 = time.perf_counter()
-        step = self.rounds.run(proposal, self.block_size, self.staging)
+        step = self.rounds.run(proposal, variant, self.block_size, self.staging)
         t2 = time.perf_counter()
         batch = TreeBatch(proposal.seqs, step.tree, proposal.budgets, proposal.drafted, step.curve,
                           clock=proposal.clock, starts=proposal.starts, depth_offsets=proposal.depth_offsets)
@@ -143,9 +145,9 @@ class ModelRunner:
         drafted = [s.spec_budget > 0 or self.watch is None or self.watch(s.request.request_id, ahead=True)
                    for s in seqs]
         proposal = self.speculator.propose(seqs, drafted, ahead=(roots, starts, emitted, feats))
-        why = self._round_blocker(proposal)
-        if why is None:
-            return self._launch_round(proposal)
+        variant, why = self._round_plan(proposal)
+        if variant is not None:
+            return self._launch_round(proposal, variant)
         batch = self.speculator.build(proposal)
         # positions reached in the longest case: the request's root, past its previous tree's most tokens
         most_emitted = after.most_emitted()

@@ -96,9 +96,33 @@ def test_seeded_sampling_ahead_equals_synchronous_tree_steps(tiny_checkpoints):
                               logprobs=2, ignore_eos=False) for s in range(4)]
     want, want_lp, _ = tree_steps_ahead(tree_engine(folder, ps, ref, False).engine, ps, sampled)
     got, got_lp, ahead = tree_steps_ahead(tree_engine(folder, ps, ref, True).engine, ps, sampled,
-                                          "replay: forward only (requests sample at temperature > 0)")
+                                          "replay: forward only (requests ask for logprobs)")
     assert got == want and ahead > 0
     assert_same_logprobs(want_lp, got_lp)
+
+
+@pytest.mark.parametrize("top", [{}, dict(top_p=0.9, top_k=40)])
+def test_seeded_sampling_in_whole_rounds_equals_the_sampler(tiny_checkpoints, top):
+    """Tree steps at temperature > 0 as whole-round graphs (the draw inside the epilogue; with top-k/top-p its own
+    variant), launched ahead: the tokens the sampler draws in forward-only tree steps run synchronously, for
+    sampled requests beside a greedy one."""
+    folder, _ = tiny_checkpoints("llama")
+    ps = prompts(5)
+    ref = plain_greedy(folder, ps, SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True))
+    params = [SamplingParams(max_tokens=MAX_TOKENS, temperature=0.3, min_p=0.02, seed=s, ignore_eos=False, **top)
+              for s in range(4)] + [SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)]
+
+
+    def outside(golden):
+        engine = tree_engine(folder, ps, golden, False).engine
+        engine.runner.rounds = None  # the tree step's forward replayed alone, the sampler after it
+        return tree_steps_ahead(engine, ps, params)[0]
+
+    sampled = outside(ref)  # the oracle replays the greedy output: the sampled requests leave it at once
+    want = outside(sampled)  # now it replays theirs (drafts accepted at varying depths): the same tokens
+    got, _, ahead = tree_steps_ahead(tree_engine(folder, ps, sampled, True).engine, ps, params, "replay: whole round")
+    assert want == sampled and got == want and ahead > 0
+    assert got[4] == ref[4]
 
 
 def test_adaptive_budget_with_tree_steps_ahead(tiny_checkpoints):

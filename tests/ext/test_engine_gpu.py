@@ -236,6 +236,37 @@ def test_whole_round_graphs_ahead_on_cuda_equal_plain_decoding(tiny_checkpoints,
     assert core.blocks.num_free_blocks == core.blocks.num_blocks
 
 
+@pytest.mark.parametrize("top", [{}, dict(top_p=0.9, top_k=40)])
+def test_seeded_sampling_in_whole_round_graphs_on_cuda_equals_plain_sampling(tiny_checkpoints, top):
+    """Tree steps at temperature > 0 as whole-round graphs on CUDA (the draw in the epilogue graph, top-k/top-p in
+    its own variant; launched ahead, drafts rejected at varying depths), beside a greedy request: the tokens seeded
+    plain decoding draws."""
+    from engine.speculative.oracle import DeviceOracle
+    from tests.engine.test_async_trees import corrupted
+
+    folder, _ = tiny_checkpoints("llama")
+    ps = graph_prompts(5)
+    common = dict(dtype="fp32", device="cuda", max_num_seqs=64)
+    params = [SamplingParams(max_tokens=MAX_TOKENS, temperature=0.3, min_p=0.02, seed=s, ignore_eos=True, **top)
+              for s in range(4)] + [SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)]
+    ref = [o.token_ids for o in LLM(folder, **common).generate(ps, params)]
+    golden = corrupted({tuple(p[:3]): p + r for p, r in zip(ps, ref)}, {tuple(p[:3]): len(p) for p in ps})
+    llm = LLM(folder, drafter=DeviceOracle(golden, 3, 1000, horizon=HORIZON, device="cuda"), spec_budget=8,
+              adaptive=False, **common)
+    core = llm.engine
+    ids = [core.add_request(p, sp) for p, sp in zip(ps, params)]
+    out, steps, accepted = {i: [] for i in ids}, set(), []
+    while core.has_unfinished():
+        for d in core.step():
+            out[d.request_id].extend(d.new_token_ids)
+        if core.last_stats is not None:
+            steps.add((core.last_stats.cuda_graph, core.last_stats.scheduling))
+            accepted += core.last_stats.accept_lengths
+    assert [out[i] for i in ids] == ref
+    assert ("replay: whole round", "ahead") in steps, steps
+    assert sum(accepted) / len(accepted) > 2.0, accepted
+
+
 def test_dflash_drafts_ahead_on_cuda_like_it_drafts_from_the_host(tiny_checkpoints, tmp_path):
     """The DFlash drafter's calls ahead of the previous tree step's results (real graph replays of its block and
     context writes, the CUDA kernels) propose what its host-fed calls propose; greedy output equals plain."""

@@ -56,9 +56,29 @@ class HostResults:
         return self._chosen[k], list(zip(self._top_ids[k][:num_top], self._top_vals[k][:num_top]))
 
 
-class ResultCopy:
-    """Everything the host needs from a step, packed on the device and copied to the host in one copy: on CUDA
-    a non-blocking copy into pinned memory and an event, so the host can launch the next step before waiting."""
+class _HostCopy:
+    """One device-to-host copy of a packed step result: on CUDA non-blocking into pinned memory, with an event
+    the host waits on only when it reads the values."""
+
+    def __init__(self, packed: torch.Tensor, owned: bool):
+        """owned: the packed tensor is a buffer the next step rewrites (copied even on the CPU)."""
+        self.event = None
+        if packed.is_cuda:
+            self.host = packed.to("cpu", non_blocking=True)  # into pinned memory
+            self.event = torch.cuda.Event()
+            self.event.record()
+        else:
+            self.host = packed.clone() if owned else packed
+
+    def values(self) -> list:
+        if self.event is not None:
+            self.event.synchronize()
+        return self.host.tolist()
+
+
+class ResultCopy(_HostCopy):
+    """Everything the host needs from a step, packed on the device and copied to the host in one copy, so the
+    host can launch the next step before waiting."""
 
     def __init__(self, out: SampleOutput, walk: Walk | None, num_plain: int, curve: torch.Tensor | None):
         self.out, self.walk, self.num_plain, self.curve = out, walk, num_plain, curve
@@ -74,35 +94,18 @@ class ResultCopy:
         # one part (plain decoding without logprobs): copied as it is; several: packed as float64 (exact for ids)
         packed = parts[0].reshape(-1) if len(parts) == 1 else torch.cat([p.reshape(-1).to(torch.float64)
                                                                           for p in parts])
-        self.event = None
-        if packed.is_cuda:
-            self.host = packed.to("cpu", non_blocking=True)  # into pinned memory
-            self.event = torch.cuda.Event()
-            self.event.record()
-        else:
-            self.host = packed
+        super().__init__(packed, owned=False)
 
     def wait(self) -> HostResults:
-        if self.event is not None:
-            self.event.synchronize()
-        return HostResults(self.host.tolist(), self.num_plain, self.walk, self.out, self.curve)
+        return HostResults(self.values(), self.num_plain, self.walk, self.out, self.curve)
 
 
-class RoundCopy:
-    """The one copy of a whole-round graph's packed results ([N, 1 + 2A + 2B] float64 on the device) to the
-    host, as ResultCopy does for other steps."""
+class RoundCopy(_HostCopy):
+    """The one copy of a whole-round graph's packed results ([N, 1 + 2A + 2B] float64 on the device)."""
 
     def __init__(self, packed: torch.Tensor, num_accepted: int):
         self.num_accepted = num_accepted
-        self.event = None
-        if packed.is_cuda:
-            self.host = packed.to("cpu", non_blocking=True)  # into pinned memory
-            self.event = torch.cuda.Event()
-            self.event.record()
-        else:
-            self.host = packed.clone()  # the static buffer is rewritten by the next step
+        super().__init__(packed, owned=True)
 
     def wait(self) -> HostResults:
-        if self.event is not None:
-            self.event.synchronize()
-        return HostResults.of_round(self.host.tolist(), self.num_accepted)
+        return HostResults.of_round(self.values(), self.num_accepted)

@@ -116,14 +116,23 @@ def test_cuda_graphs_equal_eager_for_plain_and_ddtree(tiny_checkpoints, family, 
 
 def step_modes(llm, ps, sp) -> tuple[list[list[int]], set]:
     """Steps the engine to the end: (tokens per prompt, the steps' CUDA-graph modes)."""
+    out, steps, _ = step_through(llm, ps, sp)
+    return out, {graph for graph, _ in steps}
+
+
+def step_through(llm, ps, sp) -> tuple[list[list[int]], set, list[int]]:
+    """Steps the engine to the end: (tokens per prompt, (CUDA-graph mode, scheduling) of the steps, accept lengths
+    of the trees). sp: one SamplingParams or one per prompt."""
     core = llm.engine
-    ids = [core.add_request(p, sp) for p in ps]
-    out, modes = {rid: [] for rid in ids}, set()
+    ids = [core.add_request(p, s) for p, s in zip(ps, sp if isinstance(sp, list) else [sp] * len(ps))]
+    out, steps, accepted = {rid: [] for rid in ids}, set(), []
     while core.has_unfinished():
         for d in core.step():
             out[d.request_id].extend(d.new_token_ids)
-        modes.add(core.last_stats.cuda_graph if core.last_stats else None)
-    return [out[rid] for rid in ids], modes
+        st = core.last_stats
+        steps.add((st.cuda_graph, st.scheduling) if st else (None, None))
+        accepted += st.accept_lengths if st else []
+    return [out[rid] for rid in ids], steps, accepted
 
 
 @pytest.mark.parametrize("batch", [1, 3, 17])
@@ -220,20 +229,12 @@ def test_whole_round_graphs_ahead_on_cuda_equal_plain_decoding(tiny_checkpoints,
     golden = corrupted({tuple(p[:3]): p + r for p, r in zip(ps, ref)}, {tuple(p[:3]): len(p) for p in ps})
     oracle = DeviceOracle(golden, 3, 1000, horizon=HORIZON, device="cuda")
     llm = LLM(folder, drafter=oracle, spec_budget=8, adaptive=False, **common)
-    core = llm.engine
-    ids = [core.add_request(p, sp) for p, sp in zip(ps * 2, greedy)]
-    out, steps, accepted = {i: [] for i in ids}, set(), []
-    while core.has_unfinished():
-        for d in core.step():
-            out[d.request_id].extend(d.new_token_ids)
-        if core.last_stats is not None:
-            steps.add((core.last_stats.cuda_graph, core.last_stats.scheduling))
-            accepted += core.last_stats.accept_lengths
-    assert [out[i] for i in ids] == ref
+    out, steps, accepted = step_through(llm, ps * 2, greedy)
+    assert out == ref
     assert ("replay: whole round", "ahead") in steps, steps
     # the golden token is wrong every 5th position: a tree whose rows were read intact accepts ~3 a step
     assert sum(accepted) / len(accepted) > 2.0, accepted
-    assert core.blocks.num_free_blocks == core.blocks.num_blocks
+    assert llm.engine.blocks.num_free_blocks == llm.engine.blocks.num_blocks
 
 
 @pytest.mark.parametrize("top", [{}, dict(top_p=0.9, top_k=40)])
@@ -253,16 +254,8 @@ def test_seeded_sampling_in_whole_round_graphs_on_cuda_equals_plain_sampling(tin
     golden = corrupted({tuple(p[:3]): p + r for p, r in zip(ps, ref)}, {tuple(p[:3]): len(p) for p in ps})
     llm = LLM(folder, drafter=DeviceOracle(golden, 3, 1000, horizon=HORIZON, device="cuda"), spec_budget=8,
               adaptive=False, **common)
-    core = llm.engine
-    ids = [core.add_request(p, sp) for p, sp in zip(ps, params)]
-    out, steps, accepted = {i: [] for i in ids}, set(), []
-    while core.has_unfinished():
-        for d in core.step():
-            out[d.request_id].extend(d.new_token_ids)
-        if core.last_stats is not None:
-            steps.add((core.last_stats.cuda_graph, core.last_stats.scheduling))
-            accepted += core.last_stats.accept_lengths
-    assert [out[i] for i in ids] == ref
+    out, steps, accepted = step_through(llm, ps, params)
+    assert out == ref
     assert ("replay: whole round", "ahead") in steps, steps
     assert sum(accepted) / len(accepted) > 2.0, accepted
 

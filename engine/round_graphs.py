@@ -125,7 +125,7 @@ class RoundGraphs:
             if not sp.greedy:
                 variant = TOP_K_P if (sp.top_k and sp.top_k > 0) or sp.top_p < 1.0 or variant == TOP_K_P else SAMPLED
         key = self.graphs.bucket(len(seqs), width)
-        if key is None or not (self.graphs.emulate or variant in self.rounds.get(key, _NONE).epilogues):
+        if key is None or key[1] == 1 or not (self.graphs.emulate or variant in self.rounds.get(key, _NONE).epilogues):
             return None, f"shape {len(seqs)}x{width} has no round graph ({variant})"
         return variant, ""
 

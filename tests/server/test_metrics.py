@@ -145,8 +145,13 @@ def test_accepts_the_engines_step_stats():
                             timings={}, spec_budgets=[0, 16], cuda_graph="replay", scheduling="ahead"))
     m.record_step(StepStats(num_running=2, num_waiting=0, kv_cache_usage=0.5, batch_size=2, num_preemptions=0,
                             timings={}, cuda_graph="eager: mixed step", scheduling="synchronous: waiting requests"))
+    for graph in ("replay: whole round", "replay: forward only (requests ask for logprobs)"):
+        m.record_step(StepStats(num_running=1, num_waiting=0, kv_cache_usage=0.5, batch_size=1, num_preemptions=0,
+                                timings={}, cuda_graph=graph))
     assert value(m, "spec_decode_budget_count") == 2 and value(m, "spec_decode_budget_bucket", le="0.0") == 1
     assert value(m, "engine_steps_total", mode="replay", reason="") == 1
+    assert value(m, "engine_steps_total", mode="replay", reason="whole round") == 1
+    assert value(m, "engine_steps_total", mode="replay", reason="forward only (requests ask for logprobs)") == 1
     assert value(m, "engine_steps_total", mode="eager", reason="mixed step") == 1
     assert value(m, "engine_step_scheduling_total", scheduling="ahead", reason="") == 1
     assert value(m, "engine_step_scheduling_total", scheduling="synchronous", reason="waiting requests") == 1

@@ -20,6 +20,7 @@ from engine.memory import AllocatorWatch, measure_cuda_peak, plan_kv_cache
 from engine.messages import Delta, RequestError, StepStats
 from engine.model.loader import default_sampling, load_model, resolve_dtype
 from engine.plan import StepPlan
+from engine.plain_graphs import PlainGraphs
 from engine.request import Request, SamplingParams, next_request_id
 from engine.round_graphs import RoundGraphs
 from engine.runner import ModelRunner
@@ -155,7 +156,11 @@ class EngineCore:
         if not emulate:
             graphs.capture()
         self.runner.graphs = graphs
-        if self.speculator is not None:  # tree steps of greedy requests as whole-round graphs
+        plain = PlainGraphs(graphs, self.model)  # decode steps choose their tokens in graphs too
+        if not emulate:
+            plain.capture()
+        self.runner.plain_graphs = plain
+        if self.speculator is not None:  # tree steps as whole-round graphs
             spec = self.speculator
             rounds = RoundGraphs(graphs, self.model, self.runner.slot_views, spec.max_budget, spec.horizon,
                                  min(spec.draft_top_k, self.model.vocab_size))

@@ -160,16 +160,15 @@ class EngineCore:
         if not emulate:
             plain.capture()
         self.runner.plain_graphs = plain
-        if self.speculator is not None:  # tree steps as whole-round graphs
-            spec = self.speculator
+        spec = self.speculator
+        if spec is not None:  # tree steps as whole-round graphs; the drafter's call for every batch size
             rounds = RoundGraphs(graphs, self.model, self.runner.slot_views, spec.max_budget, spec.horizon,
                                  min(spec.draft_top_k, self.model.vocab_size))
             if not emulate:
                 rounds.capture()
             self.runner.rounds = rounds
-        if self.speculator is not None:  # the drafter's call for every batch size up to max_num_seqs
-            self.speculator.capture_draft_graphs(buckets_up_to(BATCH_SIZES, config.max_num_seqs), self.max_model_len,
-                                                 emulate=emulate)
+            spec.capture_draft_graphs(buckets_up_to(BATCH_SIZES, config.max_num_seqs), self.max_model_len,
+                                      emulate=emulate)
         self.runner.uniform_trees = self.scheduler.uniform_trees = self.speculator is not None
 
     @property

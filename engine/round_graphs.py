@@ -35,11 +35,9 @@ from engine import graph_sampling
 from engine.graph_sampling import GREEDY, GraphSampling, variants_for
 from engine.plan import ScheduledSeq
 from engine.speculative.adaptive import node_confidence
-from engine.speculative.speculator import Proposal, Walk
+from engine.speculative.speculator import Proposal, Speculator, Walk
 from engine.speculative.tree import DraftTree
-from engine.speculative import verify
 from engine.staging import Staging
-from ext import ops
 from ext.metadata import flat_block_table, slots_on_device
 
 logger = logging.getLogger("ddtree.engine")
@@ -211,12 +209,9 @@ class RoundGraphs:
         (the trees cut to W rows, node confidence [n, 2B], cache slots [n, W])."""
         g, small = self.graphs, self.small[:, :n]
         budget_rows = max(self.max_budget, w - 1)  # a bucket wider than the largest tree pads it
-        built = ops.build_tree(self.logprobs[:n], self.token_ids[:n], small[FULL], budget_rows)
-        node_token_ids = built.node_token_ids.clone()
-        node_token_ids[:, 0] = small[ROOT]
-        curve = node_confidence(built.scores[:, 1:self.max_budget + 1].exp())
-        tree = DraftTree(node_token_ids, built.parents, built.depths, built.num_nodes, built.visibility,
-                         built.scores, self.horizon).truncated(small[BUDGET], w)
+        full = DraftTree.from_topk(self.logprobs[:n], self.token_ids[:n], small[ROOT], small[FULL], budget_rows)
+        curve = node_confidence(full.node_probabilities()[:, :self.max_budget])
+        tree = full.truncated(small[BUDGET], w)
         starts, owned = small[START], small[OWNED]
         g.input_ids[:n * w].copy_(tree.input_ids().reshape(-1))
         g.positions[:n * w].copy_(tree.positions(starts).reshape(-1))
@@ -236,8 +231,7 @@ class RoundGraphs:
         (n, w)."""
         logits = self.model.compute_logits(hidden)  # [n * w, vocab] fp32
         targets = self.sampling.choose(logits, n, w, tree.depths, variant)
-        result = verify.accept(tree, targets.view(n, w))
-        walk = Walk(result.accepted_nodes, result.accept_len, result.emitted_token_ids)
-        ops.kv_compact_tree(self.slot_views, walk.accepted_nodes, slots)
+        walk = Speculator.walk_tree(tree, targets.view(n, w))
+        Speculator.compact(self.slot_views, walk, slots)
         parts = [walk.accept_len[:, None], walk.accepted_nodes, walk.emitted, curve]
         return walk, torch.cat([p.to(torch.float64) for p in parts], dim=1)

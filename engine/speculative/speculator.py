@@ -238,10 +238,11 @@ class Speculator:
             batch.append(DraftRequest(s.request.request_id, s.request.all_token_ids,
                                       torch.cat(rows) if rows else None))
         top_k = self.draft_top_k
+        # the drafted requests' rows, when some are not drafted
+        index = self.stage([i for i, d in enumerate(drafted) if d]) if len(run) < len(seqs) else None
         clock = DraftClock(self.device)
         try:
             if batch and ahead is not None:
-                index = self.stage([i for i, d in enumerate(drafted) if d]) if len(run) < len(seqs) else None
                 given = [a for a in ahead if a is not None]
                 given = given if index is None else [a[index] for a in given]
                 logprobs, token_ids = self.drafter.propose_ahead(batch, top_k, *given)  # [N, L, K]
@@ -256,8 +257,7 @@ class Speculator:
         clock.stop()
         device = self.device
         logprobs, token_ids = logprobs.to(device, non_blocking=True), token_ids.to(device, non_blocking=True)
-        if len(run) < len(seqs):  # undrafted requests: any proposal will do, their trees hold the root only
-            index = self.stage([i for i, d in enumerate(drafted) if d])
+        if index is not None:  # undrafted requests: any proposal will do, their trees hold the root only
             logprobs = logprobs.new_zeros((len(seqs), *logprobs.shape[1:])).index_copy_(0, index, logprobs)
             token_ids = token_ids.new_zeros((len(seqs), *token_ids.shape[1:])).index_copy_(0, index, token_ids)
         return Proposal(seqs, drafted, logprobs, token_ids, clock, *(ahead[:3] if ahead is not None else (None,) * 3))
@@ -305,7 +305,12 @@ class Speculator:
     @staticmethod
     def walk(batch: TreeBatch, target_token_ids: torch.Tensor) -> Walk:
         """target_token_ids [N, W] (the sampler's token after every row) -> the accepted paths."""
-        result = verify.accept(batch.tree, target_token_ids)
+        return Speculator.walk_tree(batch.tree, target_token_ids)
+
+    @staticmethod
+    def walk_tree(tree: DraftTree, target_token_ids: torch.Tensor) -> Walk:
+        """walk() of the trees alone."""
+        result = verify.accept(tree, target_token_ids)
         return Walk(result.accepted_nodes, result.accept_len, result.emitted_token_ids)
 
     @staticmethod

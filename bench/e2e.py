@@ -95,12 +95,21 @@ def run_ours(args, model_path: str, load_format: str) -> None:
         emit(bench="ours", mode="plain", batch=batch, tok_s=round(tokens / elapsed, 1),
              ms_per_step=round(elapsed / args.new_tokens * 1e3, 3))
         goldens[batch] = {tuple(p): p + o.token_ids for p, o in zip(ps, outs)}
+        runner = plain.engine.runner  # the same engine with the sampler outside the graphs (engine/plain_graphs.py off)
+        runner.plain_graphs, sampling_graphs = None, runner.plain_graphs
+        elapsed, eager_outs = timed(plain, ps, args.new_tokens, args.temperature, args.top_p)
+        runner.plain_graphs = sampling_graphs
+        assert [o.token_ids for o in eager_outs] == [o.token_ids for o in outs]
+        emit(bench="ours", mode="plain, forward-only graphs", batch=batch, tok_s=round(tokens / elapsed, 1),
+             ms_per_step=round(elapsed / args.new_tokens * 1e3, 3))
         elapsed, sync_outs = timed(sync, ps, args.new_tokens, args.temperature, args.top_p)
         assert [o.token_ids for o in sync_outs] == [o.token_ids for o in outs]
         emit(bench="ours", mode="plain, synchronous steps", batch=batch, tok_s=round(tokens / elapsed, 1),
              ms_per_step=round(elapsed / args.new_tokens * 1e3, 3))
     del plain, sync
     free_engine_memory()
+    if args.plain_only:
+        return
     oracle = DeviceOracle(goldens[args.batch[0]], args.prompt_len, vocab, args.depth, args.device)
     # tree steps run ahead of their predecessor's results (the device oracle drafts from the device) as whole-round
     # graphs; the synchronous run is the same engine with every step waiting for its results, the forward-only
@@ -190,6 +199,7 @@ def main() -> None:
     p.add_argument("--max-num-batched-tokens", type=int, default=None,
                    help="the engine's step token budget (default: the engine's own, 8192 on CUDA)")
     p.add_argument("--skip-transformers", action="store_true")
+    p.add_argument("--plain-only", action="store_true", help="ours: plain decoding's modes only (no drafter)")
     args = p.parse_args()
     import transformers
 

@@ -20,6 +20,7 @@ from engine.memory import AllocatorWatch, measure_cuda_peak, plan_kv_cache
 from engine.messages import Delta, RequestError, StepStats
 from engine.model.loader import default_sampling, load_model, resolve_dtype
 from engine.plan import StepPlan
+from engine.plain_graphs import PlainGraphs
 from engine.request import Request, SamplingParams, next_request_id
 from engine.round_graphs import RoundGraphs
 from engine.runner import ModelRunner
@@ -155,6 +156,10 @@ class EngineCore:
         if not emulate:
             graphs.capture()
         self.runner.graphs = graphs
+        plain = PlainGraphs(graphs, self.model)  # decode steps choose their tokens in graphs too
+        if not emulate:
+            plain.capture()
+        self.runner.plain_graphs = plain
         spec = self.speculator
         if spec is not None:  # tree steps as whole-round graphs; the drafter's call for every batch size
             rounds = RoundGraphs(graphs, self.model, self.runner.slot_views, spec.max_budget, spec.horizon,

@@ -102,6 +102,7 @@ class CudaGraphs:
         self._starts = {w: torch.arange(seqs + 1, device=device) * w for w in {1, *self.widths}}
         self._columns = torch.arange(max(self.widths), device=device)  # a row's index inside its request
         self._layout: tuple | None = None  # (num_seqs, n, w, width) of the last replay: its padding is in place
+        self.last_key: tuple[int, int, int] | None = None  # the bucket run() replayed last
         self.graphs: dict[tuple[int, int, int], _Captured] = {}  # (requests, rows each, context capacity)
         self.pool = None
         self.emulate = emulate
@@ -164,6 +165,7 @@ class CudaGraphs:
         key = self.bucket(num_seqs, width, max(meta.seq_lens_host) if meta.seq_lens_host else None)
         if key is None:
             return None
+        self.last_key = key
         n, w, _ = key
         self.set_layout(num_seqs, n, w, width)
         if w == 1:  # plain decoding: the step's rows are the first num_seqs rows

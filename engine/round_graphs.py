@@ -31,26 +31,19 @@ from dataclasses import dataclass
 
 import torch
 
+from engine import graph_sampling
+from engine.graph_sampling import GREEDY, GraphSampling, variants_for
 from engine.plan import ScheduledSeq
-from engine.sampler import apply_top_k_top_p, needs_penalty, uniforms
 from engine.speculative.adaptive import node_confidence
 from engine.speculative.speculator import Proposal, Speculator, Walk
 from engine.speculative.tree import DraftTree
 from engine.staging import Staging
-from ext import ops
 from ext.metadata import flat_block_table, slots_on_device
 
 logger = logging.getLogger("ddtree.engine")
 
-# rows of RoundGraphs.small (int64) and .params (float32): per request of the bucket
-BUDGET, FULL, OWNED, ROOT, START, SEED, OUTPUT, OFFSET = range(8)
-TEMPERATURE, TOP_P, MIN_P, TOP_K = range(4)
-# epilogue variants: how the target's token after each row is chosen
-GREEDY, SAMPLED, TOP_K_P = "greedy", "sampled", "sampled with top-k/top-p"
-VARIANTS = (GREEDY, SAMPLED, TOP_K_P)
-# the top-k/top-p epilogue sorts every row's logits: captured for buckets of at most this many row x vocabulary
-# elements (its sort buffers stay in the round graphs' pool)
-TOP_K_P_MAX_ELEMENTS = 64 << 20
+# rows of RoundGraphs.small: per request of the bucket
+BUDGET, FULL, OWNED, ROOT, START = range(5)
 
 
 @dataclass
@@ -85,8 +78,8 @@ class RoundGraphs:
         device, most = graphs.device, max(graphs.batch_sizes)
         self.logprobs = torch.zeros(most, horizon, top_k, dtype=torch.float32, device=device)
         self.token_ids = torch.zeros(most, horizon, top_k, dtype=torch.int64, device=device)
-        self.small = torch.zeros(8, most, dtype=torch.int64, device=device)  # BUDGET .. OFFSET
-        self.params = torch.zeros(4, most, dtype=torch.float32, device=device)  # TEMPERATURE .. TOP_K
+        self.small = torch.zeros(5, most, dtype=torch.int64, device=device)  # BUDGET .. START
+        self.sampling = GraphSampling(most, device)
         self.keys = [b for b in graphs.buckets if b[1] > 1]
         self.columns = torch.arange(max(graphs.widths), device=device)  # a row's index inside its request
         self.rounds: dict[tuple[int, int, int], _Round] = {}
@@ -108,21 +101,9 @@ class RoundGraphs:
         return variant, why
 
     def _plan(self, seqs: list[ScheduledSeq], width: int, fault_injection: bool) -> tuple[str | None, str]:
-        if fault_injection:
-            return None, "requests face an injected fault"
-        variant = GREEDY
-        for s in seqs:
-            req, sp = s.request, s.request.sampling
-            if sp.logprobs is not None:
-                return None, "requests ask for logprobs"
-            if sp.logit_bias or needs_penalty(req):
-                return None, "requests have penalties or a logit bias"
-            if sp.min_tokens > req.num_output_tokens:
-                return None, "requests are below min_tokens"
-            if req.constraint is not None:
-                return None, "requests have a grammar"
-            if not sp.greedy:
-                variant = TOP_K_P if (sp.top_k and sp.top_k > 0) or sp.top_p < 1.0 or variant == TOP_K_P else SAMPLED
+        variant, why = graph_sampling.variant(seqs, fault_injection)
+        if variant is None:
+            return None, why
         key = self.graphs.bucket(len(seqs), width)
         if key is None or key[1] == 1 or not (self.graphs.emulate or variant in self.rounds.get(key, _NONE).epilogues):
             return None, f"shape {len(seqs)}x{width} has no round graph ({variant})"
@@ -147,9 +128,9 @@ class RoundGraphs:
             n, w, _ = key
             graphs.set_layout(0, n, w, w)  # every request a padding request: nothing but scratch is written
             self.small.zero_()
-            self.params.zero_()
+            self.sampling.params.zero_()
             hidden = graphs.graphs[key].hidden
-            variants = [v for v in VARIANTS if v != TOP_K_P or n * w * self.model.vocab_size <= TOP_K_P_MAX_ELEMENTS]
+            variants = variants_for(n * w, self.model.vocab_size)
             built = self._prologue(n, w)  # warm-up, eager
             for variant in variants:
                 self._epilogue(n, w, hidden, *built, variant)
@@ -204,24 +185,18 @@ class RoundGraphs:
         seqs, num = proposal.seqs, len(proposal.seqs)
         pad = [0] * (n - num)
         host_ends = proposal.roots is None
-        sampled = variant != GREEDY
         rows = [proposal.budgets, proposal.full_budgets(self.max_budget), [width] * num,
                 [s.request.last_token_id for s in seqs] if host_ends else [0] * num,
                 [s.request.num_computed_tokens for s in seqs] if host_ends else [0] * num]
-        if sampled:
-            rows += [[s.request.seed for s in seqs], [s.request.num_output_tokens for s in seqs], [0] * num]
         flat, num_cols = flat_block_table([s.request.block_ids for s in seqs])
         small, table = stage.pack([[v for row in rows for v in row + pad], flat])
-        self.small[:len(rows), :n].copy_(small.view(len(rows), n))
-        if sampled:
-            params = [(sp.temperature, sp.top_p, sp.min_p, float(sp.top_k if sp.top_k and sp.top_k > 0 else 0))
-                      for sp in (s.request.sampling for s in seqs)]
-            self.params[:, :num].copy_(stage([list(col) for col in zip(*params)], torch.float32))
+        self.small[:, :n].copy_(small.view(len(rows), n))
+        if variant != GREEDY:
+            self.sampling.stage(seqs, [s.request.num_output_tokens for s in seqs], stage,
+                                None if host_ends else proposal.depth_offsets)
         if not host_ends:
             self.small[ROOT, :num].copy_(proposal.roots)
             self.small[START, :num].copy_(proposal.starts)
-            if sampled:
-                self.small[OFFSET, :num].copy_(proposal.depth_offsets)
         graphs = self.graphs
         graphs.block_tables[:num, :num_cols].copy_(table.view(num, num_cols))
         self.logprobs[:num].copy_(proposal.logprobs)
@@ -255,26 +230,8 @@ class RoundGraphs:
         """The target's token after every row, the walk, the compaction and the packed results of bucket
         (n, w)."""
         logits = self.model.compute_logits(hidden)  # [n * w, vocab] fp32
-        targets = logits.argmax(-1)
-        if variant != GREEDY:
-            targets = self._draw(n, w, logits, targets, tree, variant == TOP_K_P)
+        targets = self.sampling.choose(logits, n, w, tree.depths, variant)
         walk = Speculator.walk_tree(tree, targets.view(n, w))
         Speculator.compact(self.slot_views, walk, slots)
         parts = [walk.accept_len[:, None], walk.accepted_nodes, walk.emitted, curve]
         return walk, torch.cat([p.to(torch.float64) for p in parts], dim=1)
-
-    def _draw(self, n: int, w: int, logits: torch.Tensor, greedy: torch.Tensor, tree: DraftTree,
-              top_k_p: bool) -> torch.Tensor:
-        """engine/sampler.py's draw for every row of the requests at temperature > 0 (the same uniform per
-        output position, so a round draws what the sampler draws); other rows keep their argmax."""
-        def per_row(values: torch.Tensor) -> torch.Tensor:  # [n] -> [n * w]
-            return values[:n, None].expand(n, w).reshape(-1)
-
-        temperature, top_p, min_p, top_k = (per_row(p) for p in self.params)
-        sampled = temperature > 0
-        x = logits / torch.where(sampled, temperature, 1.0)[:, None]
-        if top_k_p:
-            x = apply_top_k_top_p(x, top_k.to(torch.int64), top_p)
-        output = per_row(self.small[OUTPUT]) + per_row(self.small[OFFSET]) + tree.depths.reshape(-1)
-        drawn = ops.sample_tokens(x, torch.ones_like(temperature), min_p, uniforms(per_row(self.small[SEED]), output))
-        return torch.where(sampled, drawn, greedy)

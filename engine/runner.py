@@ -35,6 +35,7 @@ class ModelRunner:
         self.speculator = speculator
         self.graphs = None  # engine.cuda_graphs.CudaGraphs once captured (CUDA, not --enforce-eager)
         self.rounds = None  # engine.round_graphs.RoundGraphs: tree steps as whole-round graphs (with graphs)
+        self.plain_graphs = None  # engine.plain_graphs.PlainGraphs: decode steps' sampling as graphs (with graphs)
         self.staging = Staging(device)  # pinned host buffers for the step's metadata (reset every step)
         self.sampler.stage = self.staging
         if speculator is not None:
@@ -173,13 +174,20 @@ class ModelRunner:
         why a step of only trees is not a whole-round graph (said in the step's graph mode when it replays)."""
         shape = _uniform_shape(plain, batch)
         hidden, captured, graph_mode = self._forward(shape, inputs)
-        if graph_mode == "replay" and round_why:
-            graph_mode = f"replay: forward only ({round_why})"
         features = torch.cat(captured, dim=-1) if captured else None  # [num_tokens, num_layers * hidden]
         t2 = time.perf_counter()
         sampling = [(s.request, r0 + n - 1) for s, (r0, n) in zip(plain, inputs.plain_rows) if s.sample]
         ahead = [s.num_ahead for s in plain if s.sample]
-        out, walk = self._sample(hidden, inputs, sampling, batch, ahead)
+        chosen = None
+        if graph_mode == "replay" and batch is None and self.plain_graphs is not None:  # N decodes x 1 row
+            chosen, round_why = self.plain_graphs.plan(plain, self.graphs.last_key, self.sampler.fault_seed is not None)
+        if chosen is not None:
+            tokens = self.plain_graphs.run(plain, self.graphs.last_key, chosen, self.staging, hidden)
+            out, walk, graph_mode = SampleOutput(tokens, [], None, None, None), None, "replay: whole step"
+        else:
+            if graph_mode == "replay" and round_why:
+                graph_mode = f"replay: forward only ({round_why})"
+            out, walk = self._sample(hidden, inputs, sampling, batch, ahead)
         curves = [c for c in (batch.curve if batch is not None else None, watched[1] if watched else None)
                   if c is not None]
         copy = ResultCopy(out, walk, len(sampling), torch.cat(curves) if curves else None)

@@ -26,10 +26,11 @@ def greedy(llm, ps) -> list[list[int]]:
     return [o.token_ids for o in llm.generate(ps, sp)]
 
 
-def graph_modes(llm, ps, logprobs: int | None = None) -> tuple[list[list[int]], set[str]]:
+def graph_modes(llm, ps, logprobs: int | None = None, params: list | None = None) -> tuple[list[list[int]], set[str]]:
+    """Greedy (or `params`, one per prompt) to the end: (tokens per prompt, the steps' CUDA-graph modes)."""
     core, modes, out = llm.engine, set(), {}
     sp = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True, logprobs=logprobs)
-    ids = [core.add_request(p, sp) for p in ps]
+    ids = [core.add_request(p, q) for p, q in zip(ps, params or [sp] * len(ps))]
     out = {rid: [] for rid in ids}
     while core.has_unfinished():
         for d in core.step():
@@ -56,7 +57,27 @@ def test_emulated_graph_layout_equals_eager_plain_decoding(tiny_checkpoints, bat
     llm.engine.enable_graphs(emulate=True)
     out, modes = graph_modes(llm, ps)
     assert out == ref
-    assert "replay" in modes  # decode steps went through the padded layout (prefill steps stay eager)
+    assert "replay: whole step" in modes  # decode steps went through the padded layout (prefill steps stay eager)
+
+
+@pytest.mark.parametrize("top", [{}, dict(top_p=0.9, top_k=40)])
+def test_emulated_decode_steps_sample_in_graphs_like_the_sampler(tiny_checkpoints, top):
+    """Decode steps choosing their tokens in the (emulated) graph epilogue, each launched ahead of the one before:
+    seeded sampling at T > 0 (min-p; top-k/top-p in a variant of its own) beside a greedy request draws what the
+    sampler draws without graphs; with a request asking for logprobs the sampler runs after the replay, and the
+    step says why."""
+    folder, _ = tiny_checkpoints("qwen3")
+    ps = prompts(5)
+    params = [SamplingParams(max_tokens=MAX_TOKENS, temperature=0.8, min_p=0.02, seed=s, ignore_eos=True, **top)
+              for s in range(4)] + [SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)]
+    ref = [o.token_ids for o in LLM(folder, dtype="fp32").generate(ps, params)]
+    for logprobs, mode in ((None, "replay: whole step"), (1, "replay: forward only (requests ask for logprobs)")):
+        llm = LLM(folder, dtype="fp32", max_num_seqs=32)
+        llm.engine.enable_graphs(emulate=True)
+        llm.engine.overlap = True
+        asked = [SamplingParams(**{**vars(p), "logprobs": logprobs}) for p in params]
+        out, modes = graph_modes(llm, ps, params=asked)
+        assert out == ref and mode in modes, modes
 
 
 def test_plain_decoding_graphs_follow_the_context_length(tiny_checkpoints, monkeypatch):
@@ -76,7 +97,7 @@ def test_plain_decoding_graphs_follow_the_context_length(tiny_checkpoints, monke
     real = graphs.bucket
     monkeypatch.setattr(graphs, "bucket", lambda *a: used.append(real(*a)) or used[-1])
     out, modes = graph_modes(llm, ps)
-    assert out == ref and "replay" in modes
+    assert out == ref and "replay: whole step" in modes
     contexts = [key[2] for key in used]
     assert contexts[0] == cuda_graphs.SHORT_CONTEXT and contexts[-1] == 2048, contexts
     assert contexts == sorted(contexts), contexts
@@ -109,7 +130,8 @@ def test_emulated_graph_layout_equals_eager_for_ddtree(tiny_checkpoints, batch, 
     out, modes = graph_modes(llm, ps, logprobs)
     assert out == ref
     tree_mode = "replay: whole round" if logprobs is None else "replay: forward only (requests ask for logprobs)"
-    assert tree_mode in modes and not any(m.startswith("replay: ") and m != tree_mode for m in modes), modes
+    allowed = {tree_mode, "replay: whole step" if logprobs is None else tree_mode}  # the decode steps' own mode
+    assert tree_mode in modes and not any(m.startswith("replay") and m not in allowed for m in modes), modes
     for num_nodes, nodes in walks:
         assert bool((num_nodes <= budget + 1).all())  # a bucket's rows past the budget are padding, not nodes
         assert bool((nodes < num_nodes[:, None]).all())  # padding rows never accepted
@@ -168,4 +190,4 @@ def test_emulated_graphs_with_the_dflash_drafter_equal_eager(tiny_checkpoints, t
     run = drafter.graphs.run
     drafter.graphs.run = lambda call, top_k: calls.append(call.bonus.shape[0]) or run(call, top_k)
     out, modes = graph_modes(llm, ps)
-    assert out == ref and "replay" in modes and calls
+    assert out == ref and "replay: whole round" in modes and calls

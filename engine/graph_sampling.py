@@ -1,0 +1,93 @@
+"""Choosing the target's token inside a CUDA graph: the per-request sampling parameters, seeds and output
+positions in static buffers, and the choice itself as a fixed sequence of tensor ops over every row of a
+bucket: argmax, or engine/sampler.py's draw at temperature > 0 (min-p; top-k/top-p in a variant of its own,
+whose full-vocabulary sort costs memory and time). The draw uses the sampler's counter-based uniform of (seed,
+output position), so a graph draws what the sampler draws for the same logits. Steps whose requests need
+more of the sampler (logprobs, penalties, logit bias, min_tokens, grammars) are not served here: `variant()`
+says why. Used by the tree steps' whole rounds (engine/round_graphs.py) and plain decoding's epilogue
+(engine/plain_graphs.py)."""
+from __future__ import annotations
+
+import torch
+
+from engine.plan import ScheduledSeq
+from engine.sampler import apply_top_k_top_p, needs_penalty, uniforms
+from engine.staging import Staging
+from ext import ops
+
+# epilogue variants: how the target's token after each row is chosen
+GREEDY, SAMPLED, TOP_K_P = "greedy", "sampled", "sampled with top-k/top-p"
+VARIANTS = (GREEDY, SAMPLED, TOP_K_P)
+# the top-k/top-p variant sorts every row's logits: captured for buckets of at most this many row x vocabulary
+# elements (its sort buffers stay in the graphs' memory pool)
+TOP_K_P_MAX_ELEMENTS = 64 << 20
+# rows of GraphSampling.ints (int64) and .params (float32), per request of a bucket
+SEED, OUTPUT, OFFSET = range(3)
+TEMPERATURE, TOP_P, MIN_P, TOP_K = range(4)
+
+
+def variant(seqs: list[ScheduledSeq], fault_injection: bool = False) -> tuple[str | None, str]:
+    """(the variant that serves these requests, "") or (None, why none does)."""
+    if fault_injection:
+        return None, "requests face an injected fault"
+    chosen = GREEDY
+    for s in seqs:
+        req, sp = s.request, s.request.sampling
+        if sp.logprobs is not None:
+            return None, "requests ask for logprobs"
+        if sp.logit_bias or needs_penalty(req):
+            return None, "requests have penalties or a logit bias"
+        if sp.min_tokens > req.num_output_tokens:
+            return None, "requests are below min_tokens"
+        if req.constraint is not None:
+            return None, "requests have a grammar"
+        if not sp.greedy:
+            top = (sp.top_k and sp.top_k > 0) or sp.top_p < 1.0
+            chosen = TOP_K_P if top or chosen == TOP_K_P else SAMPLED
+    return chosen, ""
+
+
+def variants_for(num_rows: int, vocab_size: int) -> list[str]:
+    """The variants captured for a bucket of num_rows rows."""
+    return [v for v in VARIANTS if v != TOP_K_P or num_rows * vocab_size <= TOP_K_P_MAX_ELEMENTS]
+
+
+class GraphSampling:
+    def __init__(self, max_requests: int, device: torch.device):
+        self.ints = torch.zeros(3, max_requests, dtype=torch.int64, device=device)  # SEED, OUTPUT, OFFSET
+        self.params = torch.zeros(4, max_requests, dtype=torch.float32, device=device)  # TEMPERATURE .. TOP_K
+
+    def stage(self, seqs: list[ScheduledSeq], outputs: list[int], stage: Staging,
+              offsets: torch.Tensor | None = None) -> None:
+        """The requests' parameters, seeds and output positions (outputs: each request's output index of its first
+        row; offsets [N] on the device: added to them, for a step launched ahead of the tokens before it)."""
+        num = len(seqs)
+        params = [(sp.temperature, sp.top_p, sp.min_p, float(sp.top_k if sp.top_k and sp.top_k > 0 else 0))
+                  for sp in (s.request.sampling for s in seqs)]
+        self.params[:, :num].copy_(stage([list(col) for col in zip(*params)], torch.float32))
+        ints = stage([[s.request.seed for s in seqs], outputs, [0] * num])
+        self.ints[:, :num].copy_(ints)
+        if offsets is not None:
+            self.ints[OFFSET, :num].copy_(offsets)
+
+    def choose(self, logits: torch.Tensor, n: int, w: int, depths: torch.Tensor | None, chosen: str) -> torch.Tensor:
+        """[n * w, vocab] fp32 logits of n requests' w rows each -> [n * w] int64 tokens: the argmax, or for the
+        requests at temperature > 0 the draw (depths [n, w]: each row's output position past its request's
+        first; None = 0)."""
+        greedy = logits.argmax(-1)
+        if chosen == GREEDY:
+            return greedy
+
+        def per_row(values: torch.Tensor) -> torch.Tensor:  # [n] -> [n * w]
+            return values[:n, None].expand(n, w).reshape(-1)
+
+        temperature, top_p, min_p, top_k = (per_row(p) for p in self.params)
+        sampled = temperature > 0
+        x = logits / torch.where(sampled, temperature, 1.0)[:, None]
+        if chosen == TOP_K_P:
+            x = apply_top_k_top_p(x, top_k.to(torch.int64), top_p)
+        output = per_row(self.ints[OUTPUT]) + per_row(self.ints[OFFSET])
+        if depths is not None:
+            output = output + depths.reshape(-1)
+        drawn = ops.sample_tokens(x, torch.ones_like(temperature), min_p, uniforms(per_row(self.ints[SEED]), output))
+        return torch.where(sampled, drawn, greedy)

@@ -1,5 +1,6 @@
 """Anatomy of one engine step on one device: wall time, GPU busy time (kernels under the profiler) and GPU idle
-time per step, for plain decoding (B = 0) and DDTree verify steps (B tree nodes) at context lengths L, batch 1.
+time per step, for plain decoding (B = 0) and DDTree verify steps (B tree nodes) at context lengths L and batch
+sizes N (`--batch`, default 1: N requests of the same prompt length).
 The verify/decode ratio is each B's time over B = 0's at the same L. Prints one JSON line per (L, B) and a
 table; not a test.
 
@@ -100,22 +101,23 @@ def gpu_busy(fn, top_ops: int = 0, top_kernels: int = 0, steps: int = 1,
     return busy / 1e6, len(spans)
 
 
-def measure(llm: LLM, length: int, steps: int, warmup: int, top_ops: int = 0, top_kernels: int = 0) -> dict:
-    """One request with an L-token random prompt: prefill, `warmup` steps, then `steps` timed steps (wall) and
+def measure(llm: LLM, length: int, steps: int, warmup: int, top_ops: int = 0, top_kernels: int = 0,
+            batch: int = 1) -> dict:
+    """`batch` requests with L-token random prompts: prefill, `warmup` steps, then `steps` timed steps (wall) and
     `steps` profiled steps (GPU busy)."""
     engine = llm.engine
     g = torch.Generator().manual_seed(length)
-    prompt = torch.randint(100, engine.vocab_size, (length,), generator=g).tolist()
-    rid = engine.add_request(prompt, SamplingParams(max_tokens=64 * (warmup + 2 * steps + 2), temperature=0,
-                                                    ignore_eos=True, detokenize=False))
-    req = engine.requests[rid]
-    while not req.output_token_ids:
+    rids = [engine.add_request(torch.randint(100, engine.vocab_size, (length,), generator=g).tolist(),
+                               SamplingParams(max_tokens=64 * (warmup + 2 * steps + 2), temperature=0,
+                                              ignore_eos=True, detokenize=False)) for _ in range(batch)]
+    reqs = [engine.requests[rid] for rid in rids]
+    while not all(req.output_token_ids for req in reqs):
         engine.step()
     for _ in range(warmup):
         engine.step()
     sync()
     timings: dict[str, list[float]] = {}
-    modes, scheduling, tokens0 = set(), set(), len(req.output_token_ids)
+    modes, scheduling, tokens0 = set(), set(), sum(len(req.output_token_ids) for req in reqs)
     t0 = time.perf_counter()
     for _ in range(steps):
         engine.step()
@@ -125,9 +127,10 @@ def measure(llm: LLM, length: int, steps: int, warmup: int, top_ops: int = 0, to
         scheduling.add(engine.last_stats.scheduling or "synchronous")
     sync()
     wall = (time.perf_counter() - t0) / steps
-    tau = (len(req.output_token_ids) - tokens0) / steps
+    tau = (sum(len(req.output_token_ids) for req in reqs) - tokens0) / steps / batch
     busy, kernels = gpu_busy(lambda: [engine.step() for _ in range(steps)], top_ops, top_kernels, steps)
-    engine.abort(rid)
+    for rid in rids:
+        engine.abort(rid)
     engine.step()
     return dict(wall_ms=wall * 1e3, gpu_busy_ms=busy / steps * 1e3, gpu_idle_ms=(wall - busy / steps) * 1e3,
                 kernels_per_step=kernels / steps, tau=tau, graph=sorted(modes), scheduling=sorted(scheduling),
@@ -150,6 +153,7 @@ def main() -> None:
     p.add_argument("--draft-model", default=None, help="DFlash folder (default: the shipped SmolLM2 drafter)")
     p.add_argument("--chain", action="store_true", help="dflash: verify the drafter's top-1 path (B ignored)")
     p.add_argument("--depth", type=int, default=8, help="fixed drafter's horizon")
+    p.add_argument("--batch", type=int, nargs="+", default=[1], help="requests per step")
     p.add_argument("--steps", type=int, default=32)
     p.add_argument("--warmup", type=int, default=8)
     p.add_argument("--enforce-eager", action="store_true")
@@ -158,7 +162,7 @@ def main() -> None:
     args = p.parse_args()
 
     model, load_format = shape_model(args, "step-shape-")
-    common = dict(device=args.device, load_format=load_format, max_num_seqs=1, enforce_eager=args.enforce_eager,
+    common = dict(device=args.device, load_format=load_format, max_num_seqs=max(args.batch), enforce_eager=args.enforce_eager,
                   max_model_len=max(args.lengths) + 64 * (args.warmup + 2 * args.steps + 4),
                   enable_prefix_caching=False)
     draft_model = args.draft_model
@@ -180,27 +184,26 @@ def main() -> None:
             drafter = FixedTreeDrafter(llm_vocab(model, load_format), args.depth, args.device)
             llm = LLM(model, drafter=drafter, spec_budget=budget, adaptive=False, async_scheduling=overlap,
                       **common)
-        for length in args.lengths:
+        for length, batch in ((n, b) for n in args.lengths for b in args.batch):
             r = dict(bench="step", shape=("qwen3-8b" if args.qwen3_8b else "smollm2" if args.smollm2 else
                                           args.dummy_config or model), eager=args.enforce_eager, async_scheduling=overlap,
                      drafter=(args.drafter + (" chain" if args.chain else "")) if budget else "none", L=length, B=budget,
-                     **measure(llm, length, args.steps, args.warmup, args.top_ops if overlap else 0,
-                                 args.top_kernels if overlap else 0))
+                     N=batch, **measure(llm, length, args.steps, args.warmup, args.top_ops if overlap else 0,
+                                          args.top_kernels if overlap else 0, batch))
             rows.append(r)
             print(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in r.items()}), flush=True)
         del llm
         free_engine_memory()
-    print("\n| L | B | wall ms/step | GPU busy ms | GPU idle ms | kernels/step | verify/decode (wall, GPU) |")
-    print("|---|---|---|---|---|---|---|")
-    base = {r["L"]: r for r in rows if r["B"] == 0 and r["async_scheduling"]}  # plain decoding as it ships
-    for r in sorted(rows, key=lambda r: (r["L"], r["B"], r["async_scheduling"])):
-        b = base.get(r["L"])
+    print("\n| L | N | B | wall ms/step | GPU busy ms | GPU idle ms | kernels/step | verify/decode (wall, GPU) |")
+    print("|---|---|---|---|---|---|---|---|")
+    base = {(r["L"], r["N"]): r for r in rows if r["B"] == 0 and r["async_scheduling"]}  # plain decoding as it ships
+    for r in sorted(rows, key=lambda r: (r["L"], r["N"], r["B"], r["async_scheduling"])):
+        b = base.get((r["L"], r["N"]))
         gpu = f"{r['gpu_busy_ms'] / b['gpu_busy_ms']:.2f}" if b and b["gpu_busy_ms"] else "-"
         ratio = f"{r['wall_ms'] / b['wall_ms']:.2f}, {gpu}" if b else ""
         label = f"{r['B']}" + ("" if r["async_scheduling"] else " (sync steps)")
-        print(f"| {r['L']} | {label} | {r['wall_ms']:.2f} | {r['gpu_busy_ms']:.2f} | {r['gpu_idle_ms']:.2f} | "
+        print(f"| {r['L']} | {r['N']} | {label} | {r['wall_ms']:.2f} | {r['gpu_busy_ms']:.2f} | {r['gpu_idle_ms']:.2f} | "
               f"{r['kernels_per_step']:.0f} | {ratio} |")
-
 
 if __name__ == "__main__":
     main()

@@ -71,7 +71,8 @@ class GraphSampling:
             self.ints[OFFSET, :num].copy_(offsets)
 
     def choose(self, logits: torch.Tensor, n: int, w: int, depths: torch.Tensor | None, chosen: str) -> torch.Tensor:
-        """[n * w, vocab] fp32 logits of n requests' w rows each -> [n * w] int64 tokens: the argmax, or for the
+        """[n * w, vocab] logits of n requests' w rows each (fp32; the greedy variant takes the model's dtype)
+        -> [n * w] int64 tokens: the argmax, or for the
         requests at temperature > 0 the draw (depths [n, w]: each row's output position past its request's
         first; None = 0)."""
         greedy = logits.argmax(-1)

@@ -79,4 +79,5 @@ class PlainGraphs:
         return tokens[:num]
 
     def _epilogue(self, hidden: torch.Tensor, n: int, chosen: str) -> torch.Tensor:
-        return self.sampling.choose(self.model.compute_logits(hidden), n, 1, None, chosen)
+        logits = self.model.compute_logits(hidden, fp32=chosen != graph_sampling.GREEDY)
+        return self.sampling.choose(logits, n, 1, None, chosen)

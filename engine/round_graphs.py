@@ -229,7 +229,7 @@ class RoundGraphs:
                   slots: torch.Tensor, variant: str) -> tuple[Walk, torch.Tensor]:
         """The target's token after every row, the walk, the compaction and the packed results of bucket
         (n, w)."""
-        logits = self.model.compute_logits(hidden)  # [n * w, vocab] fp32
+        logits = self.model.compute_logits(hidden, fp32=variant != GREEDY)  # [n * w, vocab]
         targets = self.sampling.choose(logits, n, w, tree.depths, variant)
         walk = Speculator.walk_tree(tree, targets.view(n, w))
         Speculator.compact(self.slot_views, walk, slots)

@@ -56,6 +56,10 @@ NUM_BINS = 8  # confidence bins of the reliability curve: q in [2^-(k+1), 2^-k),
 BIN_PRIOR = 0.25  # predicted drafts of the engine-wide ratio behind each bin's own (a bin of q ~ 0.1 sees ~1 a step)
 
 
+# what counting a budget does to the request's probe state (BudgetController._choose)
+_PROBED, _AT_ZERO, _CHOSEN = "probed", "at zero", "chosen"
+
+
 @dataclass
 class _RequestStats:
     accepted: float = 0.0  # decayed sum of drafts accepted
@@ -65,6 +69,7 @@ class _RequestStats:
     steps_at_zero: int = 0
     steps_undrafted: int = 0  # steps at budget 0 since the drafter last ran for this request
     draft_interval: int = PROBE_EVERY  # when drafting is not cheap: steps between curve-only drafts
+    pending: tuple | None = None  # a dry budget() answer: ((version, ahead), budget, effect) for the counted call
 
 
 class _CostFit:
@@ -109,6 +114,7 @@ class BudgetController:
         self.step_predicted = [0.0] * NUM_BINS
         self.latest: _RequestStats | None = None  # the last request whose tree was verified: a new one's guess
         self.clock = 0  # engine steps observed: probes and interval drafts wait for a multiple of PROBE_EVERY
+        self.version = 0  # observations so far: a dry budget() answer stands until the next one
 
     def release(self, request_id: str) -> None:
         self.requests.pop(request_id, None)
@@ -118,6 +124,7 @@ class BudgetController:
     def observe_step(self, rows: int, seconds: float, tokens: int) -> None:
         """One engine step: rows through the target, its wall time, tokens it produced."""
         self.clock += 1
+        self.version += 1
         self._costs = None
         if rows <= 0 or seconds <= 0:
             return
@@ -130,6 +137,7 @@ class BudgetController:
 
     def observe_draft(self, num_requests: int, seconds: float) -> None:
         """The drafter ran for num_requests requests this step and took `seconds`."""
+        self.version += 1
         self._costs = None
         if num_requests > 0:
             self.draft_calls += 1
@@ -159,6 +167,7 @@ class BudgetController:
         """A tree step of one request: the budget it verified, the tree rows of its accepted drafts (row j >= 1 is
         the j-th node of the best-first order), and its full-budget tree's node confidence as node_confidence()
         made it on the device (B node probabilities q, then their B bins)."""
+        self.version += 1
         stats = self.requests.setdefault(request_id, _RequestStats())
         num_nodes = len(confidence) // 2
         stats.node_q, stats.node_bins = confidence[:num_nodes], [int(k) for k in confidence[num_nodes:]]
@@ -217,27 +226,43 @@ class BudgetController:
     def budget(self, request_id: str, dry: bool = False, ahead: bool = False) -> int:
         """This step's tree budget for the request (before the scheduler's caps). dry: what it would be, without
         counting the step (asynchronous scheduling asks before it decides whether the next step can run
-        ahead). ahead: asked for the step after the one in flight, before that one is observed (see _aligned)."""
+        ahead; the counted call that follows, with no observation in between, reuses that answer instead of
+        working it out again: at batch 64 both ran on the host's critical path). ahead: asked for the step after
+        the one in flight, before that one is observed (see _aligned)."""
         if not self.enabled or self.max_budget == 0:
             return self.max_budget
         stats = self.requests.get(request_id)
         if stats is None or not stats.node_q:
             return self._first_budget()
+        key = (self.version, ahead)
+        if stats.pending is not None and stats.pending[0] == key:
+            chosen, effect = stats.pending[1:]
+        else:
+            chosen, effect = self._choose(stats, ahead)
+        if dry:
+            stats.pending = (key, chosen, effect)
+            return chosen
+        stats.pending = None
+        if effect == _PROBED:
+            stats.steps_at_zero = 0
+        elif effect == _AT_ZERO:
+            stats.steps_at_zero += 1
+        elif effect == _CHOSEN:
+            stats.steps_at_zero = 0
+            stats.draft_interval = PROBE_EVERY
+        return chosen
+
+    def _choose(self, stats: _RequestStats, ahead: bool) -> tuple[int, str | None]:
+        """(the request's budget, what counting it does to its probe state)."""
         theta = self.threshold()
         chosen = self._net_best(stats, theta)
         if chosen == 0 and _nodes_above(stats.node_q[:self.max_budget], theta):
             # the drafter is confident but this request's record says it is wrong: verify a small tree now
             # and then, in case it has become right
             if stats.steps_at_zero + 1 >= PROBE_EVERY and self._aligned(ahead):
-                if not dry:
-                    stats.steps_at_zero = 0
-                return min(PROBE_BUDGET, self.max_budget)
-            if not dry:
-                stats.steps_at_zero += 1
-        elif chosen and not dry:
-            stats.steps_at_zero = 0
-            stats.draft_interval = PROBE_EVERY
-        return chosen
+                return min(PROBE_BUDGET, self.max_budget), _PROBED
+            return 0, _AT_ZERO
+        return chosen, _CHOSEN if chosen else None
 
     def _first_budget(self) -> int:
         """A request without a draft of its own: the tree the drafter last drew for another request, valued at the

@@ -95,35 +95,38 @@ __global__ void __launch_bounds__(32 * kSimtWarps) attn_simt_kernel(const AttnPa
   }
 }
 
-// out[t, h] = sum_s w_s o_part[s, t, h] / sum_s w_s with w_s = 2^(lse_s - max lse); empty splits skipped.
+// out[t, h] = sum_s w_s o_part[s, t, h] / sum_s w_s with w_s = 2^(lse_s - max lse); empty splits skipped. One warp
+// per (token, head), kCombineWarps to a CTA: a tree-verify step at batch 64 combines ~10k (token, head) rows of
+// 64 values each, and a CTA per row left most of its threads idle and made the launch CTA-bound (12.7 us a layer
+// for ~2 us of traffic on the H200).
+constexpr int kCombineWarps = 4;
+
 template <typename T>
-__global__ void __launch_bounds__(128) attn_combine_kernel(const AttnParams p) {
-  __shared__ float w[64];
-  __shared__ float wsum;
+__global__ void __launch_bounds__(32 * kCombineWarps) attn_combine_kernel(const AttnParams p) {
   pdl_trigger();  // as attn_mma_kernel
-  const int th = blockIdx.x, t = th / p.num_q_heads, h = th % p.num_q_heads;
   const int64_t plane = static_cast<int64_t>(p.num_tokens) * p.num_q_heads;
-  const int tid = threadIdx.x;
-  if (tid < 64) w[tid] = tid < p.num_splits ? p.lse_part[tid * plane + th] : -CUDART_INF_F;
-  __syncthreads();
-  if (tid < 32) {
-    float mx = fmaxf(w[tid], w[tid + 32]);
+  const int64_t th = static_cast<int64_t>(blockIdx.x) * kCombineWarps + (threadIdx.x >> 5);
+  if (th >= plane) return;  // the whole warp: th is the warp's
+  const int lane = threadIdx.x & 31;
+  const int t = static_cast<int>(th / p.num_q_heads), h = static_cast<int>(th % p.num_q_heads);
+  // lane l holds splits l and l + 32 (at most 64)
+  const float la = lane < p.num_splits ? p.lse_part[lane * plane + th] : -CUDART_INF_F;
+  const float lb = lane + 32 < p.num_splits ? p.lse_part[(lane + 32) * plane + th] : -CUDART_INF_F;
+  float mx = fmaxf(la, lb);
 #pragma unroll
-    for (int off = 16; off > 0; off >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, off));
-    const float a = w[tid] == -CUDART_INF_F ? 0.f : exp2f(w[tid] - mx);
-    const float b = w[tid + 32] == -CUDART_INF_F ? 0.f : exp2f(w[tid + 32] - mx);
-    const float tot = warp_sum(a + b);
-    w[tid] = a;
-    w[tid + 32] = b;
-    if (tid == 0) wsum = tot > 0.f ? 1.f / tot : 0.f;
-  }
-  __syncthreads();
+  for (int off = 16; off > 0; off >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, off));
+  const float a = la == -CUDART_INF_F ? 0.f : exp2f(la - mx);
+  const float b = lb == -CUDART_INF_F ? 0.f : exp2f(lb - mx);
+  const float tot = warp_sum(a + b);
+  const float inv = tot > 0.f ? 1.f / tot : 0.f;
   T* orow = static_cast<T*>(p.out) + static_cast<int64_t>(t) * p.o_stride_t + static_cast<int64_t>(h) * p.o_stride_h;
-  for (int d = tid; d < p.dv; d += blockDim.x) {
+  for (int d = lane; d < p.dv; d += 32) {
     float acc = 0.f;
-    for (int s = 0; s < p.num_splits; ++s)
-      if (w[s] != 0.f) acc += w[s] * p.o_part[(s * plane + th) * p.dv + d];
-    orow[d] = Num<T>::from_f(acc * wsum);
+    for (int s = 0; s < p.num_splits; ++s) {
+      const float ws = __shfl_sync(0xffffffffu, s < 32 ? a : b, s & 31);
+      if (ws != 0.f) acc += ws * p.o_part[(s * plane + th) * p.dv + d];  // an empty split's partial is never read
+    }
+    orow[d] = Num<T>::from_f(acc * inv);
   }
 }
 
@@ -144,7 +147,8 @@ cudaError_t launch_simt(const AttnParams& p, cudaStream_t stream) {
 
 template <typename T>
 cudaError_t launch_combine(const AttnParams& p, cudaStream_t stream) {
-  attn_combine_kernel<T><<<p.num_tokens * p.num_q_heads, 128, 0, stream>>>(p);
+  const int rows = p.num_tokens * p.num_q_heads;
+  attn_combine_kernel<T><<<(rows + kCombineWarps - 1) / kCombineWarps, 32 * kCombineWarps, 0, stream>>>(p);
   return cudaGetLastError();
 }
 

@@ -257,6 +257,40 @@ def test_probes_of_many_requests_fall_on_the_same_steps():
     assert len({s % PROBE_EVERY for s in late}) == 1, late
 
 
+def test_a_dry_budget_answer_serves_the_counted_call_after_it(monkeypatch):
+    """Asynchronous scheduling asks each request's budget dry (may the next step run ahead?) and then counted: the
+    counted call reuses the dry answer (one choice per request per step) and leaves the same probe state as
+    asking once, through probes, steps at zero and chosen trees; an observation in between voids the answer."""
+    from engine.speculative.adaptive import PROBE_EVERY
+
+    twice, once = BudgetController(max_budget=16), BudgetController(max_budget=16)
+    choices = []
+    choose = BudgetController._choose
+    monkeypatch.setattr(BudgetController, "_choose", lambda self, *a: choices.append(self) or choose(self, *a))
+    wrong = confidence([0.9 * (j + 1) for j in range(16)])  # confident, never accepted: probes
+    right = confidence([0.95 ** (j + 1) for j in range(16)])  # accepted: trees chosen
+    seen = {twice: [], once: []}
+    for step in range(6 * PROBE_EVERY):
+        for c in (twice, once):
+            c.observe_request("wrong", 4, accepted_rows=[], confidence=wrong)
+            c.observe_request("right", 16, accepted_rows=list(range(1, 9)), confidence=right)
+            c.observe_step(9, 0.004, tokens=10)
+            c.observe_draft(2, 0.0001)
+        for rid in ("wrong", "right"):
+            dry = twice.budget(rid, dry=True, ahead=True)
+            seen[twice].append(twice.budget(rid, ahead=True))
+            assert dry == seen[twice][-1]
+            seen[once].append(once.budget(rid, ahead=True))
+    assert seen[twice] == seen[once]
+    assert 0 < seen[once][0::2].count(min(4, 16)) and seen[once][0::2].count(0) > 4 * PROBE_EVERY
+    assert min(seen[once][1::2]) > 0
+    assert choices.count(twice) == choices.count(once) == len(seen[once])
+    twice.budget("wrong", dry=True)
+    twice.observe_step(9, 0.004, tokens=10)  # a new observation: the dry answer no longer stands
+    twice.budget("wrong")
+    assert choices.count(twice) == len(seen[once]) + 2
+
+
 @pytest.mark.parametrize("graphs", [False, True])
 def test_an_expensive_drafter_that_does_not_pay_stays_out_of_the_way(tiny_checkpoints, graphs):
     """A drafter that costs several plain steps per call and is always wrong: the engine decodes plainly and

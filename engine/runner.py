@@ -177,7 +177,6 @@ class ModelRunner:
         features = torch.cat(captured, dim=-1) if captured else None  # [num_tokens, num_layers * hidden]
         t2 = time.perf_counter()
         sampling = [(s.request, r0 + n - 1) for s, (r0, n) in zip(plain, inputs.plain_rows) if s.sample]
-        ahead = [s.num_ahead for s in plain if s.sample]
         chosen = None
         if graph_mode == "replay" and batch is None and self.plain_graphs is not None:  # N decodes x 1 row
             chosen, round_why = self.plain_graphs.plan(plain, self.graphs.last_key, self.sampler.fault_seed is not None)
@@ -187,7 +186,7 @@ class ModelRunner:
         else:
             if graph_mode == "replay" and round_why:
                 graph_mode = f"replay: forward only ({round_why})"
-            out, walk = self._sample(hidden, inputs, sampling, batch, ahead)
+            out, walk = self._sample(hidden, inputs, sampling, batch, [s.num_ahead for s in plain if s.sample])
         curves = [c for c in (batch.curve if batch is not None else None, watched[1] if watched else None)
                   if c is not None]
         copy = ResultCopy(out, walk, len(sampling), torch.cat(curves) if curves else None)

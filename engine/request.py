@@ -104,6 +104,16 @@ class Request:
     # speculative-decoding bookkeeping: steps, accepted tokens per step
     accept_lengths: list[int] = field(default_factory=list)
     constraint: Any = None  # engine.structured.Constraint when the sampling has a grammar
+    _stop_ids: frozenset | None = field(default=None, repr=False)
+
+    @property
+    def stop_ids(self) -> frozenset:
+        """Token ids that stop the request once min_tokens are out: its stop_token_ids, and EOS unless
+        ignore_eos."""
+        if self._stop_ids is None:
+            eos = () if self.sampling.ignore_eos else self.eos_token_ids
+            self._stop_ids = frozenset(self.sampling.stop_token_ids) | frozenset(eos)
+        return self._stop_ids
 
     @property
     def all_token_ids(self) -> list[int]:

@@ -278,14 +278,14 @@ class ModelRunner:
 
     def _tree_results(self, batch: TreeBatch, inputs: StepInputs, host: "HostResults", num_plain: int,
                       features: torch.Tensor | None, result: StepResult) -> None:
-        width = batch.width
+        width, curves = batch.width, len(host.curves) > 0
         for i, s in enumerate(batch.seqs):
             req = s.request
             tau = host.accept_len[i]
             # accepted rows; drafts then the bonus
-            acc, emitted = [int(a) for a in host.accepted[i][:tau]], [int(t) for t in host.emitted[i][:tau]]
+            acc, emitted = host.accepted[i][:tau], host.emitted[i][:tau]
             result.new_token_ids[req.request_id] = emitted
-            if host.curves and batch.drafted[i]:
+            if curves and batch.drafted[i]:
                 result.curves[req.request_id] = host.curves[i]
             if req.sampling.logprobs is not None:  # token j was chosen at accepted row acc[j]
                 result.logprobs[req.request_id] = [host.logprob(num_plain + i * width + a, req.sampling.logprobs)

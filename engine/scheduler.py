@@ -219,12 +219,7 @@ class Scheduler:
         tree step commits up to depth + 1 tokens per request; per-token detokenization dominated its host
         time at batch 64)."""
         if req.constraint is None and (req.text is None or not req.text.has_stop_strings):
-            num_out, num_tokens, reason, kept = len(req.output_token_ids), req.num_tokens, None, len(new_ids)
-            for j, token in enumerate(new_ids, 1):
-                reason = self._token_stop(req, token, num_out + j, num_tokens + j)
-                if reason:
-                    kept = j
-                    break
+            kept, reason = self._first_stop(req, new_ids)
             req.output_token_ids.extend(new_ids[:kept])
             if logprobs is not None:
                 req.output_logprobs.extend(logprobs[:kept])
@@ -242,6 +237,23 @@ class Scheduler:
             if reason:
                 break
         return reason
+
+    def _first_stop(self, req: Request, new_ids: list[int]) -> tuple[int, str | None]:
+        """(how many of a step's tokens `req` keeps, why it stops after the last of them or None), stop strings
+        aside: _token_stop token by token, scanning only when a stop token is among them."""
+        num_out, num_tokens = len(req.output_token_ids), req.num_tokens
+        # the first token (1-based) at which the request reaches max_tokens or the context
+        at_length = max(1, min(req.sampling.max_tokens - num_out, self.max_model_len - num_tokens))
+        stops = req.stop_ids
+        if stops and not stops.isdisjoint(new_ids):
+            for j, token in enumerate(new_ids[:at_length], 1):
+                if token in stops:
+                    reason = self._token_stop(req, token, num_out + j, num_tokens + j)
+                    if reason:
+                        return j, reason
+        if at_length <= len(new_ids):
+            return at_length, "length"
+        return len(new_ids), None
 
     def stop_reason(self, req: Request, token: int) -> str | None:
         """Why `req` stops after its newest token `token`, or None. Sets req.stop_reason (the stop token id or

@@ -3,6 +3,7 @@ confidence, logprobs) packed on the device and brought over in one non-blocking 
 unpacked into Python lists once the copy's event has completed."""
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from engine.sampler import SampleOutput
@@ -10,45 +11,48 @@ from engine.speculative.speculator import Walk
 
 
 class HostResults:
-    """The step's results after the one device-to-host copy."""
+    """The step's results after the one device-to-host copy, as Python lists (converted in a few numpy calls:
+    at batch 64, value by value was a visible part of the host's step)."""
 
-    def __init__(self, values: list[float], num_plain: int, walk: Walk | None, out: SampleOutput,
+    def __init__(self, values: np.ndarray, num_plain: int, walk: Walk | None, out: SampleOutput,
                  curve: torch.Tensor | None):
+        """values: the packed copy, flat (float64 when several parts were packed)."""
         pos = 0
 
-        def take(n: int) -> list:
+        def take(*shape: int) -> np.ndarray:
             nonlocal pos
-            part = values[pos:pos + n]
+            n = int(np.prod(shape))
+            part = values[pos:pos + n].reshape(shape)
             pos += n
             return part
 
-        self.tokens = [int(t) for t in take(num_plain)]
+        self.tokens = take(num_plain).astype(np.int64).tolist()
         self.accept_len, self.accepted, self.emitted = [], [], []
         if walk is not None:
             num_reqs, width = walk.accepted_nodes.shape
-            self.accept_len = [int(t) for t in take(num_reqs)]
-            # per request, width values each; only the first accept_len are read (converted there)
-            self.accepted = [take(width) for _ in range(num_reqs)]
-            self.emitted = [take(width) for _ in range(num_reqs)]
-        self.curves = [take(curve.shape[1]) for _ in range(curve.shape[0])] if curve is not None else []
+            self.accept_len = take(num_reqs).astype(np.int64).tolist()
+            self.accepted = take(num_reqs, width).astype(np.int64).tolist()
+            self.emitted = take(num_reqs, width).astype(np.int64).tolist()
+        self.curves = take(*curve.shape).tolist() if curve is not None else []
         self._lp_index = {row: k for k, row in enumerate(out.logprob_rows)}
-        self._chosen = take(len(out.logprob_rows))
+        self._chosen = take(len(out.logprob_rows)).tolist()
         n_top = out.top_ids.shape[1] if out.top_ids is not None else 0
-        self._top_vals = [take(n_top) for _ in out.logprob_rows]
-        self._top_ids = [[int(t) for t in take(n_top)] for _ in out.logprob_rows]
+        self._top_vals = take(len(out.logprob_rows), n_top).tolist()
+        self._top_ids = take(len(out.logprob_rows), n_top).astype(np.int64).tolist()
 
     @classmethod
-    def of_round(cls, rows: list[list[float]], num_accepted: int) -> "HostResults":
+    def of_round(cls, rows: np.ndarray, num_accepted: int) -> "HostResults":
         """The results of a whole-round graph (engine/round_graphs.py): per request one row of accept length,
         accepted rows [A], emitted tokens [A] and node confidence (A = num_accepted); no sampled plain rows and
         no logprobs."""
         out = cls.__new__(cls)
         a = num_accepted
         out.tokens, out._lp_index, out._chosen, out._top_vals, out._top_ids = [], {}, [], [], []
-        out.accept_len = [int(r[0]) for r in rows]
-        out.accepted = [r[1:1 + a] for r in rows]
-        out.emitted = [r[1 + a:1 + 2 * a] for r in rows]
-        out.curves = [r[1 + 2 * a:] for r in rows]
+        ints = rows[:, :1 + 2 * a].astype(np.int64)
+        out.accept_len = ints[:, 0].tolist()
+        out.accepted = ints[:, 1:1 + a].tolist()
+        out.emitted = ints[:, 1 + a:].tolist()
+        out.curves = rows[:, 1 + 2 * a:].tolist()
         return out
 
     def logprob(self, row: int, num_top: int) -> tuple[float, list[tuple[int, float]]]:
@@ -70,10 +74,11 @@ class _HostCopy:
         else:
             self.host = packed.clone() if owned else packed
 
-    def values(self) -> list:
+    def values(self) -> np.ndarray:
+        """The copied values as an array (a view of the host buffer)."""
         if self.event is not None:
             self.event.synchronize()
-        return self.host.tolist()
+        return self.host.numpy()
 
 
 class ResultCopy(_HostCopy):
@@ -97,7 +102,7 @@ class ResultCopy(_HostCopy):
         super().__init__(packed, owned=False)
 
     def wait(self) -> HostResults:
-        return HostResults(self.values(), self.num_plain, self.walk, self.out, self.curve)
+        return HostResults(self.values().reshape(-1), self.num_plain, self.walk, self.out, self.curve)
 
 
 class RoundCopy(_HostCopy):

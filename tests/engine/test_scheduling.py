@@ -197,10 +197,14 @@ def test_multi_token_step_stops_where_token_by_token_would(tmp_path):
         (dict(max_tokens=50, stop_token_ids=[body[4]]), body),
         (dict(max_tokens=50, stop_token_ids=[body[1]], min_tokens=3), body[:2] + body),  # min_tokens hides the 1st
         (dict(max_tokens=50), body),  # nothing stops
+        (dict(max_tokens=5, stop_token_ids=[body[4]]), body),  # a stop token at the length limit: "stop"
+        (dict(max_tokens=5, stop_token_ids=[body[6]]), body),  # ... past it: "length"
+        (dict(max_tokens=50, min_tokens=2, prompt=36), [eos] + body),  # the context (40) inside the step
     ]
     sched = Scheduler(EngineConfig(), BlockManager(8, 4), max_model_len=40)
     for kwargs, step in cases:
-        fast, slow = (Request([1, 2], Params(**kwargs), eos_token_ids=(eos,)) for _ in range(2))
+        prompt = list(range(1, 1 + kwargs.pop("prompt", 2)))
+        fast, slow = (Request(prompt, Params(**kwargs), eos_token_ids=(eos,)) for _ in range(2))
         for r in (fast, slow):
             r.text = OutputText(tok)
         reason = sched._append(fast, list(step), None)

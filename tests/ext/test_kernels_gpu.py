@@ -120,6 +120,9 @@ GQA_CASES = [
     (torch.bfloat16, 128, 32, 8, 16, [(1024, 1, "decode")]),
     (torch.bfloat16, 128, 32, 8, 16, [(900, 1, "decode"), (40, 1, "decode"), (3, 1, "decode")]),
     (torch.float16, 128, 16, 16, 16, [(700, 9, "tree"), (64, 1, "decode")]),
+    # verify-shaped 64-row tiles (Qwen3-8B's heads) over a few KV splits: splits left empty by a short sequence,
+    # a tile no row of the shorter tree reaches
+    (torch.bfloat16, 128, 32, 8, 16, [(600, 17, "tree"), (40, 9, "tree")]),
 ]
 
 

@@ -117,8 +117,10 @@ def run_ours(args, model_path: str, load_format: str) -> None:
     for mode, kwargs in (("chain", dict(chain=True)), ("ddtree", dict(spec_budget=args.budget)),
                          ("ddtree, synchronous steps", dict(spec_budget=args.budget, async_scheduling=False)),
                          ("ddtree, forward-only graphs", dict(spec_budget=args.budget))):
-        llm = LLM(model_path, drafter=oracle, **kwargs, **common)
-        if mode.endswith("forward-only graphs"):
+        if args.fixed_budget:
+            mode += ", fixed budget"
+        llm = LLM(model_path, drafter=oracle, adaptive=not args.fixed_budget, **kwargs, **common)
+        if "forward-only graphs" in mode:
             llm.engine.runner.rounds = None
         for batch in args.batch:
             ps = prompts(vocab, batch, args.prompt_len)
@@ -193,6 +195,10 @@ def main() -> None:
     p.add_argument("--budget", type=int, default=16)
     p.add_argument("--replay-passes", type=int, default=4,
                    help="untimed passes at most, each replaying the previous one's output, before the timed pass")
+    p.add_argument("--fixed-budget", action="store_true",
+                   help="chain and DDTree verify their whole budget every step (no adaptive budget): every tree "
+                        "step has one shape, so long generations' replay passes settle (with the adaptive budget "
+                        "the verify width varies, bf16 rounds differently and dummy weights' near-ties move)")
     p.add_argument("--temperature", type=float, default=0.0, help="ours: sample (seeded per request) instead of argmax")
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--depth", type=int, default=7, help="oracle horizon (tau = depth + 1 when all accepted)")

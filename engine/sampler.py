@@ -288,10 +288,8 @@ class _RowPlan:
                 self.penalty_params.append((sp.repetition_penalty, sp.presence_penalty, sp.frequency_penalty))
         remaining = sp.min_tokens - req.num_output_tokens
         if remaining > 0:
-            stops = set() if sp.ignore_eos else set(req.eos_token_ids)
-            stops.update(sp.stop_token_ids)
             for r in rows:
-                for token in sorted(stops):
+                for token in sorted(req.stop_ids):
                     self.min_token_rows.append(r)
                     self.min_token_ids.append(int(token))
                     self.min_token_limits.append(remaining)

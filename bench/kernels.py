@@ -337,36 +337,37 @@ GEMV_SHAPES = {  # name -> (out features, in features) of the decode-step projec
 
 
 def bench_gemv(bw: float, quick: bool) -> None:
-    """Decode-sized projections (1-8 rows): the GEMV kernel against cuBLAS (F.linear) on the same bf16 weights, both
-    replayed in a CUDA graph over enough weight copies that every call reads its weight from HBM; gate_up also
-    with SiLU-and-mul (one fused GEMV against cuBLAS + the silu_and_mul kernel)."""
-    gemv = torch.ops.ddtree.gemv
-    print("\n## GEMV vs cuBLAS (us per call; weight-read floor at the measured copy bandwidth)")
-    print("| projection | rows | weight MB | floor us | cuBLAS us | GEMV us | GEMV / cuBLAS |")
-    print("|---|---|---|---|---|---|---|")
+    """Decode- and verify-sized projections (1-32 rows): the CUDA-core GEMV (up to 8 rows) and the tensor-core GEMM
+    (3-32 rows) against cuBLAS (F.linear) on the same bf16 weights, each replayed in a CUDA graph over enough
+    weight copies that every call reads its weight from HBM; gate_up also with SiLU-and-mul (one fused launch
+    against cuBLAS + the silu_and_mul kernel)."""
+    kernels = {"gemv": (torch.ops.ddtree.gemv, 8), "gemm_skinny": (torch.ops.ddtree.gemm_skinny, 32)}
+    print("\n## Few-row projections vs cuBLAS (us per call; weight-read floor at the measured copy bandwidth)")
+    print("| projection | rows | weight MB | floor us | cuBLAS us | GEMV us | skinny GEMM us | best ours / cuBLAS |")
+    print("|---|---|---|---|---|---|---|---|")
     for name, (n, k) in GEMV_SHAPES.items():
         if quick and "qwen3" in name and "lm_head" not in name:
             continue
         nbytes = n * k * 2
         sets = rotations(nbytes, most=512)  # > 256 MB of weights in flight: every call reads HBM, as a model's do
         ws = [torch.randn(n, k, device=DEV, dtype=torch.bfloat16) * k ** -0.5 for _ in range(sets)]
-        for rows in (1, 2, 4, 8):
+        fused = "gate_up" in name
+        for rows in (1, 2, 4, 8, 16, 17, 32):
             x = torch.randn(rows, k, device=DEV, dtype=torch.bfloat16)
-            fused = "gate_up" in name
-            if fused:
-                ref = [lambda w=w: ops.silu_and_mul(F.linear(x, w)) for w in ws]
-                ours = [lambda w=w: gemv(x, w, None, True) for w in ws]
-            else:
-                ref = [lambda w=w: F.linear(x, w) for w in ws]
-                ours = [lambda w=w: gemv(x, w, None, False) for w in ws]
-            t_ref, _ = graph_ms(ref)
-            t_ours, _ = graph_ms(ours)
+            ref = [(lambda w=w: ops.silu_and_mul(F.linear(x, w))) if fused else (lambda w=w: F.linear(x, w))
+                   for w in ws]
+            t_ref = graph_ms(ref)[0] * 1e3
+            times = {}
+            for kernel, (op, most) in kernels.items():
+                if rows <= most and (kernel == "gemv" or (rows >= 3 and k % 32 == 0)):
+                    times[kernel] = graph_ms([lambda w=w, op=op: op(x, w, None, fused) for w in ws])[0] * 1e3
             floor = nbytes / bw * 1e6  # as bench/e2e.py's floor: weight bytes over the copy's bytes moved per second
             label = name + (" + SiLU" if fused else "")
-            print(f"| {label} | {rows} | {nbytes / 1e6:.1f} | {floor:.2f} | {t_ref * 1e3:.2f} | {t_ours * 1e3:.2f} | "
-                  f"{t_ours / t_ref:.2f} |", flush=True)
-            record("gemv", projection=label, rows=rows, weight_mb=nbytes / 1e6, floor_us=floor,
-                   cublas_us=t_ref * 1e3, gemv_us=t_ours * 1e3)
+            cells = " | ".join(f"{times[kernel]:.2f}" if kernel in times else "-" for kernel in kernels)
+            print(f"| {label} | {rows} | {nbytes / 1e6:.1f} | {floor:.2f} | {t_ref:.2f} | {cells} | "
+                  f"{min(times.values()) / t_ref:.2f} |", flush=True)
+            record("gemv", projection=label, rows=rows, weight_mb=nbytes / 1e6, floor_us=floor, cublas_us=t_ref,
+                   **{f"{kernel}_us": t for kernel, t in times.items()})
         del ws
         torch.cuda.empty_cache()
 

@@ -88,9 +88,11 @@ def register() -> None:
     def _(x):
         return x.new_empty((x.shape[0], x.shape[1] // 2))
 
-    @fake("ddtree::gemv")
-    def _(x, weight, bias, silu_mul):
+    def few_rows_product(x, weight, bias, silu_mul):
         return x.new_empty((x.shape[0], weight.shape[0] // 2 if silu_mul else weight.shape[0]))
+
+    fake("ddtree::gemv")(few_rows_product)
+    fake("ddtree::gemm_skinny")(few_rows_product)
 
     @fake("ddtree::quantize_fp8_blockwise")
     def _(x, padded_rows, amax_floor):

@@ -146,16 +146,35 @@ def qk_norm_rope_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos
 # four it loses on nearly all. Two rows, not one: a row's GEMV result does not depend on the other rows, and a seeded request must
 # sample the same tokens alone and as choice 0 of n = 2 (cuBLAS and the GEMV round differently).
 GEMV_MAX_ROWS = 2
+# Rows above GEMV_MAX_ROWS up to this many go through the tensor-core GEMM (gemm_skinny.cu) when K is a multiple of
+# 32 and the weight is at most SKINNY_MAX_WEIGHT_BYTES: a batch-1 verify step of a 16-node tree is 17 rows. On the
+# H200 (bench/kernels.py --only gemv, docs/BENCHMARKS.md 2026-12-04) it takes 0.52-0.86x cuBLAS's time at 4-32
+# rows on SmolLM2's projections (a few MB: both bound by latency) and 0.88x on Qwen3-8B's o_proj (34 MB) at 17
+# rows, but 1.05-1.48x on the larger weights at 17 rows, which cuBLAS streams closer to the copy rate.
+SKINNY_MAX_ROWS = 32
+SKINNY_MAX_WEIGHT_BYTES = 40 << 20
+
+
+def _few_rows_kernel(x: torch.Tensor, weight: torch.Tensor, rows: int) -> str | None:
+    """Which few-row kernel serves `rows` rows of x times weight: "gemv", "gemm_skinny" or None (cuBLAS)."""
+    if 1 <= rows <= GEMV_MAX_ROWS:
+        return "gemv"
+    if (rows <= SKINNY_MAX_ROWS and x.shape[-1] % 32 == 0
+            and weight.numel() * weight.element_size() <= SKINNY_MAX_WEIGHT_BYTES):
+        return "gemm_skinny"
+    return None
 
 
 def _gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, silu_mul: bool) -> torch.Tensor | None:
-    """The GEMV kernel's result when it serves this call (CUDA, up to GEMV_MAX_ROWS rows, bf16/fp16, aligned),
-    else None: other shapes, dtypes and layouts are cuBLAS's by design; a missing extension counts as a fallback."""
-    if not _on_cuda(x) or not 1 <= x.numel() // max(x.shape[-1], 1) <= GEMV_MAX_ROWS:
+    """The few-row kernels' result when one serves this call (CUDA, up to SKINNY_MAX_ROWS rows, bf16/fp16,
+    aligned), else None: other shapes, dtypes and layouts are cuBLAS's by design; a missing extension counts as a
+    fallback."""
+    kernel = _few_rows_kernel(x, weight, x.numel() // max(x.shape[-1], 1)) if _on_cuda(x) else None
+    if kernel is None:
         return None
     ops = _cuda_ops(x)
     if ops is None:
-        _fallback("gemv", x, ops)
+        _fallback(kernel, x, ops)
         return None
     rows = x.reshape(-1, x.shape[-1])
     if not (x.dtype in (torch.bfloat16, torch.float16) and weight.dtype == x.dtype and weight.dim() == 2
@@ -164,21 +183,21 @@ def _gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, silu
             and weight.data_ptr() % 16 == 0 and (not silu_mul or weight.shape[0] % 2 == 0)
             and (bias is None or (bias.dtype == x.dtype and bias.is_contiguous() and bias.device == x.device))):
         return None
-    _served("gemv", ops)
-    out = ops.gemv(rows, weight, bias, silu_mul)
+    _served(kernel, ops)
+    out = getattr(ops, kernel)(rows, weight, bias, silu_mul)
     return out.view(*x.shape[:-1], out.shape[-1])
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [..., K] @ weight [N, K]^T (+ bias) -> [..., N]: the GEMV kernel for up to GEMV_MAX_ROWS rows on CUDA
-    (launch- and latency-bound shapes), cuBLAS through F.linear for more rows and off CUDA."""
+    """x [..., K] @ weight [N, K]^T (+ bias) -> [..., N]: the few-row kernels for up to SKINNY_MAX_ROWS rows on
+    CUDA (weight-read-bound shapes), cuBLAS through F.linear for more rows and off CUDA."""
     out = _gemv(x, weight, bias, False)
     return out if out is not None else F.linear(x, weight, bias)
 
 
 def linear_silu_mul(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """silu_and_mul(linear(x, weight)) for a fused [gate; up] weight [2I, K] -> [..., I]: one GEMV launch for up to
-    GEMV_MAX_ROWS rows on CUDA (bit-identical to the two ops), else the two ops."""
+    """silu_and_mul(linear(x, weight)) for a fused [gate; up] weight [2I, K] -> [..., I]: one few-row launch for
+    up to SKINNY_MAX_ROWS rows on CUDA (bit-identical to the two ops), else the two ops."""
     out = _gemv(x, weight, None, True)
     return out if out is not None else silu_and_mul(F.linear(x, weight))
 

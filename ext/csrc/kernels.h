@@ -185,6 +185,9 @@ struct GemvParams {
   bool prefetch;       // set by gemv(): prefetch the first weight loads into L2 before waiting
 };
 cudaError_t gemv(const GemvParams& p, DType dtype, bool silu_mul, cudaStream_t stream);
+// The same product on tensor cores for up to kSkinnyMaxRows rows (gemm_skinny.cu); k a multiple of 32.
+constexpr int kSkinnyMaxRows = 32;
+cudaError_t gemm_skinny(const GemvParams& p, DType dtype, bool silu_mul, cudaStream_t stream);
 
 // ---- cache ops --------------------------------------------------------------------------------------------
 cudaError_t write_kv(void* cache, DType cache_dtype, const void* rows, DType rows_dtype, int64_t rows_stride,

@@ -1,5 +1,5 @@
 // The torch side of the decoder-layer ops (kernels in layers.cu and cache.cu): RMSNorm with and without a fused
-// residual add, rope of q and k in place, SiLU-and-mul, the few-row GEMV (gemv.cu), FP8 activation quantization and the W4A16 GEMM (quant.cu), and the K+V cache
+// residual add, rope of q and k in place, SiLU-and-mul, the few-row GEMV (gemv.cu) and tensor-core GEMM (gemm_skinny.cu), FP8 activation quantization and the W4A16 GEMM (quant.cu), and the K+V cache
 // write in one launch. Their schemas are
 // a TORCH_LIBRARY_FRAGMENT of the `ddtree` namespace that ops.cpp defines; fakes in ext/fake.py. No op
 // synchronizes with the host (CUDA-graph safe); outputs are fresh contiguous tensors.
@@ -7,6 +7,8 @@
 
 #include <optional>
 #include <tuple>
+
+#include <cstdio>
 
 #include "ops_common.h"
 
@@ -180,22 +182,34 @@ Tensor silu_and_mul(Tensor x) {
   return out;
 }
 
-Tensor gemv(Tensor x, Tensor weight, std::optional<Tensor> bias, bool silu_mul) {
+// x [rows, K] . weight [N, K]^T through one of the few-row kernels (gemv.cu, gemm_skinny.cu): `name` for the
+// messages, at most `max_rows` rows, K a multiple of `k_multiple` (the limits spelled out in the two messages).
+template <typename Kernel>
+Tensor few_rows_product(const char* name, Kernel kernel, int max_rows, int64_t k_multiple, const char* rows_message,
+                        const char* k_message, Tensor x, Tensor weight, std::optional<Tensor> bias, bool silu_mul) {
   CHECK_CUDA(x); CHECK_CUDA(weight);
-  TORCH_CHECK(x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kHalf, "ddtree::gemv: x must be bf16 or fp16");
-  TORCH_CHECK(weight.scalar_type() == x.scalar_type(), "ddtree::gemv: weight must have x's dtype");
-  TORCH_CHECK(x.dim() == 2 && weight.dim() == 2 && x.size(1) == weight.size(1), "ddtree::gemv: x [rows, K], weight [N, K]");
-  TORCH_CHECK(x.size(0) >= 1 && x.size(0) <= ddtree::kGemvMaxRows, "ddtree::gemv: 1 to ", ddtree::kGemvMaxRows, " rows");
-  TORCH_CHECK(x.size(1) % 8 == 0 && x.stride(1) == 1 && x.stride(0) % 8 == 0 && aligned16(x),
-              "ddtree::gemv: K must be a multiple of 8 and x rows 16-byte aligned with a unit last stride");
-  TORCH_CHECK(weight.is_contiguous() && aligned16(weight), "ddtree::gemv: weight must be contiguous and 16-byte aligned");
-  TORCH_CHECK(weight.device() == x.device(), "ddtree::gemv: x and weight must be on one device");
-  TORCH_CHECK(!silu_mul || (weight.size(0) % 2 == 0 && !bias.has_value()),
-              "ddtree::gemv: silu_mul takes a [gate; up] weight with an even row count and no bias");
+  // Each failure raises one preformatted "<name>: <what>" string. Written as TORCH_CHECKs with several message
+  // parts, a failing check here segfaulted the process on the H200 (2026-12-04, K not a multiple of 32, reproduced
+  // alone; cause not found); tests/ext/test_layers_gpu.py tries this op's and other ops' refusals.
+  char msg[160];
+  auto require = [&](bool ok, const char* what) {
+    if (ok) return;
+    std::snprintf(msg, sizeof msg, "%s: %s", name, what);
+    TORCH_CHECK(false, msg);
+  };
+  require(x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kHalf, "x must be bf16 or fp16");
+  require(weight.scalar_type() == x.scalar_type(), "weight must have x's dtype");
+  require(x.dim() == 2 && weight.dim() == 2 && x.size(1) == weight.size(1), "x [rows, K], weight [N, K]");
+  require(x.size(0) >= 1 && x.size(0) <= max_rows, rows_message);
+  require(x.size(1) % k_multiple == 0 && x.stride(1) == 1 && x.stride(0) % 8 == 0 && aligned16(x), k_message);
+  require(weight.is_contiguous() && aligned16(weight), "weight must be contiguous and 16-byte aligned");
+  require(weight.device() == x.device(), "x and weight must be on one device");
+  require(!silu_mul || (weight.size(0) % 2 == 0 && !bias.has_value()),
+          "silu_mul takes a [gate; up] weight with an even row count and no bias");
   if (bias.has_value()) {
     CHECK_CUDA(*bias);
-    TORCH_CHECK(bias->scalar_type() == x.scalar_type() && bias->dim() == 1 && bias->size(0) == weight.size(0) &&
-                bias->is_contiguous() && bias->device() == x.device(), "ddtree::gemv: bias must be contiguous [N] in x's dtype");
+    require(bias->scalar_type() == x.scalar_type() && bias->dim() == 1 && bias->size(0) == weight.size(0) &&
+            bias->is_contiguous() && bias->device() == x.device(), "bias must be contiguous [N] in x's dtype");
   }
   c10::cuda::CUDAGuard guard(x.device());
   const int64_t n_out = silu_mul ? weight.size(0) / 2 : weight.size(0);
@@ -205,8 +219,22 @@ Tensor gemv(Tensor x, Tensor weight, std::optional<Tensor> bias, bool silu_mul) 
   p.w = weight.data_ptr(); p.bias = bias.has_value() ? bias->data_ptr() : nullptr;
   p.n_out = n_out; p.k = x.size(1); p.out = out.data_ptr(); p.out_stride = out.stride(0);
   p.pdl = pdl_enabled();
-  check(ddtree::gemv(p, dtype_of(x), silu_mul, stream()), "gemv");
+  check(kernel(p, dtype_of(x), silu_mul, stream()), name);
   return out;
+}
+
+Tensor gemv(Tensor x, Tensor weight, std::optional<Tensor> bias, bool silu_mul) {
+  static_assert(ddtree::kGemvMaxRows == 8, "the message below");
+  return few_rows_product("ddtree::gemv", ddtree::gemv, ddtree::kGemvMaxRows, 8, "1 to 8 rows",
+                          "K must be a multiple of 8 and x rows 16-byte aligned with a unit last stride", x, weight,
+                          bias, silu_mul);
+}
+
+Tensor gemm_skinny(Tensor x, Tensor weight, std::optional<Tensor> bias, bool silu_mul) {
+  static_assert(ddtree::kSkinnyMaxRows == 32, "the message below");
+  return few_rows_product("ddtree::gemm_skinny", ddtree::gemm_skinny, ddtree::kSkinnyMaxRows, 32, "1 to 32 rows",
+                          "K must be a multiple of 32 and x rows 16-byte aligned with a unit last stride", x, weight,
+                          bias, silu_mul);
 }
 
 std::tuple<Tensor, Tensor> quantize_fp8_blockwise(Tensor x, int64_t padded_rows, double amax_floor) {
@@ -311,6 +339,7 @@ TORCH_LIBRARY_FRAGMENT(ddtree, m) {
         "Tensor(d!) v_cache, Tensor slot_mapping, Tensor q_norm, Tensor k_norm, float eps) -> ()");
   m.def("silu_and_mul(Tensor x) -> Tensor");
   m.def("gemv(Tensor x, Tensor weight, Tensor? bias, bool silu_mul) -> Tensor");
+  m.def("gemm_skinny(Tensor x, Tensor weight, Tensor? bias, bool silu_mul) -> Tensor");
   m.def("quantize_fp8_blockwise(Tensor x, int padded_rows, float amax_floor) -> (Tensor, Tensor)");
   m.def("w4a16_gemm(Tensor x, Tensor packed, Tensor scale, int group_size) -> Tensor");
   m.def("int4_dequantize(Tensor packed, Tensor scale, int group_size, ScalarType dtype) -> Tensor");
@@ -325,6 +354,7 @@ TORCH_LIBRARY_IMPL(ddtree, CUDA, m) {
   m.impl("qk_norm_rope_write_kv", &qk_norm_rope_write_kv);
   m.impl("silu_and_mul", &silu_and_mul);
   m.impl("gemv", &gemv);
+  m.impl("gemm_skinny", &gemm_skinny);
   m.impl("quantize_fp8_blockwise", &quantize_fp8_blockwise);
   m.impl("w4a16_gemm", &w4a16_gemm);
   m.impl("int4_dequantize", &int4_dequantize);

@@ -64,3 +64,6 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     silu_and_mul of the product [rows, N / 2] (the GEMV kernel fuses it)."""
     out = F.linear(x, weight, bias)
     return silu_and_mul(out) if silu_mul else out
+
+
+gemm_skinny = gemv  # the tensor-core few-row GEMM (gemm_skinny.cu) computes the same product for up to 32 rows

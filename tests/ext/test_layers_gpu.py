@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ext import ops, reference
+from ext import layer_ops, ops, reference
 from tests.ext.layer_cases import SMOLLM2_135M, old_forward, step_inputs, tiny_model
 
 pytestmark = pytest.mark.gpu
@@ -250,15 +250,22 @@ GEMV_CASES = [  # (dtype, rows, out features, in features, x row padding, bias)
 ]
 
 
-@pytest.mark.parametrize("dtype,rows,n,k,pad,bias", GEMV_CASES)
-def test_gemv_against_fp64(cuda_ops, dtype, rows, n, k, pad, bias):
-    """Every row count the kernel takes (1..8), short and long rows (the unrolled loop and its tail), strided x, bias:
-    within one unit in the last place of the exact product of the same inputs, as close as cuBLAS is."""
+SKINNY_CASES = [  # (dtype, rows, out features, in features, x row padding, bias): every tile count (rows 3..32),
+    # a partial feature group (n % 16), k of a chunk a warp or fewer (32, 96) and of several unrolled passes
+    (torch.bfloat16, 17, 6144, 4096, 0, False), (torch.bfloat16, 32, 4096, 12288, 8, True),
+    (torch.bfloat16, 9, 960, 576, 0, True), (torch.bfloat16, 3, 49152, 576, 16, False),
+    (torch.float16, 24, 33, 1056, 0, True), (torch.bfloat16, 13, 7, 32, 0, False), (torch.float16, 8, 130, 96, 8, False),
+]
+
+
+def assert_few_rows_product(op, dtype, rows, n, k, pad, bias):
+    """op(x, w, b) against the exact product of the same inputs: within one unit in the last place plus fp32
+    accumulation's bound, and on average as close as cuBLAS is."""
     r, gen = rng()
     x = randn(gen, rows, k + pad, dtype=dtype)[:, :k]
     w = randn(gen, n, k, dtype=dtype, scale=k ** -0.5)
     b = randn(gen, n, dtype=dtype) if bias else None
-    out = cuda_ops.gemv(x, w, b, False)
+    out = op(x, w, b, False)
     exact = x.double() @ w.double().T + (b.double() if bias else 0)
     assert out.shape == (rows, n) and out.dtype == dtype
     # rounding the exact result to the dtype (half a unit in its last place) plus fp32 accumulation of k products
@@ -269,45 +276,95 @@ def test_gemv_against_fp64(cuda_ops, dtype, rows, n, k, pad, bias):
     err = (out.double() - exact).abs()
     assert bool((err <= 0.5 * ulp + (k + 1) * 2.0 ** -24 * magnitude + fi.tiny).all()), float((err / ulp).max())
     cublas_err = (torch.nn.functional.linear(x, w, b).double() - exact).abs()
-    print(f"gemv {dtype} {rows}x{k} -> {n}: mean error {float(err.mean()):.3e}, cuBLAS {float(cublas_err.mean()):.3e}")
+    print(f"{op} {dtype} {rows}x{k} -> {n}: mean error {float(err.mean()):.3e}, cuBLAS {float(cublas_err.mean()):.3e}")
     assert float(err.mean()) <= 1.5 * float(cublas_err.mean()) + 1e-12
 
 
-@pytest.mark.parametrize("rows,inter,k", [(1, 1536, 576), (3, 7, 64), (8, 12288, 4096)])
-def test_gemv_silu_mul_equals_the_two_ops(cuda_ops, rows, inter, k):
-    """The fused [gate; up] GEMV with SiLU-and-mul is bit for bit silu_and_mul of the plain GEMV."""
+@pytest.mark.parametrize("dtype,rows,n,k,pad,bias", GEMV_CASES)
+def test_gemv_against_fp64(cuda_ops, dtype, rows, n, k, pad, bias):
+    """Every row count the kernel takes (1..8), short and long rows (the unrolled loop and its tail), strided x, bias."""
+    assert_few_rows_product(cuda_ops.gemv, dtype, rows, n, k, pad, bias)
+
+
+@pytest.mark.parametrize("dtype,rows,n,k,pad,bias", SKINNY_CASES)
+def test_gemm_skinny_against_fp64(cuda_ops, dtype, rows, n, k, pad, bias):
+    """The tensor-core GEMM's permuted-k fragments and split-k sums give the exact product to within rounding."""
+    assert_few_rows_product(cuda_ops.gemm_skinny, dtype, rows, n, k, pad, bias)
+
+
+@pytest.mark.parametrize("op,rows,inter,k", [
+    ("gemv", 1, 1536, 576), ("gemv", 3, 7, 64), ("gemv", 8, 12288, 4096),
+    ("gemm_skinny", 3, 7, 64), ("gemm_skinny", 17, 12288, 4096), ("gemm_skinny", 32, 1536, 576),
+])
+def test_few_rows_silu_mul_equals_the_two_ops(cuda_ops, op, rows, inter, k):
+    """The fused [gate; up] product with SiLU-and-mul is bit for bit silu_and_mul of the plain product."""
     r, gen = rng()
     x = randn(gen, rows, k, dtype=torch.bfloat16)
     w = randn(gen, 2 * inter, k, dtype=torch.bfloat16, scale=2 * k ** -0.5)
-    fused = cuda_ops.gemv(x, w, None, True)
-    assert torch.equal(fused, ops.silu_and_mul(cuda_ops.gemv(x, w, None, False)))
+    product = getattr(cuda_ops, op)
+    assert torch.equal(product(x, w, None, True), ops.silu_and_mul(product(x, w, None, False)))
 
 
-def test_gemv_rows_do_not_depend_on_each_other(cuda_ops):
+def test_few_rows_do_not_depend_on_each_other(cuda_ops):
     """A row's result is bit for bit the same computed alone or beside others (seeded sampling of a request alone
-    and as choice 0 of n = 2 must agree)."""
+    and as choice 0 of n = 2 must agree; a tree's row must not depend on the tree's size)."""
     r, gen = rng()
-    x = randn(gen, 8, 576, dtype=torch.bfloat16)
+    x = randn(gen, 32, 576, dtype=torch.bfloat16)
     w = randn(gen, 960, 576, dtype=torch.bfloat16, scale=576 ** -0.5)
     alone = cuda_ops.gemv(x[:1], w, None, False)
     for rows in range(2, 9):
         assert torch.equal(cuda_ops.gemv(x[:rows], w, None, False)[:1], alone), rows
     assert torch.equal(ops.linear(x[:2], w)[:1], ops.linear(x[:1], w))
+    each = torch.cat([cuda_ops.gemm_skinny(x[i:i + 1], w, None, False) for i in range(32)])
+    for rows in range(2, 33):
+        assert torch.equal(cuda_ops.gemm_skinny(x[:rows], w, None, False), each[:rows]), rows
 
 
-def test_linear_routes_few_rows_to_the_gemv():
-    """ops.linear serves up to GEMV_MAX_ROWS bf16 rows with the GEMV and more rows (or fp32) with cuBLAS; the model's
-    fused MLP does so through linear_silu_mul."""
+def test_gemm_skinny_refuses_what_it_cannot_take(cuda_ops):
+    """K not a multiple of 32 and more than 32 rows are refused with the op's name, not computed wrong."""
+    r, gen = rng()
+    with pytest.raises(RuntimeError, match="gemm_skinny.*multiple of 32"):
+        cuda_ops.gemm_skinny(randn(gen, 4, 40, dtype=torch.bfloat16), randn(gen, 64, 40, dtype=torch.bfloat16),
+                             None, False)
+    with pytest.raises(RuntimeError, match="gemm_skinny.*1 to 32 rows"):
+        cuda_ops.gemm_skinny(randn(gen, 33, 64, dtype=torch.bfloat16), randn(gen, 64, 64, dtype=torch.bfloat16),
+                             None, False)
+
+
+def test_layer_ops_refuse_bad_inputs_with_their_reasons(cuda_ops):
+    """Checks whose messages are built from several parts (a tensor's role, a limit) raise a RuntimeError naming
+    the problem. On the H200 (2026-12-04) the few-row product's checks, written as TORCH_CHECKs with several message
+    parts, segfaulted the process on a K that is not a multiple of 32 (reproduced alone; the same check through one
+    preformatted string raises): a bad input must never take the engine down, so the other such checks are tried
+    here too."""
+    r, gen = rng()
+    with pytest.raises(RuntimeError, match="x must be fp32, fp16 or bf16"):
+        cuda_ops.rms_norm(torch.ones(4, 64, device=DEV, dtype=torch.int32), torch.ones(64, device=DEV), 1e-5)
+    with pytest.raises(RuntimeError, match="ddtree::gemv: 1 to 8 rows"):
+        cuda_ops.gemv(randn(gen, 9, 64, dtype=torch.bfloat16), randn(gen, 96, 64, dtype=torch.bfloat16), None, False)
+
+
+def test_linear_routes_few_rows_to_their_kernels():
+    """ops.linear serves up to GEMV_MAX_ROWS bf16 rows with the GEMV, up to SKINNY_MAX_ROWS with the tensor-core
+    GEMM (K a multiple of 32, weights up to SKINNY_MAX_WEIGHT_BYTES), more rows, other K, larger weights and fp32
+    with cuBLAS; the model's fused MLP does so through linear_silu_mul."""
     r, gen = rng()
     w = randn(gen, 96, 64, dtype=torch.bfloat16)
     for rows in (1, ops.GEMV_MAX_ROWS):
         served("gemv", lambda: ops.linear(randn(gen, rows, 64, dtype=torch.bfloat16), w))
         served("gemv", lambda: ops.linear_silu_mul(randn(gen, rows, 64, dtype=torch.bfloat16), w))
-    before = ops.cuda_calls().get("gemv", 0)
-    ops.linear(randn(gen, ops.GEMV_MAX_ROWS + 1, 64, dtype=torch.bfloat16), w)
+    for rows in (ops.GEMV_MAX_ROWS + 1, 17, ops.SKINNY_MAX_ROWS):
+        served("gemm_skinny", lambda: ops.linear(randn(gen, rows, 64, dtype=torch.bfloat16), w))
+        served("gemm_skinny", lambda: ops.linear_silu_mul(randn(gen, rows, 64, dtype=torch.bfloat16), w))
+    before = dict(ops.cuda_calls())
+    ops.linear(randn(gen, ops.SKINNY_MAX_ROWS + 1, 64, dtype=torch.bfloat16), w)
+    ops.linear(randn(gen, 17, 48, dtype=torch.bfloat16), randn(gen, 96, 48, dtype=torch.bfloat16))
+    big = torch.empty(layer_ops.SKINNY_MAX_WEIGHT_BYTES // 2 // 64 + 1, 64, device=DEV, dtype=torch.bfloat16)
+    ops.linear(randn(gen, 17, 64, dtype=torch.bfloat16), big)
     ops.linear(randn(gen, 1, 64), w.float())
-    assert ops.cuda_calls().get("gemv", 0) == before
-    assert "gemv" not in ops.reference_fallbacks()
+    for kernel in ("gemv", "gemm_skinny"):
+        assert ops.cuda_calls().get(kernel, 0) == before.get(kernel, 0)
+        assert kernel not in ops.reference_fallbacks()
 
 
 # ---- write_kv_pair ---------------------------------------------------------------------------------------------
@@ -359,6 +416,11 @@ def test_opcheck_layer_ops(cuda_ops):
     torch.library.opcheck(cuda_ops.gemv.default, (x[:2], gw, randn(gen, 96, dtype=torch.bfloat16), False),
                           test_utils=utils)
     torch.library.opcheck(cuda_ops.gemv.default, (x[:1], gw, None, True), test_utils=utils)
+    sx = randn(gen, 17, 576, dtype=torch.bfloat16)
+    torch.library.opcheck(cuda_ops.gemm_skinny.default, (sx, gw, None, False), test_utils=utils)
+    torch.library.opcheck(cuda_ops.gemm_skinny.default, (sx[:9], gw, randn(gen, 96, dtype=torch.bfloat16), False),
+                          test_utils=utils)
+    torch.library.opcheck(cuda_ops.gemm_skinny.default, (sx, gw, None, True), test_utils=utils)
     caches = torch.zeros(2, 4, 16, 3, 64, device=DEV)
     torch.library.opcheck(cuda_ops.write_kv_pair.default,
                           (caches[0], caches[1], randn(gen, 3, 3, 64), randn(gen, 3, 3, 64),

@@ -333,10 +333,10 @@ def test_gemm_skinny_refuses_what_it_cannot_take(cuda_ops):
 
 def test_layer_ops_refuse_bad_inputs_with_their_reasons(cuda_ops):
     """Checks whose messages are built from several parts (a tensor's role, a limit) raise a RuntimeError naming
-    the problem. On the H200 (2026-12-04) the few-row product's checks, written as TORCH_CHECKs with several message
+    the problem. On the H200 (2026-12-04) the few-row product's first checks, TORCH_CHECKs with several message
     parts, segfaulted the process on a K that is not a multiple of 32 (reproduced alone; the same check through one
-    preformatted string raises): a bad input must never take the engine down, so the other such checks are tried
-    here too."""
+    preformatted string raises; cause not found): a bad input must never take the engine down, so another
+    multi-part check is tried here too."""
     r, gen = rng()
     with pytest.raises(RuntimeError, match="x must be fp32, fp16 or bf16"):
         cuda_ops.rms_norm(torch.ones(4, 64, device=DEV, dtype=torch.int32), torch.ones(64, device=DEV), 1e-5)

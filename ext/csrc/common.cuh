@@ -79,6 +79,23 @@ template <> __device__ __forceinline__ void mma16816<__half>(float (&d)[4], cons
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
+// x rounded to T and back: the value a T tensor holding x reads as.
+template <typename T> __device__ __forceinline__ float round_to(float x) { return Num<T>::to_f(Num<T>::from_f(x)); }
+
+// silu(g) * u with torch's silu_and_mul rounding for a T tensor: round(round(g / (1 + exp(-g))) * u).
+template <typename T> __device__ __forceinline__ float silu_times(float g, float u) {
+  return __fmul_rn(round_to<T>(__fdiv_rn(g, __fadd_rn(1.0f, expf(-g)))), u);
+}
+
+// A few-row product's output (gemv.cu, gemm_skinny.cu) from its fp32 sums: SiLU-and-mul of the gate and up sums,
+// each first rounded to T as the unfused projection would store them, or the sum plus bias[n].
+template <typename T, bool SILU>
+__device__ __forceinline__ float few_rows_value(const float* total, const GemvParams& p, int64_t n) {
+  if constexpr (SILU) return silu_times<T>(round_to<T>(total[0]), round_to<T>(total[1]));
+  if (p.bias == nullptr) return total[0];
+  return total[0] + Num<T>::to_f(static_cast<const T*>(p.bias)[n]);
+}
+
 __device__ __forceinline__ float warp_sum(float x) {
 #pragma unroll
   for (int off = 16; off > 0; off >>= 1) x += __shfl_xor_sync(0xffffffffu, x, off);

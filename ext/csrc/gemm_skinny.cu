@@ -31,8 +31,6 @@ namespace {
 constexpr int kSkWarps = 8;     // warps of a block, splitting k
 constexpr int kSkFeatures = 16; // output features of a block (the mma's M)
 
-template <typename T> __device__ __forceinline__ float round_to(float x) { return Num<T>::to_f(Num<T>::from_f(x)); }
-
 // acc [16 features x 8 rows] += w chunk (rows g and g + 8: lo, hi) x x chunk (row g of the tile: b), 32 k.
 template <typename T>
 __device__ __forceinline__ void mma_chunk(float (&acc)[4], const uint4& lo, const uint4& hi, const uint4& b) {
@@ -127,16 +125,7 @@ __global__ void __launch_bounds__(kSkWarps * 32, 2) gemm_skinny_kernel(const Gem
 #pragma unroll
       for (int v = 0; v < kSkWarps; ++v) total[r] += partial[v][r * kSkFeatures + f][m];
     }
-    float value;
-    if constexpr (SILU) {
-      const float gate = round_to<T>(total[0]), up = round_to<T>(total[1]);  // the projection's outputs in T
-      const float s = round_to<T>(__fdiv_rn(gate, __fadd_rn(1.0f, expf(-gate))));
-      value = __fmul_rn(s, up);
-    } else {
-      value = total[0];
-      if (p.bias != nullptr) value += Num<T>::to_f(static_cast<const T*>(p.bias)[n]);
-    }
-    out[m * p.out_stride + n] = Num<T>::from_f(value);
+    out[m * p.out_stride + n] = Num<T>::from_f(few_rows_value<T, SILU>(total, p, n));
   }
 }
 

@@ -37,8 +37,6 @@ __device__ __forceinline__ float dot8(const uint4& a, const uint4& b, float acc)
   return acc;
 }
 
-template <typename T> __device__ __forceinline__ float round_to(float x) { return Num<T>::to_f(Num<T>::from_f(x)); }
-
 template <typename T, int M, bool SILU>
 __global__ void __launch_bounds__(kGemvWarps * 32) gemv_kernel(const GemvParams p) {
   constexpr int R = SILU ? 2 : 1;  // weight rows per warp
@@ -108,16 +106,7 @@ __global__ void __launch_bounds__(kGemvWarps * 32) gemv_kernel(const GemvParams 
 #pragma unroll
     for (int r = 0; r < R; ++r) total[r] = warp_sum(acc[m][r]);
     if (lane != m % 32) continue;
-    float value;
-    if constexpr (SILU) {
-      const float g = round_to<T>(total[0]), up = round_to<T>(total[1]);  // the projection's outputs in T
-      const float s = round_to<T>(__fdiv_rn(g, __fadd_rn(1.0f, expf(-g))));
-      value = __fmul_rn(s, up);
-    } else {
-      value = total[0];
-      if (p.bias != nullptr) value += Num<T>::to_f(static_cast<const T*>(p.bias)[n]);
-    }
-    out[m * p.out_stride + n] = Num<T>::from_f(value);
+    out[m * p.out_stride + n] = Num<T>::from_f(few_rows_value<T, SILU>(total, p, n));
   }
 }
 

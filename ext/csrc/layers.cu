@@ -17,8 +17,6 @@ template <typename T, int N> struct alignas(sizeof(T) * N) Pack { T v[N]; };
 template <typename T, typename W> struct Promote { using type = float; };
 template <typename T> struct Promote<T, T> { using type = T; };
 
-template <typename T> __device__ __forceinline__ float round_to(float x) { return Num<T>::to_f(Num<T>::from_f(x)); }
-
 template <typename T, int N> __device__ __forceinline__ void load_f(const T* p, float (&out)[N]) {
   const Pack<T, N> v = *reinterpret_cast<const Pack<T, N>*>(p);
 #pragma unroll
@@ -280,8 +278,7 @@ __global__ void __launch_bounds__(256) silu_and_mul_kernel(const T* __restrict__
     load_f<T, VEC>(x + t * x_stride + inter + c, u);
 #pragma unroll
     for (int j = 0; j < VEC; ++j) {
-      const float s = round_to<T>(__fdiv_rn(g[j], __fadd_rn(1.0f, expf(-g[j]))));
-      o[j] = __fmul_rn(s, u[j]);
+      o[j] = silu_times<T>(g[j], u[j]);
     }
     store_f<T, VEC>(out + t * inter + c, o);
   }

@@ -146,21 +146,26 @@ def qk_norm_rope_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos
 # four it loses on nearly all. Two rows, not one: a row's GEMV result does not depend on the other rows, and a seeded request must
 # sample the same tokens alone and as choice 0 of n = 2 (cuBLAS and the GEMV round differently).
 GEMV_MAX_ROWS = 2
-# Rows above GEMV_MAX_ROWS up to this many go through the tensor-core GEMM (gemm_skinny.cu) when K is a multiple of
-# 32 and the weight is at most SKINNY_MAX_WEIGHT_BYTES: a batch-1 verify step of a 16-node tree is 17 rows. On the
-# H200 (bench/kernels.py --only gemv, docs/BENCHMARKS.md 2026-12-04) it takes 0.52-0.86x cuBLAS's time at 4-32
-# rows on SmolLM2's projections (a few MB: both bound by latency) and 0.88x on Qwen3-8B's o_proj (34 MB) at 17
-# rows, but 1.05-1.48x on the larger weights at 17 rows, which cuBLAS streams closer to the copy rate.
+# Rows above GEMV_MAX_ROWS up to SKINNY_MAX_ROWS go through the tensor-core GEMM (gemm_skinny.cu) when K is a
+# multiple of 32 and the weight is small enough for that row count: a batch-1 verify step of a 16-node tree is 17
+# rows. On the H200 (bench/kernels.py --only gemv, docs/BENCHMARKS.md 2026-12-04) it takes 0.52-0.86x cuBLAS's
+# time at 4-32 rows on SmolLM2's projections (a few MB: both bound by latency); on Qwen3-8B's it takes 0.88-0.97x
+# at 4-8 rows on qkv (50 MB), o_proj (34 MB) and down (101 MB) and 0.88x on o_proj at 17 rows, but 1.05-1.48x on
+# the larger weights at 17 rows and 1.01-1.06x on gate_up (201 MB) and the vocabulary projections at 4-8 rows,
+# which cuBLAS streams closer to the copy rate.
 SKINNY_MAX_ROWS = 32
-SKINNY_MAX_WEIGHT_BYTES = 40 << 20
+SKINNY_MAX_WEIGHT_BYTES = 40 << 20  # 9-32 rows
+SKINNY_FEW_ROWS = 8
+SKINNY_FEW_ROWS_MAX_WEIGHT_BYTES = 128 << 20  # 3-8 rows
 
 
 def _few_rows_kernel(x: torch.Tensor, weight: torch.Tensor, rows: int) -> str | None:
     """Which few-row kernel serves `rows` rows of x times weight: "gemv", "gemm_skinny" or None (cuBLAS)."""
     if 1 <= rows <= GEMV_MAX_ROWS:
         return "gemv"
-    if (rows <= SKINNY_MAX_ROWS and x.shape[-1] % 32 == 0
-            and weight.numel() * weight.element_size() <= SKINNY_MAX_WEIGHT_BYTES):
+    largest = SKINNY_FEW_ROWS_MAX_WEIGHT_BYTES if rows <= SKINNY_FEW_ROWS else SKINNY_MAX_WEIGHT_BYTES
+    if (GEMV_MAX_ROWS < rows <= SKINNY_MAX_ROWS and x.shape[-1] % 32 == 0
+            and weight.numel() * weight.element_size() <= largest):
         return "gemm_skinny"
     return None
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from engine.model.layers import RMSNorm
-from ext import build, dispatch, ops, reference
+from ext import build, dispatch, layer_ops, ops, reference
 from tests.ext.layer_cases import (SMOLLM2_135M, old_apply_rope, old_forward, old_rms_norm, old_silu_and_mul,
                                    step_inputs, tiny_model)
 
@@ -77,6 +77,32 @@ def test_cpu_ops_are_the_twins():
     reference.write_kv_pair(kc, vc, k2, k * 2, slots)
     assert torch.equal(q3, q2) and torch.equal(k3, k2) and torch.equal(kc3, kc) and torch.equal(vc3, vc)
     assert ops.take_reference_fallbacks() == {} and ops.cuda_calls() == before
+
+
+def test_few_row_products_go_to_the_kernel_measured_faster():
+    """The routing of ext.ops.linear on CUDA (shapes only, so meta tensors stand in): the GEMV for 1-2 rows; the
+    tensor-core GEMM for 3-8 rows of weights up to 128 MB and 9-32 rows of weights up to 40 MB with K a multiple of
+    32 (Qwen3-8B: every layer projection but gate_up at 3-8 rows, o_proj at 9-32; SmolLM2: every layer projection);
+    cuBLAS for the rest (vocabulary projections above 2 rows, gate_up above 2, more than 32 rows, other K)."""
+    def kernel(rows, n, k):
+        return layer_ops._few_rows_kernel(torch.empty(rows, k, device="meta", dtype=torch.bfloat16),
+                                          torch.empty(n, k, device="meta", dtype=torch.bfloat16), rows)
+
+    qwen3 = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (24576, 4096), "down": (4096, 12288),
+             "lm_head": (151936, 4096)}
+    assert {name: kernel(1, *shape) for name, shape in qwen3.items()} == dict.fromkeys(qwen3, "gemv")
+    assert {name: kernel(2, *shape) for name, shape in qwen3.items()} == dict.fromkeys(qwen3, "gemv")
+    for rows in (3, 8):
+        assert {name: kernel(rows, *shape) for name, shape in qwen3.items()} == {
+            "qkv": "gemm_skinny", "o": "gemm_skinny", "gate_up": None, "down": "gemm_skinny", "lm_head": None}
+    for rows in (9, 17, 32):
+        assert {name: kernel(rows, *shape) for name, shape in qwen3.items()} == {
+            "qkv": None, "o": "gemm_skinny", "gate_up": None, "down": None, "lm_head": None}
+    smollm2 = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536)}
+    for rows in (3, 17, 32):
+        assert {name: kernel(rows, *shape) for name, shape in smollm2.items()} == dict.fromkeys(smollm2, "gemm_skinny")
+    assert kernel(33, 576, 576) is None and kernel(17, 64, 48) is None
+    assert kernel(0, 64, 64) is None  # an empty product is cuBLAS's (both kernels refuse zero rows)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

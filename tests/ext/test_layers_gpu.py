@@ -346,8 +346,8 @@ def test_layer_ops_refuse_bad_inputs_with_their_reasons(cuda_ops):
 
 def test_linear_routes_few_rows_to_their_kernels():
     """ops.linear serves up to GEMV_MAX_ROWS bf16 rows with the GEMV, up to SKINNY_MAX_ROWS with the tensor-core
-    GEMM (K a multiple of 32, weights up to SKINNY_MAX_WEIGHT_BYTES), more rows, other K, larger weights and fp32
-    with cuBLAS; the model's fused MLP does so through linear_silu_mul."""
+    GEMM (K a multiple of 32, weights up to a limit that is larger for up to SKINNY_FEW_ROWS rows), more rows,
+    other K, larger weights and fp32 with cuBLAS; the model's fused MLP does so through linear_silu_mul."""
     r, gen = rng()
     w = randn(gen, 96, 64, dtype=torch.bfloat16)
     for rows in (1, ops.GEMV_MAX_ROWS):
@@ -359,12 +359,17 @@ def test_linear_routes_few_rows_to_their_kernels():
     before = dict(ops.cuda_calls())
     ops.linear(randn(gen, ops.SKINNY_MAX_ROWS + 1, 64, dtype=torch.bfloat16), w)
     ops.linear(randn(gen, 17, 48, dtype=torch.bfloat16), randn(gen, 96, 48, dtype=torch.bfloat16))
+    # 9-32 rows: weights up to SKINNY_MAX_WEIGHT_BYTES; 3-8 rows: up to SKINNY_FEW_ROWS_MAX_WEIGHT_BYTES
     big = torch.empty(layer_ops.SKINNY_MAX_WEIGHT_BYTES // 2 // 64 + 1, 64, device=DEV, dtype=torch.bfloat16)
-    ops.linear(randn(gen, 17, 64, dtype=torch.bfloat16), big)
+    larger = torch.empty(layer_ops.SKINNY_FEW_ROWS_MAX_WEIGHT_BYTES // 2 // 64 + 1, 64, device=DEV,
+                         dtype=torch.bfloat16)
+    ops.linear(randn(gen, layer_ops.SKINNY_FEW_ROWS + 1, 64, dtype=torch.bfloat16), big)
+    ops.linear(randn(gen, layer_ops.SKINNY_FEW_ROWS, 64, dtype=torch.bfloat16), larger)
     ops.linear(randn(gen, 1, 64), w.float())
     for kernel in ("gemv", "gemm_skinny"):
         assert ops.cuda_calls().get(kernel, 0) == before.get(kernel, 0)
         assert kernel not in ops.reference_fallbacks()
+    served("gemm_skinny", lambda: ops.linear(randn(gen, layer_ops.SKINNY_FEW_ROWS, 64, dtype=torch.bfloat16), big))
 
 
 # ---- write_kv_pair ---------------------------------------------------------------------------------------------

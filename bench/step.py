@@ -159,7 +159,13 @@ def main() -> None:
     p.add_argument("--enforce-eager", action="store_true")
     p.add_argument("--top-ops", type=int, default=0, help="print the N host operators with most self CPU time")
     p.add_argument("--top-kernels", type=int, default=0, help="print the N device kernels with most time per step")
+    p.add_argument("--cublas-few-rows", action="store_true",
+                   help="A/B baseline: 3-32-row projections through cuBLAS instead of the tensor-core few-row GEMM")
     args = p.parse_args()
+    if args.cublas_few_rows:
+        from ext import layer_ops
+
+        layer_ops.SKINNY_MAX_ROWS = layer_ops.GEMV_MAX_ROWS  # read at every call: nothing above 2 rows is ours
 
     model, load_format = shape_model(args, "step-shape-")
     common = dict(device=args.device, load_format=load_format, max_num_seqs=max(args.batch), enforce_eager=args.enforce_eager,

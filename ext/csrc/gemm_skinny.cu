@@ -1,9 +1,10 @@
 // Tensor-core GEMM for a few rows (tree verify, small decode batches): out[m, n] = sum_k x[m, k] w[n, k] (+ bias[n])
-// for m < rows <= kSkinnyMaxRows, bf16/fp16 in and out, fp32 accumulation. At 9-32 rows the product is still bound by
-// reading w, but the CUDA-core GEMV (gemv.cu) runs out of FMA throughput (17 rows: ~17 flops a weight byte against
-// the H200's ~14 fp32 flops per byte of HBM bandwidth) and cuBLAS's small-M tiles read the weight at 0.5-0.95x the
-// copy rate (docs/BENCHMARKS.md). Here the weight is the mma's A operand (16 output features a warp) and x the B
-// operand (8 rows a tile, up to 4 tiles), both loaded straight from global memory into fragments:
+// for m < rows <= kSkinnyMaxRows, bf16/fp16 in and out, fp32 accumulation. At 3-32 rows the product is still bound by
+// reading w (or by latency), but the CUDA-core GEMV (gemv.cu) runs out of FMA throughput (17 rows: ~17 flops a
+// weight byte against the H200's ~14 fp32 flops per byte of HBM bandwidth; at 8 rows it already takes 2-5x
+// cuBLAS's time), and cuBLAS spends 3.6-6 us on any small product (docs/BENCHMARKS.md, 2026-12-04). Here the weight
+// is the mma's A operand (16 output features a warp) and x the B operand (8 rows a tile, up to 4 tiles), both loaded
+// straight from global memory into fragments:
 //
 //  - k is permuted inside each 32-wide chunk so that a lane's fragment slots hold 8 consecutive elements of a row:
 //    lane (g = lane / 4, t = lane % 4) loads w[n0 + g, 32c + 8t .. +8) and w[n0 + g + 8, ...] as 16-byte vectors,

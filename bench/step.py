@@ -158,7 +158,10 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=8)
     p.add_argument("--enforce-eager", action="store_true")
     p.add_argument("--top-ops", type=int, default=0, help="print the N host operators with most self CPU time")
-    p.add_argument("--top-kernels", type=int, default=0, help="print the N device kernels with most time per step")
+    p.add_argument("--top-kernels", type=int, default=0,
+                   help="print the N device kernels with most time per step (under programmatic dependent launch a "
+                        "kernel's span overlaps its neighbours', so the spans add up to more than the step: "
+                        "DDTREE_PDL=0 gives them one at a time)")
     p.add_argument("--cublas-few-rows", action="store_true",
                    help="A/B baseline: 3-32-row projections through cuBLAS instead of the tensor-core few-row GEMM")
     args = p.parse_args()

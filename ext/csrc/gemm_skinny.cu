@@ -18,7 +18,11 @@
 //  - a warp loads U chunks of weight (128 bytes a lane) into registers before their mma; the last group is
 //    predicated, so a short k (576: 2-3 chunks a warp) still has all its loads in flight at once. (A cp.async ring
 //    of 4 stages a warp instead was slower everywhere: 1.15-1.6x cuBLAS on Qwen3-8B's projections at 17 rows;
-//    groups of U consecutive chunks a warp were slower on long k; docs/BENCHMARKS.md.)
+//    groups of U consecutive chunks a warp were slower on long k; docs/BENCHMARKS.md. Also measured in a copy of
+//    this kernel, 2026-12-04: the next group's weights loaded while this group's mma run, 3 or 4 blocks an SM in
+//    the launch bounds, and 32 features a block, so two weight tiles share each x fragment: none was faster on
+//    the shapes routed here; 32 features a block gained only on weights of 50 MB and more at 17-32 rows, which
+//    cuBLAS still serves faster.)
 //
 // The SiLU-and-mul variant reads w as [gate; up] ([2 I, K]): the warp holds gate rows n0.. and up rows I + n0..,
 // rounds both sums to T and applies silu_and_mul's rounding steps, so it equals silu_and_mul of the plain product.

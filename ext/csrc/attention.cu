@@ -183,6 +183,8 @@ cudaError_t launch_simt(const AttnParams& p, cudaStream_t stream) {
   return cudaGetLastError();
 }
 
+// A plain launch: as a programmatic dependent of the attention launch (its CTAs resident early) a Qwen3-8B decode
+// step at 4096 keys took 5.68 against 4.89 ms on the H200.
 template <typename T>
 cudaError_t launch_combine(const AttnParams& p, cudaStream_t stream) {
   const int rows = p.num_tokens * p.num_q_heads;

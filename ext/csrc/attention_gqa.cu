@@ -1,6 +1,8 @@
 // Tensor-core GQA instantiations: bf16/fp16, head_dim 64/128; config 0 = 16-row tiles split over 4 column
 // warps (decode-shaped: at most 16 packed rows per sequence; 3 cp.async stages, since it is memory-bound),
 // config 1 = 64-row tiles, one warp per 16 rows, 2 stages.
+// (An 80-row config for the 68 packed rows of a B = 16 tree, one tile instead of 64 + 4 rows, was measured slower:
+// the two tiles run at once and the small one's reads hit L2; docs/BENCHMARKS.md, 2026-12-04.)
 #include "attention_mma.cuh"
 
 namespace ddtree {

@@ -155,7 +155,7 @@ __global__ void __launch_bounds__(32 * kCombineWarps) attn_combine_kernel(const 
     for (int u = 0; u < U; ++u) {
       const int s = s0 + u;  // the same in every lane
       const float ws = __shfl_sync(0xffffffffu, s < 32 ? a : b, s & 31);
-      w[u] = s < num_busy ? ws : 0.f;
+      w[u] = s < num_busy ? ws : 0.f;  // past 63 the shuffle above wraps to real splits' weights
       load_partial<VEC>(v[u], part, split_stride, s, w[u] != 0.f);  // an empty split's partial is never used
     }
 #pragma unroll

@@ -26,6 +26,9 @@ constexpr int kGemvUnroll = 4;  // 16-byte weight loads in flight per lane
 // launches also released their dependents before waiting (docs/BENCHMARKS.md, 2026-12-03 08:54). Nor did the
 // output projection pulling its whole weight into L2 (one bulk prefetch a row) while attention runs: 4.63 / 4.65
 // ms against 4.58 / 4.56, attention and rope slower by ~2 us a layer and the GEMV no faster (2026-12-03 13:20).
+// A grid capped at 16 blocks an SM whose warps stride over the rows, with 8 loads in flight a lane for one row of x,
+// was measured and dropped: 4.44-4.54 against 4.64-4.69 ms on one machine, 4.56-4.62 against 4.46-4.52 on another
+// (2026-12-04, docs/BENCHMARKS.md).
 constexpr int64_t kGemvPrefetchMaxBytes = int64_t{8} << 20;
 
 template <typename T>

@@ -37,8 +37,6 @@ template <typename T, int DK, int DV, int WM, int WN, int BN, bool SHARED_KV, in
 __global__ void __launch_bounds__(32 * WM * WN) attn_mma_kernel(const AttnParams p) {
   using C = MmaCfg<DK, DV, WM, WN, BN, SHARED_KV, sizeof(T), STAGES>;
   pdl_trigger();  // the next kernel (the output projection's GEMV) may prefetch its weight meanwhile
-  pdl_wait();     // launched as a programmatic dependent (p.pdl): q and the cache are the previous kernels' outputs
-  // (gathering the context's KV tiles before this wait was measured slower: 4.76 against 4.66 ms a Qwen3-8B step)
   constexpr int BM = C::BM, KSTR = C::KSTR, VSTR = C::VSTR, PSTR = C::PSTR, NTHREADS = C::NTHREADS;
   extern __shared__ __align__(16) unsigned char smem_raw[];
   T* Qs = reinterpret_cast<T*>(smem_raw);
@@ -70,6 +68,19 @@ __global__ void __launch_bounds__(32 * WM * WN) attn_mma_kernel(const AttnParams
   const int split_tokens = tiles_per_split * BN;
   const int s_begin = split * split_tokens;
   const int s_end = min(kv_end, s_begin + split_tokens);
+  // Launched as a programmatic dependent (p.pdl), the CTA has read only the step's metadata so far (query_start_loc,
+  // seq_lens: written before the forward's first kernel, which every kernel since has waited for) and now pulls
+  // its split's block-table entries into L1; q and the KV cache are the previous kernels' outputs, read after the
+  // wait, as is every store. Reading the metadata before the wait: Qwen3-8B decode at 512 keys 4.53 against 4.56-
+  // 4.57 ms a step, 4096 keys 4.79-4.80 against 4.84-4.85 (docs/BENCHMARKS.md, 2026-12-04); gathering the context's
+  // KV tiles before it too was slower (4.76 against 4.66, 2026-12-03).
+  if (s_begin < s_end) {
+    const int b0 = p.block_shift >= 0 ? s_begin >> p.block_shift : s_begin / p.block_size;
+    const int b1 = p.block_shift >= 0 ? (s_end - 1) >> p.block_shift : (s_end - 1) / p.block_size;
+    const int* bt_row = p.block_tables + static_cast<int64_t>(seq) * p.bt_stride;
+    for (int b = b0 + 32 * static_cast<int>(threadIdx.x); b <= b1; b += 32 * NTHREADS) prefetch_l1(bt_row + b);
+  }
+  pdl_wait();
   if (s_begin >= s_end) {  // nothing of this tile in this split: mark its rows empty for the combine
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     if constexpr (!SHARED_KV) {

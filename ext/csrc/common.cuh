@@ -133,6 +133,9 @@ __device__ __forceinline__ void pdl_trigger() {
 __device__ __forceinline__ void prefetch_l2(const void* p) {
   asm volatile("prefetch.global.L2 [%0];\n" ::"l"(p));
 }
+__device__ __forceinline__ void prefetch_l1(const void* p) {
+  asm volatile("prefetch.global.L1 [%0];\n" ::"l"(p));
+}
 
 // A launch with `smem` bytes of dynamic shared memory, programmatic dependent when `pdl`, and thread-block
 // clusters of 1 x 1 x cluster_z blocks when cluster_z > 1.

@@ -116,8 +116,9 @@ __device__ __forceinline__ uint64_t topk_key(float x, uint32_t id) {
 }
 
 // Programmatic dependent launch (sm_90): a kernel launched with `launch(..., pdl = true)` may start while the
-// kernel before it in the stream still runs. Until pdl_wait() returns it may touch only memory no earlier kernel
-// of the forward writes (weights); pdl_wait() returns once that kernel has completed and its writes are visible.
+// kernel before it in the stream still runs. Until pdl_wait() returns it may only read memory that kernel does not
+// write and whose writers have completed (weights; the attention launch's step metadata, attention_mma.cuh), and
+// store nothing; pdl_wait() returns once that kernel has completed and its writes are visible.
 // pdl_trigger() lets the next PDL kernel start its own prologue. Both are no-ops on older architectures and in a
 // kernel launched without the attribute.
 __device__ __forceinline__ void pdl_wait() {

@@ -68,14 +68,10 @@ __global__ void __launch_bounds__(32 * WM * WN) attn_mma_kernel(const AttnParams
   const int split_tokens = tiles_per_split * BN;
   const int s_begin = split * split_tokens;
   const int s_end = min(kv_end, s_begin + split_tokens);
-  // Launched as a programmatic dependent (p.pdl), the CTA has so far read only query_start_loc and seq_lens, and now
-  // pulls its split's block-table entries into L1, all before the wait: the metadata is never the previous kernel's
-  // output (that is rope, or a torch kernel that is no programmatic primary and so completes before this launch),
-  // and whatever wrote it earlier has completed (every programmatic dependent here waits before it releases its own
-  // dependents; only this kernel releases first, and no attention launch follows another). q, the KV cache and
-  // every store wait. Qwen3-8B decode at 512 keys: 4.53 against 4.56-4.57 ms a step, at 4096 keys 4.79-4.80 against
-  // 4.84-4.85 (docs/BENCHMARKS.md, 2026-12-04); gathering the context's KV tiles before the wait as well was slower
-  // (4.76 against 4.66, 2026-12-03).
+  // Before the PDL wait: the metadata reads above and the split's block-table lines into L1. They are never the
+  // previous kernel's output (rope, or a torch kernel that completes before this launch), and every programmatic
+  // dependent but this one (never followed by another) waits before releasing its own, so earlier writers are
+  // done. q, the KV cache and stores wait. Qwen3-8B decode 4.53 against 4.56-4.57 ms a step at 512 keys (docs/BENCHMARKS.md, 2026-12-04).
   if (s_begin < s_end) {
     const int b0 = p.block_shift >= 0 ? s_begin >> p.block_shift : s_begin / p.block_size;
     const int b1 = p.block_shift >= 0 ? (s_end - 1) >> p.block_shift : (s_end - 1) / p.block_size;

@@ -71,7 +71,8 @@ __global__ void __launch_bounds__(32 * WM * WN) attn_mma_kernel(const AttnParams
   // Before the PDL wait: the metadata reads above and the split's block-table lines into L1. They are never the
   // previous kernel's output (rope, or a torch kernel that completes before this launch), and every programmatic
   // dependent but this one (never followed by another) waits before releasing its own, so earlier writers are
-  // done. q, the KV cache and stores wait. Qwen3-8B decode 4.53 against 4.56-4.57 ms a step at 512 keys (docs/BENCHMARKS.md, 2026-12-04).
+  // done. q, the KV cache and stores wait. Qwen3-8B decode 4.53 against 4.56-4.57 ms a step at 512 keys
+  // (docs/BENCHMARKS.md, 2026-12-04).
   if (s_begin < s_end) {
     const int b0 = p.block_shift >= 0 ? s_begin >> p.block_shift : s_begin / p.block_size;
     const int b1 = p.block_shift >= 0 ? (s_end - 1) >> p.block_shift : (s_end - 1) / p.block_size;

@@ -68,16 +68,18 @@ __global__ void __launch_bounds__(32 * WM * WN) attn_mma_kernel(const AttnParams
   const int split_tokens = tiles_per_split * BN;
   const int s_begin = split * split_tokens;
   const int s_end = min(kv_end, s_begin + split_tokens);
-  // Before the PDL wait: the metadata reads above and the split's block-table lines into L1. They are never the
-  // previous kernel's output (rope, or a torch kernel that completes before this launch), and every programmatic
-  // dependent but this one (never followed by another) waits before releasing its own, so earlier writers are
-  // done. q, the KV cache and stores wait. Qwen3-8B decode 4.53 against 4.56-4.57 ms a step at 512 keys
-  // (docs/BENCHMARKS.md, 2026-12-04).
-  if (s_begin < s_end) {
-    const int b0 = p.block_shift >= 0 ? s_begin >> p.block_shift : s_begin / p.block_size;
-    const int b1 = p.block_shift >= 0 ? (s_end - 1) >> p.block_shift : (s_end - 1) / p.block_size;
-    const int* bt_row = p.block_tables + static_cast<int64_t>(seq) * p.bt_stride;
-    for (int b = b0 + 32 * static_cast<int>(threadIdx.x); b <= b1; b += 32 * NTHREADS) prefetch_l1(bt_row + b);
+  // Before the PDL wait: the metadata reads above and the split's block-table lines into L1, never the previous
+  // kernel's output (rope, or a torch kernel that completes before this launch) and written by kernels that have
+  // completed (every programmatic dependent but this one, never followed by another, waits before releasing its
+  // own). q, the KV cache and stores wait. Decode 4.53 vs 4.56-4.57 ms (docs/BENCHMARKS.md, 2026-12-04).
+  const int* bt = p.block_tables + static_cast<int64_t>(seq) * p.bt_stride;
+  auto block_of = [&](int pos) { return p.block_shift >= 0 ? pos >> p.block_shift : pos / p.block_size; };
+  if (s_begin < s_end) {  // every 128-byte line the split's entries touch
+    const char* first = reinterpret_cast<const char*>(bt + block_of(s_begin));
+    const char* last = reinterpret_cast<const char*>(bt + block_of(s_end - 1));
+    for (const char* line = first - (reinterpret_cast<uintptr_t>(first) & 127) + 128 * threadIdx.x; line <= last;
+         line += 128 * NTHREADS)
+      prefetch_l1(line);
   }
   pdl_wait();
   if (s_begin >= s_end) {  // nothing of this tile in this split: mark its rows empty for the combine
@@ -117,7 +119,6 @@ __global__ void __launch_bounds__(32 * WM * WN) attn_mma_kernel(const AttnParams
       cp_async_16(Qs + r * KSTR + col, src, ok);
     }
   }
-  const int* bt = p.block_tables + static_cast<int64_t>(seq) * p.bt_stride;
   // Each thread gathers the same 16-byte columns of K and V for its tokens: one block-table lookup per token.
   auto load_kv = [&](int stage, int pos0) {
     constexpr int KCPR = DK / 8, CHUNKS = BN * KCPR;
@@ -132,7 +133,7 @@ __global__ void __launch_bounds__(32 * WM * WN) attn_mma_kernel(const AttnParams
       const bool ok = pos < s_end;
       int64_t slot = 0;
       if (ok) {
-        const int blk = p.block_shift >= 0 ? pos >> p.block_shift : pos / p.block_size;
+        const int blk = block_of(pos);
         const int off = p.block_shift >= 0 ? pos & (p.block_size - 1) : pos - blk * p.block_size;
         slot = static_cast<int64_t>(bt[blk]) * p.block_size + off;
       }

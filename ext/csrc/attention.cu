@@ -124,7 +124,8 @@ __device__ __forceinline__ void load_partial(float (&v)[VEC], const float* part,
 
 template <typename T, int VEC>
 __global__ void __launch_bounds__(32 * kCombineWarps) attn_combine_kernel(const AttnParams p) {
-  pdl_trigger();  // as attn_mma_kernel
+  pdl_wait();     // the partials are the attention launch's output
+  pdl_trigger();  // then the output projection's GEMV may start
   constexpr int U = kCombineLoads / VEC;  // splits loaded before any is added
   const int64_t plane = static_cast<int64_t>(p.num_tokens) * p.num_q_heads;
   const int64_t th = static_cast<int64_t>(blockIdx.x) * kCombineWarps + (threadIdx.x >> 5);
@@ -183,19 +184,20 @@ cudaError_t launch_simt(const AttnParams& p, cudaStream_t stream) {
   return cudaGetLastError();
 }
 
-// A plain launch: as a programmatic dependent of the attention launch (its CTAs resident early) a Qwen3-8B decode
-// step at 4096 keys took 5.68 against 4.89 ms on the H200.
+// A programmatic dependent of the attention launch, which releases it only after its KV loop: released at the
+// attention's start, the combine's CTAs took slots the attention grid still needed (a Qwen3-8B decode step at 4096
+// keys, 5.68 against 4.89 ms); released late, plain decoding there took 4.73-4.74 against 4.78-4.79 ms as a plain
+// launch (docs/BENCHMARKS.md, 2026-12-04).
 template <typename T>
 cudaError_t launch_combine(const AttnParams& p, cudaStream_t stream) {
   const int rows = p.num_tokens * p.num_q_heads;
   const dim3 grid((rows + kCombineWarps - 1) / kCombineWarps), block(32 * kCombineWarps);
   switch (p.dv) {  // the tensor-core kernels' value widths (GQA 64 / 128, MLA's 512-wide latent)
-    case 64: attn_combine_kernel<T, 2><<<grid, block, 0, stream>>>(p); break;
-    case 128: attn_combine_kernel<T, 4><<<grid, block, 0, stream>>>(p); break;
-    case 512: attn_combine_kernel<T, 16><<<grid, block, 0, stream>>>(p); break;
+    case 64: return launch(attn_combine_kernel<T, 2>, grid, block, stream, p.pdl != 0, p);
+    case 128: return launch(attn_combine_kernel<T, 4>, grid, block, stream, p.pdl != 0, p);
+    case 512: return launch(attn_combine_kernel<T, 16>, grid, block, stream, p.pdl != 0, p);
     default: return cudaErrorNotSupported;
   }
-  return cudaGetLastError();
 }
 
 int ceil_div(int a, int b) { return (a + b - 1) / b; }

@@ -36,7 +36,9 @@ struct MmaCfg {
 template <typename T, int DK, int DV, int WM, int WN, int BN, bool SHARED_KV, int STAGES>
 __global__ void __launch_bounds__(32 * WM * WN) attn_mma_kernel(const AttnParams p) {
   using C = MmaCfg<DK, DV, WM, WN, BN, SHARED_KV, sizeof(T), STAGES>;
-  pdl_trigger();  // the next kernel (the output projection's GEMV) may prefetch its weight meanwhile
+  // The next kernel (the GEMV) may start at once; a combine kernel only after the KV loop (attention.cu)
+  const bool combine_follows = p.num_splits > 1 && !p.cluster_combine;
+  if (!combine_follows) pdl_trigger();
   constexpr int BM = C::BM, KSTR = C::KSTR, VSTR = C::VSTR, PSTR = C::PSTR, NTHREADS = C::NTHREADS;
   extern __shared__ __align__(16) unsigned char smem_raw[];
   T* Qs = reinterpret_cast<T*>(smem_raw);
@@ -59,13 +61,10 @@ __global__ void __launch_bounds__(32 * WM * WN) attn_mma_kernel(const AttnParams
   const int kv_len = p.seq_lens[seq], ctx = kv_len - qlen;
   const int last_tok = (min(row0 + BM, rows_total) - 1) / p.group;
   const int kv_end = p.tree_bits ? kv_len : min(kv_len, ctx + last_tok + 1);
-  // The launch's splits spread over this tile's own KV length, in whole KV tiles and >= 2 a split (the planner's
-  // rule), rather than over the planned maximum: under CUDA graphs the plan is made for the graph's capacity, and a
-  // short sequence would otherwise leave most splits empty and a few doing all the work. Whole tiles, so rounding
-  // leaves no split idle beside one doing three (9 tiles over 6 splits: 5 of 2, where dividing keys gave 3 of 3).
+  // Splits spread over this tile's own KV length, not the plan's (a CUDA graph's capacity, which would leave most
+  // empty), in whole KV tiles, >= 2 a split: 9 tiles over 6 splits make 5 of 2 (dividing keys made 3 of 3, 3 idle).
   const int tiles = (kv_end + BN - 1) / BN;
-  const int tiles_per_split = max(2, (tiles + p.num_splits - 1) / p.num_splits);
-  const int split_tokens = tiles_per_split * BN;
+  const int split_tokens = max(2, (tiles + p.num_splits - 1) / p.num_splits) * BN;
   const int s_begin = split * split_tokens;
   const int s_end = min(kv_end, s_begin + split_tokens);
   // Before the PDL wait: the metadata reads above and the split's block-table lines into L1, never the previous
@@ -321,6 +320,7 @@ __global__ void __launch_bounds__(32 * WM * WN) attn_mma_kernel(const AttnParams
     }
     __syncthreads();  // everyone is done with this stage, P and the exchange buffers
   }
+  if (combine_follows) pdl_trigger();
 
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   if constexpr (!SHARED_KV) {

@@ -42,8 +42,8 @@ struct AttnParams {
                               // positions over min(num_splits, its length / 2 tiles) of them)
   int cluster_combine;        // 1: the splits of a tile form one thread-block cluster and combine through
                               // distributed shared memory (sm_90, tensor-core GQA, at most kMaxClusterSplits)
-  int pdl;                    // tensor-core kernels launch as programmatic dependents (they wait before reading
-                              // anything but the step's metadata)
+  int pdl;                    // the tensor-core kernels and the split combine launch as programmatic dependents
+                              // (they wait before reading anything but the step's metadata)
 };
 
 constexpr int kMaxClusterSplits = 8;  // the portable cluster size

@@ -96,7 +96,9 @@ class EngineCore:
         self.runner.watch = self.budgets.should_draft if adaptive else None
         budgets = self.budgets  # not self: a closure over the engine would keep it alive after its last user
         self.scheduler = Scheduler(config, self.blocks, self.max_model_len, max_budget,
-                                   budget_of=lambda request: budgets.budget(request.request_id))
+                                   budget_of=lambda request: budgets.budget(request.request_id),
+                                   width_of=lambda requests, wanted: budgets.harmonize(
+                                       [r.request_id for r in requests], wanted))
         graph_blocker = self._graph_blocker()
         if graph_blocker is None:
             self.enable_graphs()
@@ -363,7 +365,10 @@ class EngineCore:
         draft_seconds = result.draft_seconds
         if self.tp is not None and self.budgets.enabled:  # budgets follow the leader's clock on every rank
             seconds, draft_seconds = self.tp.broadcast_object((seconds, draft_seconds))
-        self.budgets.observe_step(rows, seconds, tokens)
+        # the cost fit prices one more verify row of a decoding step; a step with a prefill chunk would flatten it
+        # (a chunk's rows share one weight read, so each costs a fraction of a decoding row)
+        decoding = all(s.num_new_tokens == 1 for s in plan.seqs)
+        self.budgets.observe_step(rows, seconds, tokens, fit=decoding)
         self.budgets.observe_draft(result.num_drafted, draft_seconds)
         for s in plan.seqs:
             rid = s.request.request_id

@@ -15,11 +15,14 @@ from engine.request import Request, Status
 
 class Scheduler:
     def __init__(self, config: EngineConfig, block_manager: BlockManager, max_model_len: int,
-                 max_budget: int = 0, budget_of: Callable[[Request], int] | None = None):
+                 max_budget: int = 0, budget_of: Callable[[Request], int] | None = None,
+                 width_of: Callable[[list[Request], list[int]], list[int]] | None = None):
         self.config, self.blocks, self.max_model_len = config, block_manager, max_model_len
         self.max_budget = max_budget  # tree nodes per request at low load (0 = no speculation)
         # each request's wanted tree budget this step (the adaptive controller), before the caps below
         self.budget_of = budget_of or (lambda request: max_budget)
+        # the step's budgets at one padded width (the adaptive controller's harmonize)
+        self.width_of = width_of or (lambda requests, budgets: budgets)
         # CUDA graphs: a step with trees lays out every decoding request at the step's width, so all of them
         # reserve its KV rows
         self.uniform_trees = False
@@ -74,6 +77,8 @@ class Scheduler:
         step_budget = self.step_budget(len(self.running) + min(len(self.waiting), 1))
         # every tree of the step is padded to one width: decide the budgets first, then reserve that width
         wanted = {id(r): self.spec_budget(r, step_budget) for r in self.running}
+        if sum(1 for b in wanted.values() if b) > 1:
+            wanted = dict(zip(wanted, self.width_of(self.running, list(wanted.values()))))
         plan.spec_budgets = [wanted[id(r)] for r in self.running if r.num_tokens - r.num_computed_tokens == 1]
         step_budget = max(wanted.values(), default=0)
         scheduled: list[Request] = []

@@ -9,7 +9,9 @@ the gain of node j as c * q_j (c blended with the engine-wide ratio, so a new re
 drafter has been worth), from the request's latest tree (the runner builds it at the full budget and
 returns each node's q and confidence bin). A verify row costs t_row seconds; the step's throughput is
 tokens / T; a row is worth adding when its gain >= t_row * tokens / T. t_row and T come from a decayed
-least-squares fit of the step time on the number of rows, started from a prior. The budget is the prefix of
+least-squares fit of the step time on the number of rows over decoding steps (a step with a prefill chunk is
+counted but not fitted: the chunk's rows share one weight read, and fitted they priced verify rows too low),
+started from a prior. The budget is the prefix of
 the best-first order (every prefix is a tree) with the largest total gain net of that threshold, capped by the
 configured budget.
 
@@ -43,6 +45,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from engine.speculative.step_width import common_width
+
 DECAY = 0.9  # per observation, for the acceptance sums and the cost fit
 PROBE_EVERY = 16  # steps a request stays at budget 0 before a probe
 PROBE_BUDGET = 4
@@ -70,6 +74,7 @@ class _RequestStats:
     steps_undrafted: int = 0  # steps at budget 0 since the drafter last ran for this request
     draft_interval: int = PROBE_EVERY  # when drafting is not cheap: steps between curve-only drafts
     pending: tuple | None = None  # a dry budget() answer: ((version, ahead), budget, effect) for the counted call
+    probing: bool = False  # the last counted budget was a probe
 
 
 class _CostFit:
@@ -121,12 +126,13 @@ class BudgetController:
 
     # -------------------------------------------------------------------------------------------- observing
 
-    def observe_step(self, rows: int, seconds: float, tokens: int) -> None:
-        """One engine step: rows through the target, its wall time, tokens it produced."""
+    def observe_step(self, rows: int, seconds: float, tokens: int, fit: bool = True) -> None:
+        """One engine step: rows through the target, its wall time, tokens it produced. fit=False: the step is
+        counted (probes follow the step count) but does not price rows (the engine's steps with a prefill chunk)."""
         self.clock += 1
         self.version += 1
         self._costs = None
-        if rows <= 0 or seconds <= 0:
+        if not fit or rows <= 0 or seconds <= 0:
             return
         if self.fit.n == 0:  # the prior: t_row = share * T / rows
             t_row = self.prior_row_share * seconds / rows
@@ -243,6 +249,7 @@ class BudgetController:
             stats.pending = (key, chosen, effect)
             return chosen
         stats.pending = None
+        stats.probing = effect == _PROBED
         if effect == _PROBED:
             stats.steps_at_zero = 0
         elif effect == _AT_ZERO:
@@ -279,13 +286,31 @@ class BudgetController:
         (every prefix is a tree) with the largest total gain net of theta per node (gains need not decrease once
         the reliability curve bends), provided that net beats the drafting cost. One pass, no lists: at batch 64
         this runs 64 times a step on the host's critical path."""
-        reliability, standing = self._bin_reliability(), self._standing(stats, standing)
         best, best_net, net = 0, 0.0, 0.0
-        for j, (q, k) in enumerate(zip(stats.node_q[:self.max_budget], stats.node_bins)):
-            net += q * reliability[k] * standing - theta
+        for j, gain in enumerate(self._gains(stats, standing)):
+            net += gain - theta
             if net > best_net:
                 best, best_net = j + 1, net
         return best if best and best_net > self.draft_tokens() else 0
+
+    def _gains(self, stats: _RequestStats, standing: float | None = None):
+        """Each node's expected accepted drafts, best-first: q x its bin's reliability x the request's standing."""
+        reliability, standing = self._bin_reliability(), self._standing(stats, standing)
+        return (q * reliability[k] * standing for q, k in zip(stats.node_q[:self.max_budget], stats.node_bins))
+
+    def harmonize(self, request_ids: list[str], budgets: list[int]) -> list[int]:
+        """The counted budgets of one step's decoding requests, at one padded width (step_width.common_width):
+        a request whose nodes do not pay for the width the others want falls to 0; probes keep theirs."""
+        if not self.enabled or sum(1 for b in budgets if b) < 2:
+            return budgets
+        gains, fixed = [], []
+        for rid, budget in zip(request_ids, budgets):
+            stats = self.requests.get(rid)
+            own = stats is not None and bool(stats.node_q)
+            source, standing = (stats, None) if own else (self.latest, 1.0)
+            gains.append(list(self._gains(source, standing)) if budget and source is not None else [])
+            fixed.append(bool(budget) and own and stats.probing)
+        return common_width(gains, budgets, self.threshold(), fixed)
 
     def _aligned(self, ahead: bool = False) -> bool:
         """This step is one where probes and interval drafts may run (the same for every request). A step is

@@ -102,6 +102,95 @@ def test_controller_threshold_follows_the_measured_row_cost():
     assert cheap > dear and dear <= 1, (cheap, dear)
 
 
+def test_steps_with_a_prefill_chunk_count_but_do_not_price_rows():
+    """A prefill chunk's rows share one weight read, so a step carrying one costs far less a row than a verify
+    row of a decoding step; fitted, such steps (many rows, little more time) flattened the slope and kept trees
+    that cost throughput (bench/serve.py on CPU at 8 concurrent chats: 51.8 tok/s with trees against 60.3 with
+    speculation off, 63.4 once they were left out; docs/BENCHMARKS.md, 2026-12-04)."""
+    def decoding(c):
+        for _ in range(20):  # a decoding row costs 5 ms beside a 40 ms fixed part
+            c.observe_step(24, 0.160, tokens=12)
+            c.observe_step(8, 0.080, tokens=8)
+
+    priced, fitted = BudgetController(max_budget=16), BudgetController(max_budget=16)
+    decoding(priced)
+    decoding(fitted)
+    threshold, clock = priced.threshold(), priced.clock
+    for _ in range(10):  # 64 prompt tokens beside the 8 decoding rows, for 30 ms more
+        priced.observe_step(72, 0.110, tokens=8, fit=False)
+        fitted.observe_step(72, 0.110, tokens=8)
+        priced.observe_step(8, 0.080, tokens=8)
+        fitted.observe_step(8, 0.080, tokens=8)
+    assert priced.clock == clock + 20  # counted: probes and interval drafts follow the step count
+    assert priced.threshold() == pytest.approx(threshold, rel=0.02)  # 5 ms a row * 8 tokens / 80 ms = 0.5
+    assert threshold == pytest.approx(0.5, rel=0.02)
+    assert fitted.threshold() < 0.5 * threshold  # what fitting them did
+
+
+def test_engine_prices_rows_only_on_decoding_steps(tiny_checkpoints, monkeypatch):
+    folder, _ = tiny_checkpoints("llama")
+    seen = []
+    observe = BudgetController.observe_step
+
+    def spy(self, rows, seconds, tokens, fit=True):
+        seen.append((rows, fit))
+        observe(self, rows, seconds, tokens, fit)
+
+    monkeypatch.setattr(BudgetController, "observe_step", spy)
+    ref = greedy(LLM(folder, dtype="fp32"))
+    oracle = OracleDrafter(golden_lookup([(p + r, len(p)) for p, r in zip(prompts(), ref)]), 1000, horizon=7)
+    llm = LLM(folder, dtype="fp32", drafter=oracle, spec_budget=16)
+    core, sp = llm.engine, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    core.add_request(prompts()[0], sp)
+    core.step()  # the prompt
+    core.add_request(prompts()[1], sp)
+    while core.has_unfinished():
+        core.step()
+    assert not seen[0][1]  # the first request's prompt
+    assert any(not fit for _, fit in seen[1:])  # the second's, beside the first request's decoding
+    assert any(fit for _, fit in seen[2:])  # decoding steps, plain or tree, price rows
+
+
+def test_one_padded_width_for_the_step():
+    """Every tree of a step is verified at the largest budget's width, so a request's small tree costs the big one's
+    rows. common_width picks the width with the most net expected tokens and drops the trees that do not pay it."""
+    from engine.speculative.step_width import common_width
+
+    strong = [0.9, 0.8, 0.7, 0.6, 0.5, 0.45, 0.4, 0.35]  # worth a wide tree
+    weak = [0.5]  # one good node, then nothing
+    # theta 0.3: the strong request wants 8 (every node beats 0.3), the weak 1; at width 8 the weak one's 0.5 does
+    # not pay 8 rows (2.4), so it drops out and the strong keeps 8
+    assert common_width([strong, weak], [8, 1], 0.3) == [8, 0]
+    # four weak requests and one mildly wide: width 1 for all (4 x 0.2 net) beats width 3 for one (0.15 net)
+    mild = [0.5, 0.3, 0.25]
+    assert common_width([weak] * 4 + [mild], [1, 1, 1, 1, 3], 0.3) == [1, 1, 1, 1, 1]
+    # one width already, or one tree: unchanged
+    assert common_width([strong, strong], [4, 4], 0.3) == [4, 4]
+    assert common_width([strong, []], [8, 0], 0.3) == [8, 0]
+    # a probe keeps its budget and sets the floor: the weak request cannot pay width 4, the strong one can
+    assert common_width([weak, strong, [0.1] * 4], [1, 8, 4], 0.3, fixed=[False, False, True]) == [0, 8, 4]
+    assert common_width([weak, [0.1] * 4], [1, 4], 0.3, fixed=[False, True]) == [0, 4]
+
+
+def test_harmonize_uses_each_requests_gains_and_keeps_probes():
+    controller = BudgetController(max_budget=8, prior_row_share=0.2)
+    controller.observe_step(8, 0.08, tokens=8)
+    strong = [0.9 ** (j + 1) for j in range(8)]
+    for rid, qs, accepted in (("strong", strong, list(range(1, 9))), ("weak", [0.5] + [0.01] * 7, [1])):
+        curve = [sum(qs[:j + 1]) for j in range(8)]
+        controller.observe_request(rid, 8, accepted, confidence(curve))
+    theta = controller.threshold()
+    assert 0.01 < theta < 0.5
+    wanted = [controller.budget("strong"), controller.budget("weak")]
+    assert wanted[0] > wanted[1] >= 1
+    got = controller.harmonize(["strong", "weak"], wanted)
+    gains = [list(controller._gains(controller.requests[r])) for r in ("strong", "weak")]
+    from engine.speculative.step_width import common_width
+    assert got == common_width(gains, wanted, theta) and got[0] == wanted[0]
+    controller.requests["weak"].probing = True  # a probe is verified whatever the others' width
+    assert controller.harmonize(["strong", "weak"], wanted)[1] == wanted[1]
+
+
 def test_side_branches_that_are_never_accepted_drop_out_of_the_tree(monkeypatch):
     """bench/e2e.py's oracle: its top-1 chain (q = 0.865^d) is always accepted, its second and third choices never
     are. One calibration factor per request credits the side branches with the chain's over-delivery (7 accepted
@@ -175,6 +264,7 @@ def test_mixed_budgets_share_one_padded_width_and_padding_is_never_accepted(tiny
     llm = LLM(folder, dtype="fp32", drafter=oracle, spec_budget=16)
     fixed = {}
     llm.engine.scheduler.budget_of = lambda req: fixed.setdefault(req.request_id, [1, 3, 7, 16][len(fixed) % 4])
+    llm.engine.scheduler.width_of = lambda requests, budgets: budgets  # as pinned (no width harmonizing)
     walks, widths = [], []
     walk = speculator.Speculator.walk
 

@@ -128,16 +128,21 @@ class BudgetController:
 
     def observe_step(self, rows: int, seconds: float, tokens: int, fit: bool = True) -> None:
         """One engine step: rows through the target, its wall time, tokens it produced. fit=False: the step is
-        counted (probes follow the step count) but does not price rows (the engine's steps with a prefill chunk)."""
+        counted (probes follow the step count) and may seed the prior, but does not price rows (the engine's steps
+        with a prefill chunk)."""
         self.clock += 1
         self.version += 1
         self._costs = None
-        if not fit or rows <= 0 or seconds <= 0:
+        if rows <= 0 or seconds <= 0:
             return
-        if self.fit.n == 0:  # the prior: t_row = share * T / rows
+        if self.fit.n == 0:  # the prior, from the first step whatever it is: t_row = share * T / rows
+            # (a prompt's step makes it optimistic, so the first trees get verified and the fit learns from them;
+            # seeded by a one-row decoding step it would price a row at half a step and no tree would ever run)
             t_row = self.prior_row_share * seconds / rows
             for r in (max(1, rows // 2), rows * 2):
                 self.fit.add(r, seconds + t_row * (r - rows), PRIOR_WEIGHT / 2)
+        if not fit:
+            return
         self.fit.add(rows, seconds)
         self.last_rows, self.last_seconds, self.last_tokens = rows, seconds, tokens
 

@@ -11,7 +11,7 @@ returns each node's q and confidence bin). A verify row costs t_row seconds; the
 tokens / T; a row is worth adding when its gain >= t_row * tokens / T. t_row and T come from a decayed
 least-squares fit of the step time on the number of rows over decoding steps (a step with a prefill chunk is
 counted but not fitted: the chunk's rows share one weight read, and fitted they priced verify rows too low),
-started from a prior. The budget is the prefix of
+started from a prior that the first step of any kind seeds. The budget is the prefix of
 the best-first order (every prefix is a tree) with the largest total gain net of that threshold, capped by the
 configured budget.
 

@@ -19,14 +19,20 @@ def common_width(gains: list[list[float]], budgets: list[int], theta: float,
     if len({budgets[i] for i in trees}) <= 1:
         return list(budgets)  # one width already: nothing is padded
     floor = max((budgets[i] for i in trees if fixed[i]), default=0)
-    prefix = {i: [0.0, *accumulate(gains[i][:budgets[i]])] for i in trees if not fixed[i]}
+    prefix = {i: [0.0, *accumulate(gains[i][:budgets[i]])] for i in trees if not fixed[i]}  # p[n]: n nodes' gain
     best_w, best_net = 0, float("-inf")
     for w in sorted({budgets[i] for i in trees if budgets[i] >= floor}):
-        net = sum(max(0.0, p[min(budgets[i], w, len(p) - 1)] - theta * w) for i, p in prefix.items())
+        cost = theta * w
+        net = 0.0
+        for p in prefix.values():
+            gain = p[w] if w < len(p) else p[-1]
+            if gain > cost:
+                net += gain - cost
         if net > best_net:
             best_w, best_net = w, net
     out = list(budgets)
+    cost = theta * best_w
     for i, p in prefix.items():
-        n = min(budgets[i], best_w, len(p) - 1)
-        out[i] = n if p[n] - theta * best_w > 0 else 0
+        n = min(best_w, len(p) - 1)
+        out[i] = n if p[n] > cost else 0
     return out

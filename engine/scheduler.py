@@ -77,7 +77,7 @@ class Scheduler:
         step_budget = self.step_budget(len(self.running) + min(len(self.waiting), 1))
         # every tree of the step is padded to one width: decide the budgets first, then reserve that width
         wanted = {id(r): self.spec_budget(r, step_budget) for r in self.running}
-        if sum(1 for b in wanted.values() if b) > 1:
+        if len({b for b in wanted.values() if b}) > 1:  # trees of different budgets: the narrow ones pay padding
             wanted = dict(zip(wanted, self.width_of(self.running, list(wanted.values()))))
         plan.spec_budgets = [wanted[id(r)] for r in self.running if r.num_tokens - r.num_computed_tokens == 1]
         step_budget = max(wanted.values(), default=0)

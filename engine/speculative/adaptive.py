@@ -42,7 +42,6 @@ into a tree step, while aligned they cost one step in PROBE_EVERY.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from itertools import islice
 
 import torch
 
@@ -292,30 +291,31 @@ class BudgetController:
         (every prefix is a tree) with the largest total gain net of theta per node (gains need not decrease once
         the reliability curve bends), provided that net beats the drafting cost. One pass, no lists: at batch 64
         this runs 64 times a step on the host's critical path."""
+        reliability, standing = self._bin_reliability(), self._standing(stats, standing)
         best, best_net, net = 0, 0.0, 0.0
-        for j, gain in enumerate(self._gains(stats, standing)):
-            net += gain - theta
+        for j, (q, k) in enumerate(zip(stats.node_q[:self.max_budget], stats.node_bins)):
+            net += q * reliability[k] * standing - theta  # _gains, inline: a list or generator cost 15-20% here
             if net > best_net:
                 best, best_net = j + 1, net
         return best if best and best_net > self.draft_tokens() else 0
 
-    def _gains(self, stats: _RequestStats, standing: float | None = None):
-        """Each node's expected accepted drafts, best-first: q x its bin's reliability x the request's standing."""
+    def _gains(self, stats: _RequestStats, standing: float | None, num_nodes: int) -> list[float]:
+        """The first num_nodes nodes' expected accepted drafts, best-first (as _net_best computes them inline)."""
         reliability, standing = self._bin_reliability(), self._standing(stats, standing)
-        return (q * reliability[k] * standing for q, k in zip(stats.node_q[:self.max_budget], stats.node_bins))
+        return [q * reliability[k] * standing for q, k in zip(stats.node_q[:num_nodes], stats.node_bins)]
 
     def harmonize(self, request_ids: list[str], budgets: list[int]) -> list[int]:
         """The counted budgets of one step's decoding requests, at one padded width (step_width.common_width):
         a request whose nodes do not pay for the width the others want falls to 0; probes keep theirs (~0.18 ms
-        for 64 requests of 16 nodes on the 2-core CPU; only when the step's trees differ in budget)."""
-        if not self.enabled or sum(1 for b in budgets if b) < 2:
+        for 64 requests of 16 nodes on the 2-core CPU; the scheduler asks only when the trees' budgets differ)."""
+        if not self.enabled:
             return budgets
         gains, fixed = [], []
         for rid, budget in zip(request_ids, budgets):
             stats = self.requests.get(rid)
             own = stats is not None and bool(stats.node_q)
             source, standing = (stats, None) if own else (self.latest, 1.0)
-            gains.append(list(islice(self._gains(source, standing), budget)) if budget and source is not None else [])
+            gains.append(self._gains(source, standing, budget) if budget and source is not None else [])
             fixed.append(bool(budget) and own and stats.probing)
         return common_width(gains, budgets, self.threshold(), fixed)
 

@@ -184,7 +184,7 @@ def test_harmonize_uses_each_requests_gains_and_keeps_probes():
     wanted = [controller.budget("strong"), controller.budget("weak")]
     assert wanted[0] > wanted[1] >= 1
     got = controller.harmonize(["strong", "weak"], wanted)
-    gains = [list(controller._gains(controller.requests[r])) for r in ("strong", "weak")]
+    gains = [controller._gains(controller.requests[r], None, b) for r, b in zip(("strong", "weak"), wanted)]
     from engine.speculative.step_width import common_width
     assert got == common_width(gains, wanted, theta) and got[0] == wanted[0]
     controller.requests["weak"].probing = True  # a probe is verified whatever the others' width

@@ -3,7 +3,9 @@ asynchronous scheduling), DFlash-style
 chain verification (the drafter's top-1 path, B = depth) and DDTree (an oracle drafter replaying the mode's own
 greedy output from an untimed first pass, gathered on the device so the drafter costs nothing and the engine's
 round is what is measured; `diverged_from_plain` counts the requests whose first pass left the plain output;
-that first pass, where chain and DDTree replay the same plain output, is reported too),
+that first pass, where chain and DDTree replay the same plain output, is reported too; the timed pass's adaptive
+budget goes on from the untimed pass before it, as a serving engine's would, unless --cold-budget; --miss-rate
+makes the oracle's top-1 wrong at a share of positions, its runner-up right),
 at several batch sizes, beside transformers' static-cache `generate` (compiled by transformers) on a model of the
 same shapes, and the weight-read floor (weight bytes over the device-to-device copy bandwidth measured here).
 Prints one JSON line per run; not a test.
@@ -58,16 +60,18 @@ def prompts(vocab: int, batch: int, length: int) -> list[list[int]]:
     return [torch.randint(0, vocab, (length,), generator=g).tolist() for _ in range(batch)]
 
 
-def timed(llm: LLM, ps: list[list[int]], new_tokens: int, temperature: float = 0.0, top_p: float = 1.0
-          ) -> tuple[float, list]:
+def timed(llm: LLM, ps: list[list[int]], new_tokens: int, temperature: float = 0.0, top_p: float = 1.0,
+          fresh: bool = True) -> tuple[float, list]:
     """Seconds to generate new_tokens for every prompt, and the outputs (seeded per request at temperature > 0:
-    every pass draws the same tokens, which the oracle can then replay)."""
+    every pass draws the same tokens, which the oracle can then replay). fresh: a warm-up request first, then a
+    fresh adaptive budget (the warm-up request ran alone, with other GEMM shapes than the batch whose output
+    the oracle replays, and may have left that output; a previous pass's requests may have too); else the
+    pass starts from what the previous pass of the same prompts and drafter left (a warm engine)."""
     sp = [SamplingParams(max_tokens=new_tokens, temperature=temperature, top_p=top_p, seed=i, ignore_eos=True)
           for i in range(len(ps))]
-    llm.generate([ps[0]], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))  # warm-up
-    # a fresh adaptive budget: the warm-up request ran alone (other GEMM shapes than the batch whose output the
-    # oracle replays) and may have left that output, and a previous pass's requests may have too
-    llm.engine.budgets.reset()
+    if fresh:
+        llm.generate([ps[0]], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))  # warm-up
+        llm.engine.budgets.reset()
     torch.cuda.synchronize()
     t0 = time.perf_counter()
     outs = llm.generate(ps, sp)
@@ -110,7 +114,8 @@ def run_ours(args, model_path: str, load_format: str) -> None:
     free_engine_memory()
     if args.plain_only:
         return
-    oracle = DeviceOracle(goldens[args.batch[0]], args.prompt_len, vocab, args.depth, args.device)
+    oracle = DeviceOracle(goldens[args.batch[0]], args.prompt_len, vocab, args.depth, args.device,
+                          miss_rate=args.miss_rate)
     # tree steps run ahead of their predecessor's results (the device oracle drafts from the device) as whole-round
     # graphs; the synchronous run is the same engine with every step waiting for its results, the forward-only
     # run the same engine with only the target forward of a tree step in a graph (engine/round_graphs.py off)
@@ -147,7 +152,9 @@ def run_ours(args, model_path: str, load_format: str) -> None:
                     break
                 golden = replayed
             oracle.load(golden)
-            elapsed, outs = timed(llm, ps, args.new_tokens, args.temperature, args.top_p)
+            # warm: the adaptive budget goes on from the last untimed pass (same prompts, same drafter), as a
+            # serving engine's would; --cold-budget starts it fresh (the first steps then draft to learn)
+            elapsed, outs = timed(llm, ps, args.new_tokens, args.temperature, args.top_p, fresh=args.cold_budget)
             left = sum(p + o.token_ids != golden[tuple(p)] for p, o in zip(ps, outs))
             emit_spec(mode, batch, elapsed, outs, diverged_from_plain=diverged, replay_passes=passes,
                       left_replayed_output=left)
@@ -202,6 +209,12 @@ def main() -> None:
     p.add_argument("--temperature", type=float, default=0.0, help="ours: sample (seeded per request) instead of argmax")
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--depth", type=int, default=7, help="oracle horizon (tau = depth + 1 when all accepted)")
+    p.add_argument("--miss-rate", type=float, default=0.0,
+                   help="share of positions where the oracle's top-1 is wrong and the golden token its second "
+                        "proposal (the same positions for chain and DDTree)")
+    p.add_argument("--cold-budget", action="store_true",
+                   help="timed passes start from a fresh adaptive budget (default: warm, from the untimed pass "
+                        "before)")
     p.add_argument("--max-num-batched-tokens", type=int, default=None,
                    help="the engine's step token budget (default: the engine's own, 8192 on CUDA)")
     p.add_argument("--skip-transformers", action="store_true")

@@ -88,6 +88,10 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--budget", type=int, default=16)
     p.add_argument("--depth", type=int, default=7, help="oracle horizon")
+    p.add_argument("--replay-own", action="store_true",
+                   help="log a second pass, the oracle replaying the first pass's own output (bench/e2e.py's "
+                        "timed pass: no request leaves the oracle by bf16 rounding; the adaptive budget warm)")
+    p.add_argument("--miss-rate", type=float, default=0.0, help="share of positions where the oracle's top-1 misses")
     p.add_argument("--prompt-len", type=int, default=512)
     p.add_argument("--new-tokens", type=int, default=128)
     p.add_argument("--max-num-batched-tokens", type=int, default=None)
@@ -112,9 +116,11 @@ def main() -> None:
     vocab = plain.engine.vocab_size
     del plain
     free_engine_memory()
-    oracle = DeviceOracle(golden, args.prompt_len, vocab, args.depth, args.device)
+    oracle = DeviceOracle(golden, args.prompt_len, vocab, args.depth, args.device, miss_rate=args.miss_rate)
     kwargs = dict(chain=True) if args.mode == "chain" else dict(spec_budget=args.budget)
     llm = LLM(args.model, drafter=oracle, **kwargs, **common)
+    if args.replay_own:  # as bench/e2e.py's timed pass: the mode's own output replayed, the budget warm
+        oracle.load({tuple(q): q + o.token_ids for q, o in zip(ps, llm.generate(ps, sp))})
     log_steps(llm, ps, sp, tuple(args.profile) if args.profile else None)
 
 

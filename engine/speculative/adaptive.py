@@ -7,11 +7,11 @@ the target's probabilities of those prefixes (DDTree, Prop. 1). The drafter's q 
 request we keep c = (drafts it accepted) / (sum of q over the nodes it verified), as decayed sums, and predict
 the gain of node j as c * q_j (c blended with the engine-wide ratio, so a new request starts from what the
 drafter has been worth), from the request's latest tree (the runner builds it at the full budget and
-returns each node's q and confidence bin). A verify row costs t_row seconds; the step's throughput is
-tokens / T; a row is worth adding when its gain >= t_row * tokens / T. t_row and T come from a decayed
-least-squares fit of the step time on the number of rows over decoding steps (a step with a prefill chunk is
-counted but not fitted: the chunk's rows share one weight read, and fitted they priced verify rows too low),
-started from a prior that the first step of any kind seeds. The budget is the prefix of
+returns each node's q and confidence bin). A verify row costs t_row seconds; the engine's throughput is
+tokens / T (decayed sums over decoding steps); a row is worth adding when its gain >= t_row * tokens / T. t_row
+comes from a decayed least-squares fit of the step time on the number of rows over decoding steps (a step with
+a prefill chunk is counted but not fitted: the chunk's rows share one weight read, and fitted they priced verify
+rows too low), started from a prior that the first step of any kind seeds. The budget is the prefix of
 the best-first order (every prefix is a tree) with the largest total gain net of that threshold, capped by the
 configured budget.
 
@@ -80,8 +80,7 @@ class _RequestStats:
 class _CostFit:
     """Decayed least squares of step seconds on rows: T = t0 + t_row * rows."""
 
-    def __init__(self):
-        self.n = self.sx = self.sy = self.sxx = self.sxy = 0.0
+    n = sx = sy = sxx = sxy = 0.0
 
     def add(self, x: float, y: float, weight: float = 1.0) -> None:
         self.n, self.sx, self.sy = DECAY * self.n + weight, DECAY * self.sx + weight * x, DECAY * self.sy + weight * y
@@ -107,7 +106,8 @@ class BudgetController:
         Benchmarks call it between runs so that one run's requests do not set the next run's calibration."""
         self.requests: dict[str, _RequestStats] = {}
         self.fit = _CostFit()
-        self.last_rows, self.last_seconds, self.last_tokens = 0, 0.0, 0
+        self.last_rows, self.last_seconds = 0, 0.0
+        self.tokens = self.seconds = 0.0  # decayed sums over decoding steps: the engine's throughput
         self.draft_s = self.drafted = 0.0  # decayed sums: drafter seconds, requests drafted
         self.draft_calls = 0
         self.accepted = self.predicted = 0.0  # decayed sums over every request: a new request's calibration
@@ -144,7 +144,8 @@ class BudgetController:
         if not fit:
             return
         self.fit.add(rows, seconds)
-        self.last_rows, self.last_seconds, self.last_tokens = rows, seconds, tokens
+        self.last_rows, self.last_seconds = rows, seconds
+        self.tokens, self.seconds = DECAY * self.tokens + tokens, DECAY * self.seconds + seconds
 
     def observe_draft(self, num_requests: int, seconds: float) -> None:
         """The drafter ran for num_requests requests this step and took `seconds`."""
@@ -172,7 +173,7 @@ class BudgetController:
     def _draft_tokens(self) -> float:
         if self.draft_calls <= MIN_DRAFT_CALLS or self.last_seconds <= 0:
             return 0.0  # too few measurements: drafting counts as free until then
-        return self.draft_s / self.drafted * self.last_tokens / self.last_seconds
+        return self.draft_s / self.drafted * self.tokens / self.seconds
 
     def observe_request(self, request_id: str, budget: int, accepted_rows: list[int], confidence: list[float]) -> None:
         """A tree step of one request: the budget it verified, the tree rows of its accepted drafts (row j >= 1 is
@@ -232,7 +233,9 @@ class BudgetController:
         t_row = self.fit.slope()
         if t_row is None:
             t_row = self.prior_row_share * self.last_seconds / max(1, self.last_rows)
-        return max(MIN_GAIN, t_row * self.last_tokens / self.last_seconds)
+        # the throughput a row's time would have bought: decayed over steps, not the last step's (at batch 1 a
+        # step emits 1 to 8 tokens, and the threshold followed it step by step, the budget flapping with it)
+        return max(MIN_GAIN, t_row * self.tokens / self.seconds)
 
     def budget(self, request_id: str, dry: bool = False, ahead: bool = False) -> int:
         """This step's tree budget for the request (before the scheduler's caps). dry: what it would be, without

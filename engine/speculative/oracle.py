@@ -118,13 +118,19 @@ class DeviceOracle:
     per-request Python beyond a row lookup. Depth d proposes the golden token at rank 0 and K - 1 distinct
     distractors below it; positions past the golden sequence propose distractors only, far lower. No prefix
     check: a request that left its golden sequence simply has its drafts rejected. `golden` maps a prompt (as a
-    tuple) to prompt + continuation; a request finds its row by its first prompt_len tokens."""
+    tuple) to prompt + continuation; a request finds its row by its first prompt_len tokens.
+
+    miss_rate: the share of golden positions where the drafter's top-1 is wrong (rank 0 and 1 swapped: the
+    golden token comes second, as likely as a real drafter's runner-up), drawn once per (row, position) from
+    `seed`, so every pass and every mode (chain or tree) faces the same drafter: acceptance under control."""
 
     target_layer_ids: tuple[int, ...] = ()
     SPREAD = 2.0
 
-    def __init__(self, golden: dict[tuple, list[int]], prompt_len: int, vocab_size: int, horizon: int, device):
+    def __init__(self, golden: dict[tuple, list[int]], prompt_len: int, vocab_size: int, horizon: int, device,
+                 miss_rate: float = 0.0, seed: int = 0):
         self.prompt_len, self.vocab_size, self.horizon, self.device = prompt_len, vocab_size, horizon, device
+        self.miss_rate, self.seed = miss_rate, seed
         self.load(golden)
 
     def load(self, golden: dict[tuple, list[int]]) -> None:
@@ -134,6 +140,8 @@ class DeviceOracle:
         for i, seq in enumerate(seqs):
             table[i, :len(seq)] = torch.tensor(seq)
         self.table, self.index = table.to(self.device), {key: i for i, key in enumerate(golden)}
+        draws = torch.rand(table.shape, generator=torch.Generator().manual_seed(self.seed))
+        self.miss = (draws < self.miss_rate).to(self.device)  # [rows, positions] bool: top-1 wrong there
         self.rows: dict[str, int] = {}  # request id -> its golden row
 
     def release(self, request_id: str) -> None:
@@ -159,8 +167,12 @@ class DeviceOracle:
     def _gather(self, rows: torch.Tensor, root_positions: torch.Tensor, top_k: int
                 ) -> tuple[torch.Tensor, torch.Tensor]:
         depths = torch.arange(1, self.horizon + 1, device=self.device)
-        gold = self.table[rows[:, None], root_positions[:, None] + depths]  # [N, L], -1 past the golden sequence
+        where = (rows[:, None], root_positions[:, None] + depths)
+        gold = self.table[where]  # [N, L], -1 past the golden sequence
         ranks = torch.arange(top_k, device=self.device)
-        ids = (gold.clamp(min=0)[..., None] + ranks) % self.vocab_size  # [N, L, K] distinct
+        offsets = ranks
+        if self.miss_rate > 0:  # a miss proposes gold + 1 first and the golden token second
+            offsets = torch.where(self.miss[where][..., None] & (ranks < 2), 1 - ranks, ranks)
+        ids = (gold.clamp(min=0)[..., None] + offsets) % self.vocab_size  # [N, L, K] distinct
         base = torch.where(gold >= 0, KNOWN_BASE, UNKNOWN_BASE)
         return (base[..., None] - self.SPREAD * ranks).float(), ids

@@ -115,16 +115,32 @@ def test_steps_with_a_prefill_chunk_count_but_do_not_price_rows():
     priced, fitted = BudgetController(max_budget=16), BudgetController(max_budget=16)
     decoding(priced)
     decoding(fitted)
-    threshold, clock = priced.threshold(), priced.clock
+    slope, clock = priced.fit.slope(), priced.clock
     for _ in range(10):  # 64 prompt tokens beside the 8 decoding rows, for 30 ms more
         priced.observe_step(72, 0.110, tokens=8, fit=False)
         fitted.observe_step(72, 0.110, tokens=8)
         priced.observe_step(8, 0.080, tokens=8)
         fitted.observe_step(8, 0.080, tokens=8)
     assert priced.clock == clock + 20  # counted: probes and interval drafts follow the step count
-    assert priced.threshold() == pytest.approx(threshold, rel=0.02)  # 5 ms a row * 8 tokens / 80 ms = 0.5
-    assert threshold == pytest.approx(0.5, rel=0.02)
-    assert fitted.threshold() < 0.5 * threshold  # what fitting them did
+    assert priced.fit.slope() == pytest.approx(slope, rel=0.02) and slope == pytest.approx(0.005, rel=0.02)
+    assert fitted.fit.slope() < 0.5 * slope and fitted.threshold() < 0.5 * priced.threshold()  # what fitting did
+
+
+def test_the_threshold_follows_the_engines_throughput_not_the_last_steps():
+    """At batch 1 a tree step emits 1 to 8 tokens. Priced at the last step's throughput, the threshold moved ~7x
+    from step to step and the budget with it (and each flip between a tree and plain decoding costs a step that
+    cannot run ahead of its predecessor); priced at the engine's decayed throughput it holds still."""
+    controller = BudgetController(max_budget=16)
+    curve = [0.9 * (1 - 0.5 ** (j + 1)) / 0.5 for j in range(16)]  # node j brings 0.9 * 0.5**j
+    controller.observe_request("r", 16, [1, 2], confidence(curve))
+    after = {}
+    for i in range(40):
+        tokens, rows = 8 if i % 2 else 1, 8 + i % 3
+        controller.observe_step(rows, 0.001 + 0.00002 * rows, tokens)
+        after[tokens] = (controller.threshold(), controller.budget("r", dry=True))
+    (high, budget_high), (low, budget_low) = after[8], after[1]
+    assert 0.02 < low < high < 1.3 * low, after
+    assert budget_high == budget_low > 0
 
 
 def test_engine_prices_rows_only_on_decoding_steps(tiny_checkpoints, monkeypatch):

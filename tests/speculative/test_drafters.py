@@ -27,7 +27,7 @@ from engine.speculative.dflash import DFlashDrafter, build_target_layer_ids
 from engine.speculative.dflash_files import save_random_dflash
 from engine.speculative.drafter import PAD_GAP, DraftRequest, Drafter, make_drafter, pack_candidates
 from engine.speculative.ngram import NgramDrafter
-from engine.speculative.oracle import UNKNOWN_BASE, OracleDrafter
+from engine.speculative.oracle import UNKNOWN_BASE, DeviceOracle, OracleDrafter
 from tests.conftest import tiny_hf_config
 
 VOCAB, LAYER_IDS, BLOCK, MASK = 1000, [0, 1], 8, 3  # a small mask id: exclusion must not rely on it being last
@@ -407,6 +407,29 @@ def test_oracle_ranks():
         for d, r in enumerate(ranks):
             row = ids[0, d].tolist()
             assert (row.index(seq[20 + d]) == r) if r < k else (seq[20 + d] not in row)
+
+
+def test_device_oracle_misses_at_rank_one_the_same_way_every_pass():
+    """The benchmarks' device oracle at a controlled miss rate: where its top-1 misses, the golden token is its
+    second proposal (a chain gets nothing there, a tree with the runner-up does), the misses drawn once per
+    position, so every pass and mode meets the same drafter; their share follows the rate."""
+    seqs = {tuple(random_tokens(4, s)): random_tokens(4, s) + random_tokens(300, s + 10) for s in range(3)}
+    oracle = DeviceOracle(seqs, 4, VOCAB, horizon=6, device="cpu", miss_rate=0.3, seed=1)
+    requests = [DraftRequest(f"r{i}", list(seq[:40 + 17 * i]), None) for i, seq in enumerate(seqs.values())]
+    _, ids = oracle.propose(requests, top_k=4)  # [3, 6, 4]
+    _, top1 = oracle.propose(requests, top_k=1)
+    ranks = []
+    for i, (req, seq) in enumerate(zip(requests, seqs.values())):
+        for d in range(6):
+            gold, row = seq[req.root_position + 1 + d], ids[i, d].tolist()
+            ranks.append(row.index(gold))
+            assert (top1[i, d, 0] == gold) == (ranks[-1] == 0) and len(set(row)) == 4
+    assert set(ranks) == {0, 1}
+    oracle.load(seqs)  # a later pass: the same misses
+    assert torch.equal(oracle.propose(requests, top_k=4)[1], ids)
+    many = DeviceOracle(seqs, 4, VOCAB, horizon=6, device="cpu", miss_rate=0.3, seed=1).miss
+    assert 0.25 < many.float().mean().item() < 0.35
+    assert not DeviceOracle(seqs, 4, VOCAB, horizon=6, device="cpu").miss.any()
 
 
 def test_protocol_and_empty_batches(target, draft_folder):

@@ -127,6 +127,9 @@ def run_ours(args, model_path: str, load_format: str) -> None:
         llm = LLM(model_path, drafter=oracle, adaptive=not args.fixed_budget, **kwargs, **common)
         if "forward-only graphs" in mode:
             llm.engine.runner.rounds = None
+        if args.no_harmonize:  # every tree at its own budget, padded to the step's widest (the A/B baseline)
+            llm.engine.scheduler.width_of = lambda requests, budgets: budgets
+            mode += ", budgets not harmonized"
         for batch in args.batch:
             ps = prompts(vocab, batch, args.prompt_len)
             # A verify step rounds in bf16 unlike a plain step (other GEMM shapes), so a greedy output can leave
@@ -212,6 +215,8 @@ def main() -> None:
     p.add_argument("--miss-rate", type=float, default=0.0,
                    help="share of positions where the oracle's top-1 is wrong and the golden token its second "
                         "proposal (the same positions for chain and DDTree)")
+    p.add_argument("--no-harmonize", action="store_true",
+                   help="ours: a step's tree budgets are not harmonized to one padded width")
     p.add_argument("--cold-budget", action="store_true",
                    help="timed passes start from a fresh adaptive budget (default: warm, from the untimed pass "
                         "before)")

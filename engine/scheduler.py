@@ -158,8 +158,9 @@ class Scheduler:
         lengths reach the host. Only when `previous` laid out every running request as a tree and nothing waits
         for admission. A request then lies up to its previous budget + 1 tokens past its host state, so its KV is
         reserved for the longest case, its budget (budget_of) is capped as if it had advanced that far, and a
-        request that may reach max_tokens or the context with `previous`'s tokens is left out. Why not, when
-        this does not apply, blocks run out or no request wants a tree."""
+        request that may reach max_tokens or the context with `previous`'s tokens is left out; budgets that
+        differ are harmonized to one width (width_of) as in schedule(). Why not, when this does not apply,
+        blocks run out or no request wants a tree."""
         if self.waiting:
             return "waiting requests"
         trees = {id(s.request) for s in previous.seqs if s.sample and s.num_new_tokens == 1}
@@ -179,15 +180,18 @@ class Scheduler:
             budgets.append((req, max(0, min(budget_of(req), step_budget, remaining - 1, room - 1)), most))
         if not budgets:
             return "every request may finish"
-        width = max(b for _, b, _ in budgets) + 1
+        wanted = [b for _, b, _ in budgets]
+        if len({b for b in wanted if b}) > 1:  # as in schedule(): one padded width for all, the one that pays
+            wanted = self.width_of([r for r, _, _ in budgets], wanted)
+        width = max(wanted) + 1
         if width == 1:
             return "no tree wanted"
         plan = StepPlan()
-        for req, budget, most in budgets:
+        for (req, _, most), budget in zip(budgets, wanted):
             if not self.blocks.allocate(req, req.num_computed_tokens + most + width):
                 return "KV blocks"
             plan.seqs.append(ScheduledSeq(req, 1, True, budget, after_tree=True))
-        plan.spec_budgets = [b for _, b, _ in budgets]
+        plan.spec_budgets = wanted
         return plan
 
     def update(self, plan: StepPlan, result: StepResult, in_flight: StepPlan | None = None) -> list[Request]:

@@ -310,7 +310,8 @@ class BudgetController:
     def harmonize(self, request_ids: list[str], budgets: list[int]) -> list[int]:
         """The counted budgets of one step's decoding requests, at one padded width (step_width.common_width):
         a request whose nodes do not pay for the width the others want falls to 0; probes keep theirs (~0.18 ms
-        for 64 requests of 16 nodes on the 2-core CPU; the scheduler asks only when the trees' budgets differ)."""
+        for 64 requests of 16 nodes on the 2-core CPU; the scheduler asks only when the trees' budgets differ).
+        Also for the dry answers of a step planned ahead (their counted calls follow the plan)."""
         if not self.enabled:
             return budgets
         gains, fixed = [], []
@@ -319,7 +320,8 @@ class BudgetController:
             own = stats is not None and bool(stats.node_q)
             source, standing = (stats, None) if own else (self.latest, 1.0)
             gains.append(self._gains(source, standing, budget) if budget and source is not None else [])
-            fixed.append(bool(budget) and own and stats.probing)
+            # a probe: the counted answer's, or (a step planned ahead) the dry answer about to be counted
+            fixed.append(bool(budget) and own and (stats.pending[2] == _PROBED if stats.pending else stats.probing))
         return common_width(gains, budgets, self.threshold(), fixed)
 
     def _aligned(self, ahead: bool = False) -> bool:

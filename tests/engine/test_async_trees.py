@@ -135,6 +135,40 @@ def test_adaptive_budget_with_tree_steps_ahead(tiny_checkpoints):
     assert out == ref and ahead > 0
 
 
+def test_tree_steps_ahead_share_one_harmonized_width(tiny_checkpoints):
+    """A step planned ahead pads every tree to the widest one like any step, so budgets that differ go through the
+    same harmonizing (the scheduler's width_of, the adaptive budget's harmonize) and the step verifies what it
+    returns; output stays plain decoding's."""
+    folder, _ = tiny_checkpoints("llama")
+    ps = prompts(4)
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
+    ref = plain_greedy(folder, ps, params)
+    core = tree_engine(folder, ps, ref, True, budget=8, adaptive=True).engine
+    wanted = {}
+    core.budgets.budget = lambda rid, dry=False, ahead=False: wanted.setdefault(rid, [1, 3, 6, 8][len(wanted) % 4])
+    asked = []
+
+    def width_of(requests, budgets):  # a stand-in harmonizer: one width of 3 rows past the root
+        asked.append(list(budgets))
+        return [min(b, 3) for b in budgets]
+
+    core.scheduler.width_of = width_of
+    stats, step = [], core.step
+
+    def spy():
+        deltas = step()
+        if core.last_stats is not None:
+            stats.append((core.last_stats.scheduling, list(core.last_stats.spec_budgets)))
+        return deltas
+
+    core.step = spy
+    out, _, _ = run(core, ps, params)
+    assert out == ref
+    ahead = [budgets for mode, budgets in stats if mode == "ahead" and any(budgets)]
+    assert ahead and all(max(budgets) <= 3 for budgets in ahead), stats
+    assert asked and all(len(set(b for b in budgets if b)) > 1 for budgets in asked)  # only when they differ
+
+
 def test_drafters_that_need_the_host_never_draft_ahead(tiny_checkpoints):
     folder, _ = tiny_checkpoints("llama")
     ps = prompts(2)

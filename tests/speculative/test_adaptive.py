@@ -203,8 +203,15 @@ def test_harmonize_uses_each_requests_gains_and_keeps_probes():
     gains = [controller._gains(controller.requests[r], None, b) for r, b in zip(("strong", "weak"), wanted)]
     from engine.speculative.step_width import common_width
     assert got == common_width(gains, wanted, theta) and got[0] == wanted[0]
+    assert got[1] != wanted[1]
     controller.requests["weak"].probing = True  # a probe is verified whatever the others' width
     assert controller.harmonize(["strong", "weak"], wanted)[1] == wanted[1]
+    # a step planned ahead harmonizes dry answers before they are counted: a dry probe is a probe too
+    weak = controller.requests["weak"]
+    weak.probing, weak.pending = False, ((controller.version, True), wanted[1], "probed")
+    assert controller.harmonize(["strong", "weak"], wanted)[1] == wanted[1]
+    weak.pending = ((controller.version, True), wanted[1], "chosen")
+    assert controller.harmonize(["strong", "weak"], wanted)[1] == got[1]
 
 
 def test_side_branches_that_are_never_accepted_drop_out_of_the_tree(monkeypatch):

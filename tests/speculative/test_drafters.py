@@ -430,6 +430,15 @@ def test_device_oracle_misses_at_rank_one_the_same_way_every_pass():
     many = DeviceOracle(seqs, 4, VOCAB, horizon=6, device="cpu", miss_rate=0.3, seed=1).miss
     assert 0.25 < many.float().mean().item() < 0.35
     assert not DeviceOracle(seqs, 4, VOCAB, horizon=6, device="cpu").miss.any()
+    # proposals come from a table precomputed per K: the same as the formula at every (row, root position), and
+    # past the table's end what lies past the golden sequence (distractors only, at the unknown base)
+    g = torch.Generator().manual_seed(2)
+    rows, positions = torch.randint(0, 3, (50,), generator=g), torch.randint(0, oracle.num_positions, (50,), generator=g)
+    for k in (1, 4, 16):
+        assert all(torch.equal(a, b) for a, b in zip(oracle._gather(rows, positions, k),
+                                                     oracle._compute(rows, positions, k)))
+    lp, _ = oracle._gather(torch.tensor([0]), torch.tensor([oracle.num_positions + 40]), 4)
+    assert bool((lp[0, :, 0] <= UNKNOWN_BASE).all())
 
 
 def test_protocol_and_empty_batches(target, draft_folder):

@@ -22,6 +22,7 @@ import os
 import sys
 import tempfile
 import time
+from collections import Counter
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -61,21 +62,33 @@ def prompts(vocab: int, batch: int, length: int) -> list[list[int]]:
 
 
 def timed(llm: LLM, ps: list[list[int]], new_tokens: int, temperature: float = 0.0, top_p: float = 1.0,
-          fresh: bool = True) -> tuple[float, list]:
+          fresh: bool = True, steps: Counter | None = None) -> tuple[float, list]:
     """Seconds to generate new_tokens for every prompt, and the outputs (seeded per request at temperature > 0:
     every pass draws the same tokens, which the oracle can then replay). fresh: a warm-up request first, then a
     fresh adaptive budget (the warm-up request ran alone, with other GEMM shapes than the batch whose output
     the oracle replays, and may have left that output; a previous pass's requests may have too); else the
-    pass starts from what the previous pass of the same prompts and drafter left (a warm engine)."""
+    pass starts from what the previous pass of the same prompts and drafter left (a warm engine). steps: counts
+    the pass's engine steps by how they were scheduled ("ahead", "synchronous: <why>")."""
     sp = [SamplingParams(max_tokens=new_tokens, temperature=temperature, top_p=top_p, seed=i, ignore_eos=True)
           for i in range(len(ps))]
     if fresh:
         llm.generate([ps[0]], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))  # warm-up
         llm.engine.budgets.reset()
+    core, step = llm.engine, llm.engine.step
+    if steps is not None:
+        def counted():
+            deltas = step()
+            if core.last_stats is not None:
+                steps[core.last_stats.scheduling or "synchronous"] += 1
+            return deltas
+        core.step = counted
     torch.cuda.synchronize()
     t0 = time.perf_counter()
-    outs = llm.generate(ps, sp)
-    torch.cuda.synchronize()
+    try:
+        outs = llm.generate(ps, sp)
+        torch.cuda.synchronize()
+    finally:
+        core.step = step
     return time.perf_counter() - t0, outs
 
 
@@ -157,10 +170,13 @@ def run_ours(args, model_path: str, load_format: str) -> None:
             oracle.load(golden)
             # warm: the adaptive budget goes on from the last untimed pass (same prompts, same drafter), as a
             # serving engine's would; --cold-budget starts it fresh (the first steps then draft to learn)
-            elapsed, outs = timed(llm, ps, args.new_tokens, args.temperature, args.top_p, fresh=args.cold_budget)
+            steps = Counter()
+            elapsed, outs = timed(llm, ps, args.new_tokens, args.temperature, args.top_p, fresh=args.cold_budget,
+                                  steps=steps)
             left = sum(p + o.token_ids != golden[tuple(p)] for p, o in zip(ps, outs))
             emit_spec(mode, batch, elapsed, outs, diverged_from_plain=diverged, replay_passes=passes,
-                      left_replayed_output=left)
+                      left_replayed_output=left, engine_steps=sum(steps.values()), ahead=steps.pop("ahead", 0),
+                      synchronous=dict(steps.most_common()))
         del llm
         free_engine_memory()
 

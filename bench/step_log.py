@@ -1,6 +1,8 @@
 """One run of the engine logged step by step: for every engine step its wall time, batch size, the tree budgets
 chosen, tokens emitted, whether it replayed a CUDA graph (or why not), how it was scheduled (ahead of its
-predecessor's results or why not) and the runner's phase timings; then cProfile's view of a window of steps.
+predecessor's results or why not) and the runner's phase timings; then cProfile's view of a window of steps, or
+the inclusive host time of the engine's methods over one (--host-times: bench/host_timers.py, which times only
+what it wraps where cProfile misattributes time around C calls).
 For finding where a benchmark's time goes (admission steps, tails of requests that left the oracle, host work
 per tree step), not a benchmark itself. Prints one JSON line per step, then a summary with the steady state (steps
 where every request decodes and none has finished: ms per step and tokens/s, profiled steps left out).
@@ -8,6 +10,7 @@ where every request decodes and none has finished: ms per step and tokens/s, pro
     python bench/step_log.py --model SmolLM2.gguf --batch 64 --mode ddtree
     python bench/step_log.py --model SmolLM2.gguf --batch 8 --mode chain --profile 6 12
     python bench/step_log.py --smollm2-shape --batch 64 --mode plain --profile 40 80
+    python bench/step_log.py --smollm2-shape --batch 8 --mode ddtree --host-times 8 28
 
 The drafter of the chain and ddtree modes is bench/e2e.py's device oracle replaying the plain run's output
 (computed first, in the same process).
@@ -28,26 +31,35 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from bench.e2e import prompts  # noqa: E402
+from bench.host_timers import HostTimers  # noqa: E402
 from bench.gpu_serving import QWEN3_8B, SMOLLM2_135M, free_engine_memory  # noqa: E402
 from engine import LLM, SamplingParams  # noqa: E402
 from engine.speculative.oracle import DeviceOracle  # noqa: E402
 
 
-def log_steps(llm: LLM, ps: list[list[int]], sp: SamplingParams, profile: tuple[int, int] | None) -> None:
+def log_steps(llm: LLM, ps: list[list[int]], sp: SamplingParams, profile: tuple[int, int] | None,
+              host_times: tuple[int, int] | None = None) -> None:
     core, profiler, n = llm.engine, cProfile.Profile(), 0
+    drafter = core.speculator.drafter if core.speculator is not None else None
+    timers = HostTimers({type(drafter): "propose propose_ahead"} if drafter is not None else None) \
+        if host_times else None
     full: list[tuple[float, int]] = []  # (ms, tokens) of unprofiled steps with every request decoding
     decoding, finished = set(), 0  # requests that produced a token before the step; requests done
     for p in ps:
         core.add_request(p, SamplingParams(**vars(sp)))
     t_all = time.perf_counter()
     while core.has_unfinished():
-        profiled = profile is not None and profile[0] <= n < profile[1]
-        if profiled:
+        in_profile = profile is not None and profile[0] <= n < profile[1]
+        if timers is not None:
+            timers.active = host_times[0] <= n < host_times[1]
+        # measured steps stay out of the steady state below (the profiler, or the timers' ~1 us a call)
+        profiled = in_profile or (timers is not None and timers.active)
+        if in_profile:
             profiler.enable()
         t0 = time.perf_counter()
         deltas = core.step()
         ms = (time.perf_counter() - t0) * 1e3
-        if profiled:
+        if in_profile:
             profiler.disable()
         st = core.last_stats
         tokens = sum(len(d.new_token_ids) for d in deltas)
@@ -68,6 +80,11 @@ def log_steps(llm: LLM, ps: list[list[int]], sp: SamplingParams, profile: tuple[
         summary.update(full_batch_steps=len(full), full_batch_ms_per_step=round(ms / len(full), 3),
                        full_batch_tok_s=round(tokens / ms * 1e3, 1))
     print(json.dumps(summary), flush=True)
+    if timers is not None:
+        timers.remove()
+        num_timed = max(0, min(n, host_times[1]) - host_times[0])
+        print(f"host time of {num_timed} steps (from step {host_times[0]}), inclusive:")
+        print("\n".join(timers.report(num_timed)) if num_timed else "no step timed")
     if profile is not None and profile[0] >= n:
         print(f"no step profiled: the run took {n} steps, the window starts at step {profile[0]}")
     elif profile is not None:
@@ -97,6 +114,8 @@ def main() -> None:
     p.add_argument("--new-tokens", type=int, default=128)
     p.add_argument("--max-num-batched-tokens", type=int, default=None)
     p.add_argument("--profile", type=int, nargs=2, metavar=("FIRST", "END"), help="cProfile steps FIRST..END-1")
+    p.add_argument("--host-times", type=int, nargs=2, metavar=("FIRST", "END"),
+                   help="inclusive host time of the engine's methods over steps FIRST..END-1 (bench/host_timers.py)")
     args = p.parse_args()
     common = dict(device=args.device, max_num_seqs=args.batch, max_num_batched_tokens=args.max_num_batched_tokens,
                   max_model_len=4096, enable_prefix_caching=False)
@@ -110,7 +129,8 @@ def main() -> None:
     plain = LLM(args.model, **common)
     ps = prompts(plain.engine.vocab_size, args.batch, args.prompt_len)
     if args.mode == "plain":
-        log_steps(plain, ps, sp, tuple(args.profile) if args.profile else None)
+        log_steps(plain, ps, sp, tuple(args.profile) if args.profile else None,
+                  tuple(args.host_times) if args.host_times else None)
         return
     outs = plain.generate(ps, sp)
     golden = {tuple(q): q + o.token_ids for q, o in zip(ps, outs)}
@@ -124,7 +144,8 @@ def main() -> None:
         llm.engine.scheduler.width_of = lambda requests, budgets: budgets
     if args.replay_own:  # as bench/e2e.py's timed pass: the mode's own output replayed, the budget warm
         oracle.load({tuple(q): q + o.token_ids for q, o in zip(ps, llm.generate(ps, sp))})
-    log_steps(llm, ps, sp, tuple(args.profile) if args.profile else None)
+    log_steps(llm, ps, sp, tuple(args.profile) if args.profile else None,
+              tuple(args.host_times) if args.host_times else None)
 
 
 if __name__ == "__main__":

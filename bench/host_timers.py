@@ -1,0 +1,78 @@
+"""Inclusive host time of the engine's methods over a window of steps, from perf_counter wrappers around them
+(bench/step_log.py --host-times). cProfile misattributes time around C calls: under it a CUDA graph replay
+looked like 0.4 ms of host time where it takes 7-20 us (docs/BENCHMARKS.md, 2026-12-04); a wrapper times only
+what it wraps (plus ~1 us of its own per call, so nested entries include their children's wrappers)."""
+from __future__ import annotations
+
+import functools
+import importlib
+import time
+from collections import Counter, defaultdict
+
+# "module:Class" -> the methods timed
+METHODS = {
+    "engine.core:EngineCore": "step _complete _observe_budgets _stats _delta",
+    "engine.ahead:AheadLauncher": "plain trees _launch",
+    "engine.scheduler:Scheduler": "schedule schedule_ahead schedule_ahead_trees update",
+    "engine.runner:ModelRunner": "launch _launch_tree_ahead _launch_round _launch collect _tree_results",
+    "engine.runner:PendingStep": "tree_successors accepted_features sampled_tokens",
+    "engine.speculative.speculator:Speculator": "propose build confirm_ahead",
+    "engine.round_graphs:RoundGraphs": "run _stage_inputs",
+    "engine.step_results:RoundCopy": "wait",
+    "engine.step_results:ResultCopy": "wait",
+    "engine.speculative.adaptive:BudgetController": "observe_request budget harmonize should_draft",
+    "engine.staging:Staging": "__call__ pack",
+    "torch.cuda:CUDAGraph": "replay",
+}
+
+
+class HostTimers:
+    def __init__(self, extra: dict[type, str] | None = None):
+        """extra: more classes to time (e.g. the engine's drafter) -> their methods, space-separated."""
+        self.seconds: defaultdict[str, float] = defaultdict(float)
+        self.calls: Counter[str] = Counter()
+        self.active = False  # counting only while True (the window)
+        self._originals: list[tuple[type, str, object]] = []
+        classes = {}
+        for key, names in METHODS.items():
+            module, name = key.split(":")
+            classes[getattr(importlib.import_module(module), name)] = names
+        classes.update(extra or {})
+        for cls, names in classes.items():
+            for name in names.split():
+                if hasattr(cls, name):
+                    self._wrap(cls, name)
+
+    def _wrap(self, cls: type, name: str) -> None:
+        original, label = cls.__dict__.get(name, getattr(cls, name)), f"{cls.__name__}.{name}"
+        if isinstance(original, (staticmethod, classmethod)):
+            return
+        seconds, calls = self.seconds, self.calls
+
+        @functools.wraps(original)
+        def timed(*args, **kwargs):
+            if not self.active:
+                return original(*args, **kwargs)
+            t0 = time.perf_counter()
+            try:
+                return original(*args, **kwargs)
+            finally:
+                seconds[label] += time.perf_counter() - t0
+                calls[label] += 1
+
+        self._originals.append((cls, name, cls.__dict__.get(name)))
+        setattr(cls, name, timed)
+
+    def remove(self) -> None:
+        """Puts every wrapped method back."""
+        for cls, name, original in reversed(self._originals):
+            if original is None:
+                delattr(cls, name)
+            else:
+                setattr(cls, name, original)
+        self._originals.clear()
+
+    def report(self, num_steps: int) -> list[str]:
+        """One line per method, slowest first: microseconds a step (inclusive) and calls a step."""
+        return [f"{label:48s} {s / num_steps * 1e6:9.1f} us/step {self.calls[label] / num_steps:6.1f} calls/step"
+                for label, s in sorted(self.seconds.items(), key=lambda kv: -kv[1])]

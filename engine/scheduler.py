@@ -63,17 +63,13 @@ class Scheduler:
         return max(0, min(self.max_budget, share))
 
     def spec_budget(self, request: Request, step_budget: int) -> int:
-        """Drafted nodes this request verifies: what the budget controller wants, never past budget_cap. 0 = plain
-        decoding."""
+        """Drafted nodes this request verifies: what the budget controller wants, never past the step's cap, the
+        request's remaining tokens or the context. 0 = plain decoding."""
         if step_budget == 0 or request.num_tokens - request.num_computed_tokens != 1:
             return 0  # a tree needs a decoding request: only its root (last token) lacks KV
-        return max(0, min(self.budget_of(request), self.budget_cap(request, step_budget)))
-
-    def budget_cap(self, request: Request, step_budget: int, ahead: int = 0) -> int:
-        """The most nodes the request may verify: the step's cap, its remaining tokens and the context, `ahead`
-        tokens further on (a step planned before its predecessor's results)."""
-        remaining = request.sampling.max_tokens - len(request.output_token_ids) - ahead
-        return min(step_budget, remaining - 1, self.max_model_len - request.num_tokens - ahead - 1)
+        remaining = request.sampling.max_tokens - len(request.output_token_ids)
+        wanted = self.budget_of(request)
+        return max(0, min(wanted, step_budget, remaining - 1, self.max_model_len - request.num_tokens - 1))
 
     def schedule(self) -> StepPlan:
         plan = StepPlan()
@@ -82,9 +78,7 @@ class Scheduler:
         # every tree of the step is padded to one width: decide the budgets first, then reserve that width
         wanted = {id(r): self.spec_budget(r, step_budget) for r in self.running}
         if len({b for b in wanted.values() if b}) > 1:  # trees of different budgets: the narrow ones pay padding
-            harmonized = self.width_of(self.running, list(wanted.values()))
-            wanted = {id(r): max(0, min(b, self.budget_cap(r, step_budget)))
-                      for r, b in zip(self.running, harmonized)}
+            wanted = dict(zip(wanted, self.width_of(self.running, list(wanted.values()))))
         plan.spec_budgets = [wanted[id(r)] for r in self.running if r.num_tokens - r.num_computed_tokens == 1]
         step_budget = max(wanted.values(), default=0)
         scheduled: list[Request] = []
@@ -183,15 +177,12 @@ class Scheduler:
             room = self.max_model_len - req.num_tokens - most
             if remaining <= 0 or room <= 0:
                 continue  # it may finish with previous's tokens
-            cap = self.budget_cap(req, step_budget, ahead=most)
-            budgets.append((req, max(0, min(budget_of(req), cap)), most))
+            budgets.append((req, max(0, min(budget_of(req), step_budget, remaining - 1, room - 1)), most))
         if not budgets:
             return "every request may finish"
         wanted = [b for _, b, _ in budgets]
         if len({b for b in wanted if b}) > 1:  # as in schedule(): one padded width for all, the one that pays
-            harmonized = self.width_of([r for r, _, _ in budgets], wanted)
-            wanted = [max(0, min(b, self.budget_cap(r, step_budget, ahead=most)))
-                      for (r, _, most), b in zip(budgets, harmonized)]
+            wanted = self.width_of([r for r, _, _ in budgets], wanted)
         width = max(wanted) + 1
         if width == 1:
             return "no tree wanted"

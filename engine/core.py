@@ -373,7 +373,11 @@ class EngineCore:
         for s in plan.seqs:
             rid = s.request.request_id
             if rid in result.curves and not s.request.finished:  # (finished while a step ran ahead: released)
-                self.budgets.observe_request(rid, s.spec_budget, result.accepted_rows.get(rid, []), result.curves[rid])
+                # only the nodes it chose: the rest filled the step's width (the accepted path's prefix among
+                # them is what the chosen tree alone would have accepted)
+                chosen = s.spec_budget if s.chosen_budget is None else s.chosen_budget
+                accepted = [r for r in result.accepted_rows.get(rid, []) if r <= chosen]
+                self.budgets.observe_request(rid, chosen, accepted, result.curves[rid])
 
     def _stats(self, plan, result, preemptions_before: int) -> StepStats:
         from ext import ops

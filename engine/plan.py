@@ -12,6 +12,8 @@ class ScheduledSeq:
     num_new_tokens: int  # known tokens fed this step: a prefill chunk, or the last sampled token when decoding
     sample: bool  # the fed tokens reach the end of what is known, so the next token is produced this step
     spec_budget: int = 0  # tree nodes this request may verify this step (0 = plain decoding)
+    # of those, the nodes the adaptive budget chose; the rest fill the step's padded width for free (None: all)
+    chosen_budget: int | None = None
     # asynchronous scheduling: tokens this step runs past the request's committed state (1 for a decoding
     # request scheduled before the previous step's token reached the host; that token is fed from the device)
     num_ahead: int = 0

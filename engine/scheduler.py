@@ -63,22 +63,36 @@ class Scheduler:
         return max(0, min(self.max_budget, share))
 
     def spec_budget(self, request: Request, step_budget: int) -> int:
-        """Drafted nodes this request verifies: what the budget controller wants, never past the step's cap, the
-        request's remaining tokens or the context. 0 = plain decoding."""
+        """Drafted nodes this request verifies: what the budget controller wants, never past budget_cap. 0 = plain
+        decoding."""
         if step_budget == 0 or request.num_tokens - request.num_computed_tokens != 1:
             return 0  # a tree needs a decoding request: only its root (last token) lacks KV
-        remaining = request.sampling.max_tokens - len(request.output_token_ids)
-        wanted = self.budget_of(request)
-        return max(0, min(wanted, step_budget, remaining - 1, self.max_model_len - request.num_tokens - 1))
+        return max(0, min(self.budget_of(request), self.budget_cap(request, step_budget)))
+
+    def budget_cap(self, request: Request, step_budget: int, ahead: int = 0) -> int:
+        """The most nodes the request may verify: the step's cap, its remaining tokens and the context, `ahead`
+        tokens further on (a step planned before its predecessor's results)."""
+        remaining = request.sampling.max_tokens - len(request.output_token_ids) - ahead
+        return min(step_budget, remaining - 1, self.max_model_len - request.num_tokens - ahead - 1)
+
+    @staticmethod
+    def filled(chosen: list[int], caps: list[int]) -> list[int]:
+        """Every tree of a step is laid out at the widest one's rows: each verifies that many nodes (the rows are
+        paid anyway; the adaptive budget learns from the chosen ones only), within its own cap."""
+        width = max(chosen, default=0)
+        return [max(b, min(width, cap)) if b else 0 for b, cap in zip(chosen, caps)]
 
     def schedule(self) -> StepPlan:
         plan = StepPlan()
         budget = self.config.max_num_batched_tokens
         step_budget = self.step_budget(len(self.running) + min(len(self.waiting), 1))
         # every tree of the step is padded to one width: decide the budgets first, then reserve that width
-        wanted = {id(r): self.spec_budget(r, step_budget) for r in self.running}
-        if len({b for b in wanted.values() if b}) > 1:  # trees of different budgets: the narrow ones pay padding
-            wanted = dict(zip(wanted, self.width_of(self.running, list(wanted.values()))))
+        chosen = {id(r): self.spec_budget(r, step_budget) for r in self.running}
+        wanted = chosen
+        if len({b for b in chosen.values() if b}) > 1:  # trees of different budgets: the narrow ones pay padding
+            chosen = dict(zip(chosen, self.width_of(self.running, list(chosen.values()))))
+            wanted = dict(zip(chosen, self.filled(list(chosen.values()),
+                                                  [self.budget_cap(r, step_budget) for r in self.running])))
         plan.spec_budgets = [wanted[id(r)] for r in self.running if r.num_tokens - r.num_computed_tokens == 1]
         step_budget = max(wanted.values(), default=0)
         scheduled: list[Request] = []
@@ -98,7 +112,8 @@ class Scheduler:
                 if victim is req:
                     break
             else:
-                plan.seqs.append(ScheduledSeq(req, n, sample, nodes))
+                own = chosen[id(req)] if nodes else None
+                plan.seqs.append(ScheduledSeq(req, n, sample, nodes, chosen_budget=own))
                 scheduled.append(req)
                 budget -= n + lookahead
                 i += 1
@@ -177,20 +192,22 @@ class Scheduler:
             room = self.max_model_len - req.num_tokens - most
             if remaining <= 0 or room <= 0:
                 continue  # it may finish with previous's tokens
-            budgets.append((req, max(0, min(budget_of(req), step_budget, remaining - 1, room - 1)), most))
+            cap = self.budget_cap(req, step_budget, ahead=most)
+            budgets.append((req, max(0, min(budget_of(req), cap)), most, cap))
         if not budgets:
             return "every request may finish"
-        wanted = [b for _, b, _ in budgets]
-        if len({b for b in wanted if b}) > 1:  # as in schedule(): one padded width for all, the one that pays
-            wanted = self.width_of([r for r, _, _ in budgets], wanted)
+        chosen = wanted = [b for _, b, _, _ in budgets]
+        if len({b for b in chosen if b}) > 1:  # as in schedule(): one padded width for all, the one that pays
+            chosen = self.width_of([r for r, _, _, _ in budgets], chosen)
+            wanted = self.filled(chosen, [cap for _, _, _, cap in budgets])
         width = max(wanted) + 1
         if width == 1:
             return "no tree wanted"
         plan = StepPlan()
-        for (req, _, most), budget in zip(budgets, wanted):
+        for (req, _, most, _), budget, own in zip(budgets, wanted, chosen):
             if not self.blocks.allocate(req, req.num_computed_tokens + most + width):
                 return "KV blocks"
-            plan.seqs.append(ScheduledSeq(req, 1, True, budget, after_tree=True))
+            plan.seqs.append(ScheduledSeq(req, 1, True, budget, after_tree=True, chosen_budget=own))
         plan.spec_budgets = wanted
         return plan
 

@@ -221,3 +221,32 @@ def test_multi_token_step_stops_where_token_by_token_would(tmp_path):
         for r in (fast, slow):
             r.text.finish()
         assert fast.text.take() == slow.text.take() == tok.decode(fast.output_token_ids, skip_special_tokens=True)
+
+
+def test_harmonized_trees_fill_the_width_within_each_requests_caps():
+    """Every tree of a step is laid out at the widest one's rows, so the harmonized trees verify as many nodes as
+    the width holds (the adaptive budget still learns from the ones it chose), but never past a request's
+    remaining tokens or the context: in a step planned as usual and in one planned ahead of its predecessor's
+    results (each request then up to that step's tokens further on)."""
+    from engine.config import EngineConfig
+    from engine.request import SamplingParams as Params
+    from engine.scheduler import Scheduler
+
+    own = {}  # request -> the budget it wants
+    sched = Scheduler(EngineConfig(), BlockManager(64, 4), max_model_len=64, max_budget=16,
+                      budget_of=lambda r: own[r.request_id],
+                      width_of=lambda requests, budgets: budgets)  # as harmonized: every tree pays the width
+    for rid, wanted, max_tokens in (("a", 2, 100), ("b", 6, 100), ("c", 3, 5), ("d", 4, 12)):
+        req = Request([1, 2, 3, 4], Params(max_tokens=max_tokens), request_id=rid)
+        req.output_token_ids = [5]
+        req.num_computed_tokens = 4  # decoding: only the last output token lacks KV
+        assert sched.blocks.allocate(req, 5)
+        sched.running.append(req)
+        own[rid] = wanted
+    plan = sched.schedule()
+    assert plan.spec_budgets == [6, 6, 3, 6]  # c: 4 tokens left, so at most 3 drafts
+    assert [s.chosen_budget for s in plan.seqs] == [2, 6, 3, 4]  # what the adaptive budget learns from
+    ahead = sched.schedule_ahead_trees(plan, lambda r: own[r.request_id])
+    # each request up to its budget + 1 tokens further on: c may finish (left out), d has 4 tokens left at most
+    assert [s.request.request_id for s in ahead.seqs] == ["a", "b", "d"] and ahead.spec_budgets == [6, 6, 3]
+    assert [s.chosen_budget for s in ahead.seqs] == [2, 6, 3]

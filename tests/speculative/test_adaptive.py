@@ -465,3 +465,24 @@ def test_budget_zero_requests_beside_a_tree_are_not_drafted_for_under_graphs(tin
     assert [outputs[i] for i in ids] == ref
     assert tree_steps >= 5, tree_steps  # the matching request verified trees through graph replays
     assert others_drafted <= tree_steps, (others_drafted, tree_steps)  # not 3 per step: probes only
+
+
+def test_the_budget_learns_only_from_the_nodes_it_chose():
+    """A tree filled to the step's width verifies more nodes than the adaptive budget chose; its record counts the
+    chosen ones and the accepted drafts among them (the prefix of the accepted path the chosen tree alone would
+    have accepted), so filling never moves what the controller learns."""
+    from types import SimpleNamespace
+
+    from engine.core import EngineCore
+    from engine.plan import ScheduledSeq, StepPlan, StepResult
+    from engine.request import Request
+
+    seen = []
+    budgets = SimpleNamespace(observe_step=lambda *a, **k: None, observe_draft=lambda *a: None, enabled=True,
+                              observe_request=lambda *args: seen.append(args))
+    requests = [Request([1, 2, 3], SamplingParams(max_tokens=50), request_id=r) for r in ("filled", "own")]
+    plan = StepPlan([ScheduledSeq(requests[0], 1, True, 6, chosen_budget=2), ScheduledSeq(requests[1], 1, True, 6)])
+    result = StepResult(new_token_ids={"filled": [7] * 5, "own": [7] * 3}, curves={"filled": [0.5], "own": [0.5]},
+                        accepted_rows={"filled": [1, 2, 4, 6], "own": [1, 3]})
+    EngineCore._observe_budgets(SimpleNamespace(budgets=budgets, tp=None), plan, result, 0.01)
+    assert seen == [("filled", 2, [1, 2], [0.5]), ("own", 6, [1, 3], [0.5])]

@@ -143,6 +143,9 @@ def run_ours(args, model_path: str, load_format: str) -> None:
         if args.no_harmonize:  # every tree at its own budget, padded to the step's widest (the A/B baseline)
             llm.engine.scheduler.width_of = lambda requests, budgets: budgets
             mode += ", budgets not harmonized"
+        if args.no_fill:  # trees narrower than the step's width keep their padding rows
+            llm.engine.scheduler.fill_trees = False
+            mode += ", trees not filled"
         for batch in args.batch:
             ps = prompts(vocab, batch, args.prompt_len)
             # A verify step rounds in bf16 unlike a plain step (other GEMM shapes), so a greedy output can leave
@@ -233,6 +236,8 @@ def main() -> None:
                         "proposal (the same positions for chain and DDTree)")
     p.add_argument("--no-harmonize", action="store_true",
                    help="ours: a step's tree budgets are not harmonized to one padded width")
+    p.add_argument("--no-fill", action="store_true",
+                   help="ours: trees narrower than the step's width are not filled to it")
     p.add_argument("--cold-budget", action="store_true",
                    help="timed passes start from a fresh adaptive budget (default: warm, from the untimed pass "
                         "before)")

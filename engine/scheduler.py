@@ -21,8 +21,10 @@ class Scheduler:
         self.max_budget = max_budget  # tree nodes per request at low load (0 = no speculation)
         # each request's wanted tree budget this step (the adaptive controller), before the caps below
         self.budget_of = budget_of or (lambda request: max_budget)
-        # the step's budgets at one padded width (the adaptive controller's harmonize)
+        # the step's budgets at one padded width (the adaptive controller's harmonize); fill_trees: each tree then
+        # verifies as many nodes as that width holds (filled())
         self.width_of = width_of or (lambda requests, budgets: budgets)
+        self.fill_trees = True
         # CUDA graphs: a step with trees lays out every decoding request at the step's width, so all of them
         # reserve its KV rows
         self.uniform_trees = False
@@ -88,11 +90,12 @@ class Scheduler:
         step_budget = self.step_budget(len(self.running) + min(len(self.waiting), 1))
         # every tree of the step is padded to one width: decide the budgets first, then reserve that width
         chosen = {id(r): self.spec_budget(r, step_budget) for r in self.running}
-        wanted = chosen
         if len({b for b in chosen.values() if b}) > 1:  # trees of different budgets: the narrow ones pay padding
             chosen = dict(zip(chosen, self.width_of(self.running, list(chosen.values()))))
-            wanted = dict(zip(chosen, self.filled(list(chosen.values()),
-                                                  [self.budget_cap(r, step_budget) for r in self.running])))
+        wanted = chosen
+        if self.fill_trees and len({b for b in chosen.values() if b}) > 1:
+            caps = [self.budget_cap(r, step_budget) for r in self.running]
+            wanted = dict(zip(chosen, self.filled(list(chosen.values()), caps)))
         plan.spec_budgets = [wanted[id(r)] for r in self.running if r.num_tokens - r.num_computed_tokens == 1]
         step_budget = max(wanted.values(), default=0)
         scheduled: list[Request] = []
@@ -196,9 +199,11 @@ class Scheduler:
             budgets.append((req, max(0, min(budget_of(req), cap)), most, cap))
         if not budgets:
             return "every request may finish"
-        chosen = wanted = [b for _, b, _, _ in budgets]
+        chosen = [b for _, b, _, _ in budgets]
         if len({b for b in chosen if b}) > 1:  # as in schedule(): one padded width for all, the one that pays
             chosen = self.width_of([r for r, _, _, _ in budgets], chosen)
+        wanted = chosen
+        if self.fill_trees and len({b for b in chosen if b}) > 1:
             wanted = self.filled(chosen, [cap for _, _, _, cap in budgets])
         width = max(wanted) + 1
         if width == 1:

@@ -22,7 +22,7 @@ class Scheduler:
         # each request's wanted tree budget this step (the adaptive controller), before the caps below
         self.budget_of = budget_of or (lambda request: max_budget)
         # the step's budgets at one padded width (the adaptive controller's harmonize); fill_trees: each tree then
-        # verifies as many nodes as that width holds (filled())
+        # verifies as many nodes as that width holds (one_width)
         self.width_of = width_of or (lambda requests, budgets: budgets)
         self.fill_trees = True
         # CUDA graphs: a step with trees lays out every decoding request at the step's width, so all of them
@@ -77,25 +77,31 @@ class Scheduler:
         remaining = request.sampling.max_tokens - len(request.output_token_ids) - ahead
         return min(step_budget, remaining - 1, self.max_model_len - request.num_tokens - ahead - 1)
 
-    @staticmethod
-    def filled(chosen: list[int], caps: list[int]) -> list[int]:
-        """Every tree of a step is laid out at the widest one's rows: each verifies that many nodes (the rows are
-        paid anyway; the adaptive budget learns from the chosen ones only), within its own cap."""
-        width = max(chosen, default=0)
-        return [max(b, min(width, cap)) if b else 0 for b, cap in zip(chosen, caps)]
+    def one_width(self, requests: list[Request], budgets: list[int], caps: Callable[[], list[int]]
+                  ) -> tuple[list[int], list[int]]:
+        """(chosen, verified) budgets of one step's requests, whose trees are all laid out at the widest one's rows:
+        differing budgets are harmonized to the width that pays (width_of), then each tree verifies as many nodes
+        as that width holds within its own cap (fill_trees: the rows are paid anyway; the adaptive budget learns
+        from the chosen nodes only). caps: the requests' budget_cap, asked only when filling."""
+        def differ(values: list[int]) -> bool:
+            return len({b for b in values if b}) > 1
+
+        if differ(budgets):
+            budgets = self.width_of(requests, budgets)
+        if not (self.fill_trees and differ(budgets)):
+            return budgets, budgets
+        width = max(budgets)
+        return budgets, [max(b, min(width, cap)) if b else 0 for b, cap in zip(budgets, caps())]
 
     def schedule(self) -> StepPlan:
         plan = StepPlan()
         budget = self.config.max_num_batched_tokens
         step_budget = self.step_budget(len(self.running) + min(len(self.waiting), 1))
         # every tree of the step is padded to one width: decide the budgets first, then reserve that width
-        chosen = {id(r): self.spec_budget(r, step_budget) for r in self.running}
-        if len({b for b in chosen.values() if b}) > 1:  # trees of different budgets: the narrow ones pay padding
-            chosen = dict(zip(chosen, self.width_of(self.running, list(chosen.values()))))
-        wanted = chosen
-        if self.fill_trees and len({b for b in chosen.values() if b}) > 1:
-            caps = [self.budget_cap(r, step_budget) for r in self.running]
-            wanted = dict(zip(chosen, self.filled(list(chosen.values()), caps)))
+        chosen, verified = self.one_width(self.running, [self.spec_budget(r, step_budget) for r in self.running],
+                                          lambda: [self.budget_cap(r, step_budget) for r in self.running])
+        chosen = {id(r): b for r, b in zip(self.running, chosen)}
+        wanted = {id(r): b for r, b in zip(self.running, verified)}
         plan.spec_budgets = [wanted[id(r)] for r in self.running if r.num_tokens - r.num_computed_tokens == 1]
         step_budget = max(wanted.values(), default=0)
         scheduled: list[Request] = []
@@ -177,8 +183,8 @@ class Scheduler:
         for admission. A request then lies up to its previous budget + 1 tokens past its host state, so its KV is
         reserved for the longest case, its budget (budget_of) is capped as if it had advanced that far, and a
         request that may reach max_tokens or the context with `previous`'s tokens is left out; budgets that
-        differ are harmonized to one width (width_of) as in schedule(). Why not, when this does not apply,
-        blocks run out or no request wants a tree."""
+        differ are harmonized and filled to one width (one_width) as in schedule(). Why not, when this does not
+        apply, blocks run out or no request wants a tree."""
         if self.waiting:
             return "waiting requests"
         trees = {id(s.request) for s in previous.seqs if s.sample and s.num_new_tokens == 1}
@@ -199,12 +205,8 @@ class Scheduler:
             budgets.append((req, max(0, min(budget_of(req), cap)), most, cap))
         if not budgets:
             return "every request may finish"
-        chosen = [b for _, b, _, _ in budgets]
-        if len({b for b in chosen if b}) > 1:  # as in schedule(): one padded width for all, the one that pays
-            chosen = self.width_of([r for r, _, _, _ in budgets], chosen)
-        wanted = chosen
-        if self.fill_trees and len({b for b in chosen if b}) > 1:
-            wanted = self.filled(chosen, [cap for _, _, _, cap in budgets])
+        chosen, wanted = self.one_width([r for r, _, _, _ in budgets], [b for _, b, _, _ in budgets],
+                                        lambda: [cap for _, _, _, cap in budgets])
         width = max(wanted) + 1
         if width == 1:
             return "no tree wanted"

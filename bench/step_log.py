@@ -110,6 +110,8 @@ def main() -> None:
                         "timed pass: no request leaves the oracle by bf16 rounding; the adaptive budget warm)")
     p.add_argument("--no-harmonize", action="store_true", help="the step's budgets are not harmonized to one width")
     p.add_argument("--no-fill", action="store_true", help="trees narrower than the step's width are not filled")
+    p.add_argument("--no-uniform", action="store_true",
+                   help="a graph step's width is not priced for every request (harmonize and fill instead)")
     p.add_argument("--miss-rate", type=float, default=0.0, help="share of positions where the oracle's top-1 misses")
     p.add_argument("--prompt-len", type=int, default=512)
     p.add_argument("--new-tokens", type=int, default=128)
@@ -145,6 +147,8 @@ def main() -> None:
         llm.engine.scheduler.width_of = lambda requests, budgets: budgets
     if args.no_fill:  # trees narrower than the step's width keep their padding rows
         llm.engine.scheduler.fill_trees = False
+    if args.no_uniform:  # graph steps priced and filled as if only the trees paid the width
+        llm.engine.scheduler.uniform_of = None
     if args.replay_own:  # as bench/e2e.py's timed pass: the mode's own output replayed, the budget warm
         oracle.load({tuple(q): q + o.token_ids for q, o in zip(ps, llm.generate(ps, sp))})
     log_steps(llm, ps, sp, tuple(args.profile) if args.profile else None,

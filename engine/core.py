@@ -98,7 +98,9 @@ class EngineCore:
         self.scheduler = Scheduler(config, self.blocks, self.max_model_len, max_budget,
                                    budget_of=lambda request: budgets.budget(request.request_id),
                                    width_of=lambda requests, wanted: budgets.harmonize(
-                                       [r.request_id for r in requests], wanted))
+                                       [r.request_id for r in requests], wanted),
+                                   uniform_of=lambda requests, wanted, caps: budgets.uniform(
+                                       [r.request_id for r in requests], wanted, caps))
         graph_blocker = self._graph_blocker()
         if graph_blocker is None:
             self.enable_graphs()
@@ -360,14 +362,17 @@ class EngineCore:
     def _observe_budgets(self, plan: StepPlan, result, seconds: float) -> None:
         """What the adaptive budget learns from a step: its rows and time, and each tree's acceptance."""
         width = max(s.spec_budget for s in plan.seqs) + 1  # verify rows per tree request (padded)
-        rows = sum(width if s.spec_budget else s.num_new_tokens for s in plan.seqs)
+        # the cost fit prices one more verify row of a decoding step; a step with a prefill chunk would flatten it
+        # (a chunk's rows share one weight read, so each costs a fraction of a decoding row)
+        decoding = all(s.num_new_tokens == 1 for s in plan.seqs)
+        if decoding and width > 1 and self.runner.uniform_trees:  # every request laid out at the width (graphs)
+            rows = width * len(plan.seqs)
+        else:
+            rows = sum(width if s.spec_budget else s.num_new_tokens for s in plan.seqs)
         tokens = sum(len(t) for t in result.new_token_ids.values())
         draft_seconds = result.draft_seconds
         if self.tp is not None and self.budgets.enabled:  # budgets follow the leader's clock on every rank
             seconds, draft_seconds = self.tp.broadcast_object((seconds, draft_seconds))
-        # the cost fit prices one more verify row of a decoding step; a step with a prefill chunk would flatten it
-        # (a chunk's rows share one weight read, so each costs a fraction of a decoding row)
-        decoding = all(s.num_new_tokens == 1 for s in plan.seqs)
         self.budgets.observe_step(rows, seconds, tokens, fit=decoding)
         self.budgets.observe_draft(result.num_drafted, draft_seconds)
         for s in plan.seqs:

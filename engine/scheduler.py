@@ -16,7 +16,8 @@ from engine.request import Request, Status
 class Scheduler:
     def __init__(self, config: EngineConfig, block_manager: BlockManager, max_model_len: int,
                  max_budget: int = 0, budget_of: Callable[[Request], int] | None = None,
-                 width_of: Callable[[list[Request], list[int]], list[int]] | None = None):
+                 width_of: Callable[[list[Request], list[int]], list[int]] | None = None,
+                 uniform_of: Callable[[list[Request], list[int], list[int]], list[int]] | None = None):
         self.config, self.blocks, self.max_model_len = config, block_manager, max_model_len
         self.max_budget = max_budget  # tree nodes per request at low load (0 = no speculation)
         # each request's wanted tree budget this step (the adaptive controller), before the caps below
@@ -26,8 +27,10 @@ class Scheduler:
         self.width_of = width_of or (lambda requests, budgets: budgets)
         self.fill_trees = True
         # CUDA graphs: a step with trees lays out every decoding request at the step's width, so all of them
-        # reserve its KV rows
+        # reserve its KV rows, and such a step's nodes are chosen for all of them at once (uniform_of: requests,
+        # wanted budgets, caps -> verified nodes; the adaptive controller's uniform; None: harmonize and fill)
         self.uniform_trees = False
+        self.uniform_of = uniform_of
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
@@ -77,15 +80,25 @@ class Scheduler:
         remaining = request.sampling.max_tokens - len(request.output_token_ids) - ahead
         return min(step_budget, remaining - 1, self.max_model_len - request.num_tokens - ahead - 1)
 
-    def one_width(self, requests: list[Request], budgets: list[int], caps: Callable[[], list[int]]
-                  ) -> tuple[list[int], list[int]]:
-        """(chosen, verified) budgets of one step's requests, whose trees are all laid out at the widest one's rows:
-        differing budgets are harmonized to the width that pays (width_of), then each tree verifies as many nodes
-        as that width holds within its own cap (fill_trees: the rows are paid anyway; the adaptive budget learns
-        from the chosen nodes only). caps: the requests' budget_cap, asked only when filling."""
+    def one_width(self, requests: list[Request], budgets: list[int], caps: Callable[[], list[int]],
+                  uniform: bool) -> tuple[list[int], list[int]]:
+        """(chosen, verified) budgets of one step's decoding requests, whose trees are all laid out at the widest
+        one's rows. uniform (CUDA graphs, every request decoding): the requests at budget 0 are laid out at that
+        width too, so uniform_of prices the width for all of them and fills every request whose nodes pay for
+        their drafting. Otherwise differing budgets are harmonized to the width that pays (width_of), then each
+        tree verifies as many nodes as that width holds within its own cap (fill_trees: the rows are paid
+        anyway). The adaptive budget learns from the nodes a request chose (all of them when it chose none). caps: the requests'
+        budget_cap, asked only when needed."""
         def differ(values: list[int]) -> bool:
             return len({b for b in values if b}) > 1
 
+        if uniform and self.uniform_of is not None:
+            if not any(budgets):
+                return budgets, budgets
+            verified = self.uniform_of(requests, budgets, caps())
+            # a request that wanted no tree but fills this one learns from all of it, as from a probe (else a
+            # request the record rates middling would be drafted for at every tree step and never re-rated)
+            return [min(b, v) if b else v for b, v in zip(budgets, verified)], verified
         if differ(budgets):
             budgets = self.width_of(requests, budgets)
         if not (self.fill_trees and differ(budgets)):
@@ -98,8 +111,11 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         step_budget = self.step_budget(len(self.running) + min(len(self.waiting), 1))
         # every tree of the step is padded to one width: decide the budgets first, then reserve that width
+        # the runner lays a tree step out uniformly only when every request in it decodes (no prefill chunk)
+        uniform = self.uniform_trees and not self.waiting and all(
+            r.num_tokens - r.num_computed_tokens == 1 for r in self.running)
         chosen, verified = self.one_width(self.running, [self.spec_budget(r, step_budget) for r in self.running],
-                                          lambda: [self.budget_cap(r, step_budget) for r in self.running])
+                                          lambda: [self.budget_cap(r, step_budget) for r in self.running], uniform)
         chosen = {id(r): b for r, b in zip(self.running, chosen)}
         wanted = {id(r): b for r, b in zip(self.running, verified)}
         plan.spec_budgets = [wanted[id(r)] for r in self.running if r.num_tokens - r.num_computed_tokens == 1]
@@ -206,7 +222,7 @@ class Scheduler:
         if not budgets:
             return "every request may finish"
         chosen, wanted = self.one_width([r for r, _, _, _ in budgets], [b for _, b, _, _ in budgets],
-                                        lambda: [cap for _, _, _, cap in budgets])
+                                        lambda: [cap for _, _, _, cap in budgets], self.uniform_trees)
         width = max(wanted) + 1
         if width == 1:
             return "no tree wanted"

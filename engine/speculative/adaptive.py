@@ -45,9 +45,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine.speculative.step_width import common_width
+from engine.speculative.step_width import common_width, uniform_width
 
-DECAY = 0.9  # per observation, for the acceptance sums and the cost fit
+DECAY = 0.9  # per observation (a request's acceptance, the cost fit) or per step (the engine-wide record)
 PROBE_EVERY = 16  # steps a request stays at budget 0 before a probe
 PROBE_BUDGET = 4
 PRIOR_WEIGHT = 4.0  # pseudo-observations behind the cost prior
@@ -75,6 +75,7 @@ class _RequestStats:
     draft_interval: int = PROBE_EVERY  # when drafting is not cheap: steps between curve-only drafts
     pending: tuple | None = None  # a dry budget() answer: ((version, ahead), budget, effect) for the counted call
     probing: bool = False  # the last counted budget was a probe
+    verified: bool = False  # a tree of the request's own was verified (else its record is the engine's prior)
 
 
 class _CostFit:
@@ -111,7 +112,7 @@ class BudgetController:
         self.draft_s = self.drafted = 0.0  # decayed sums: drafter seconds, requests drafted
         self.draft_calls = 0
         self.accepted = self.predicted = 0.0  # decayed sums over every request: a new request's calibration
-        self.bin_accepted = [0.0] * NUM_BINS  # per confidence bin, decayed when the bin is observed
+        self.bin_accepted = [0.0] * NUM_BINS  # per confidence bin, decayed by the step
         self.bin_predicted = [0.0] * NUM_BINS
         self._reliability: list[float] | None = None  # per bin, from the sums above; None: to be recomputed
         self._costs: tuple[float, float] | None = None  # (threshold, draft_tokens) until the next observation
@@ -133,6 +134,13 @@ class BudgetController:
         self.clock += 1
         self.version += 1
         self._costs = None
+        # the engine-wide record decays by the step, not by the request: at batch 64 it spans the last ~10
+        # steps' trees, where decayed by observation it was the last ~10 requests' (and one request's failing
+        # probes could outweigh the batch that came before it)
+        self.accepted, self.predicted = DECAY * self.accepted, DECAY * self.predicted
+        self.bin_accepted = [DECAY * a for a in self.bin_accepted]
+        self.bin_predicted = [DECAY * p for p in self.bin_predicted]
+        self._reliability = None
         if rows <= 0 or seconds <= 0:
             return
         if self.fit.n == 0:  # the prior, from the first step whatever it is: t_row = share * T / rows
@@ -188,8 +196,9 @@ class BudgetController:
         stats.accepted = DECAY * stats.accepted + accepted
         stats.predicted = DECAY * stats.predicted + predicted
         if predicted > 0:
-            self.accepted = DECAY * self.accepted + accepted
-            self.predicted = DECAY * self.predicted + predicted
+            stats.verified = True
+            self.accepted += accepted  # decayed by the step (observe_step)
+            self.predicted += predicted
             self._observe_bins(stats, budget, accepted_rows)
             self._reliability = None
             self.latest = stats
@@ -207,9 +216,9 @@ class BudgetController:
             if 1 <= row <= verified:
                 acc[bins[row - 1]] += 1
         for k in range(NUM_BINS):
-            if seen[k]:
-                self.bin_accepted[k] = DECAY * self.bin_accepted[k] + acc[k]
-                self.bin_predicted[k] = DECAY * self.bin_predicted[k] + pred[k]
+            if seen[k]:  # decayed by the step (observe_step)
+                self.bin_accepted[k] += acc[k]
+                self.bin_predicted[k] += pred[k]
                 self.step_accepted[k] += acc[k]
                 self.step_predicted[k] += pred[k]
 
@@ -273,8 +282,9 @@ class BudgetController:
         chosen = self._net_best(stats, theta)
         if chosen == 0 and _nodes_above(stats.node_q[:self.max_budget], theta):
             # the drafter is confident but this request's record says it is wrong: verify a small tree now
-            # and then, in case it has become right
-            if stats.steps_at_zero + 1 >= PROBE_EVERY and self._aligned(ahead):
+            # and then, in case it has become right; at once when that record is only the engine's prior (a
+            # new request after a run of failing ones would otherwise wait up to two probe intervals)
+            if not stats.verified or (stats.steps_at_zero + 1 >= PROBE_EVERY and self._aligned(ahead)):
                 return min(PROBE_BUDGET, self.max_budget), _PROBED
             return 0, _AT_ZERO
         return chosen, _CHOSEN if chosen else None
@@ -308,21 +318,48 @@ class BudgetController:
         return [q * reliability[k] * standing for q, k in zip(stats.node_q[:num_nodes], stats.node_bins)]
 
     def harmonize(self, request_ids: list[str], budgets: list[int]) -> list[int]:
-        """The counted budgets of one step's decoding requests, at one padded width (step_width.common_width):
-        a request whose nodes do not pay for the width the others want falls to 0; probes keep theirs (~0.18 ms
-        for 64 requests of 16 nodes on the 2-core CPU; the scheduler asks only when the trees' budgets differ).
-        Also for the dry answers of a step planned ahead (their counted calls follow the plan)."""
+        """The counted budgets of one step's decoding requests, at one padded width (step_width.common_width),
+        for a step that pads only its trees (without CUDA graphs): a request whose nodes do not pay for the width
+        the others want falls to 0; probes keep theirs (~0.18 ms for 64 requests of 16 nodes on the 2-core CPU;
+        the scheduler asks only when the trees' budgets differ). Also for the dry answers of a step planned
+        ahead (their counted calls follow the plan)."""
         if not self.enabled:
             return budgets
-        gains, fixed = [], []
-        for rid, budget in zip(request_ids, budgets):
+        gains, probes = self._step_gains(request_ids, budgets, budgets)
+        return common_width(gains, budgets, self.threshold(), [bool(p) for p in probes])
+
+    def uniform(self, request_ids: list[str], budgets: list[int], caps: list[int]) -> list[int]:
+        """The nodes each of one step's decoding requests verifies when the step is laid out uniformly (CUDA
+        graphs: a step with any tree lays every request out at its width, so the width is priced for all of them
+        and every request whose nodes beat its drafting cost fills it: step_width.uniform_width). budgets: the
+        counted (or dry, for a step planned ahead) answers of budget(); caps: each request's most nodes. A step
+        in which no request wants a tree stays plain: each request's own choice priced its rows alone, and a
+        uniform step's width costs every request at least that."""
+        if not self.enabled or not any(budgets):
+            return budgets
+        caps = [max(0, c) for c in caps]
+        gains, probes = self._step_gains(request_ids, budgets, caps)
+        return uniform_width(gains, caps, self.threshold(), self.draft_tokens(), probes)
+
+    def _step_gains(self, request_ids: list[str], budgets: list[int], lengths: list[int]
+                    ) -> tuple[list[list[float]], list[int]]:
+        """Per request, the expected accepted tokens of its first `lengths` nodes (its own latest tree, else the
+        one the drafter last drew for another request at the engine-wide record), and its budget if that is a
+        probe (else 0)."""
+        gains, probes = [], []
+        for rid, budget, length in zip(request_ids, budgets, lengths):
             stats = self.requests.get(rid)
             own = stats is not None and bool(stats.node_q)
             source, standing = (stats, None) if own else (self.latest, 1.0)
-            gains.append(self._gains(source, standing, budget) if budget and source is not None else [])
-            # a probe: the counted answer's, or (a step planned ahead) the dry answer about to be counted
-            fixed.append(bool(budget) and own and (stats.pending[2] == _PROBED if stats.pending else stats.probing))
-        return common_width(gains, budgets, self.threshold(), fixed)
+            gains.append(self._gains(source, standing, length) if length > 0 and source is not None else [])
+            probes.append(budget if budget and own and self._is_probe(stats) else 0)
+        return gains, probes
+
+    @staticmethod
+    def _is_probe(stats: _RequestStats) -> bool:
+        """The request's budget this step is a probe: the counted answer's, or (a step planned ahead) the dry
+        answer about to be counted."""
+        return stats.pending[2] == _PROBED if stats.pending else stats.probing
 
     def _aligned(self, ahead: bool = False) -> bool:
         """This step is one where probes and interval drafts may run (the same for every request). A step is

@@ -36,3 +36,33 @@ def common_width(gains: list[list[float]], budgets: list[int], theta: float,
         n = min(best_w, len(p) - 1)
         out[i] = n if p[n] > cost else 0
     return out
+
+
+def uniform_width(gains: list[list[float]], caps: list[int], theta: float, draft_cost: float,
+                  fixed: list[int] | None = None) -> list[int]:
+    """The nodes each request verifies in a step laid out uniformly (CUDA graphs: once a step verifies any tree,
+    every decoding request in it is laid out at the step's width, budget 0 or not, so each of the n requests pays
+    w rows). gains[i]: request i's expected accepted tokens per node, best-first, over up to caps[i] nodes;
+    theta: expected tokens a verify row must bring; draft_cost: tokens of throughput drafting one request costs;
+    fixed[i]: a probe's budget (0: none), which the width must hold. The width w (0 = a plain step) maximizes
+    sum_i max(0, gain_i(min(w, cap_i)) - draft_cost) - theta * w * n (a probe counts whatever its gain); each
+    request then verifies min(w, cap_i) nodes when they beat its drafting cost (a probe always), else none."""
+    n = len(gains)
+    fixed = fixed or [0] * n
+    floor, top = max(fixed, default=0), max(caps, default=0)
+    # rows[i][w]: the gain of request i's first min(w, cap_i) nodes, net of drafting it, for w = 0..top
+    rows = []
+    for g, cap in zip(gains, caps):
+        row = [v - draft_cost for v in accumulate(g[:cap], initial=0.0)]
+        rows.append(row + [row[-1]] * (top + 1 - len(row)))
+    best_w, best_net = 0, 0.0 if floor == 0 else float("-inf")
+    probes = [i for i in range(n) if fixed[i]]
+    for w, column in enumerate(zip(*rows)):
+        if w < max(1, floor):
+            continue
+        net = sum(v for v in column if v > 0) + sum(column[i] for i in probes if column[i] <= 0) - theta * w * n
+        if net > best_net:
+            best_w, best_net = w, net
+    if best_w == 0:
+        return [0] * n
+    return [min(best_w, cap) if probe or row[best_w] > 0 else 0 for row, cap, probe in zip(rows, caps, fixed)]

@@ -137,8 +137,8 @@ def test_adaptive_budget_with_tree_steps_ahead(tiny_checkpoints):
 
 def test_tree_steps_ahead_share_one_harmonized_width(tiny_checkpoints):
     """A step planned ahead pads every tree to the widest one like any step, so budgets that differ go through the
-    same harmonizing (the scheduler's width_of, the adaptive budget's harmonize) and the step verifies what it
-    returns; output stays plain decoding's."""
+    same harmonizing (the scheduler's width_of, the adaptive budget's harmonize, for layouts that pad only the
+    trees: uniform_of off) and the step verifies what it returns; output stays plain decoding's."""
     folder, _ = tiny_checkpoints("llama")
     ps = prompts(4)
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
@@ -152,7 +152,7 @@ def test_tree_steps_ahead_share_one_harmonized_width(tiny_checkpoints):
         asked.append(list(budgets))
         return [min(b, 3) for b in budgets]
 
-    core.scheduler.width_of = width_of
+    core.scheduler.width_of, core.scheduler.uniform_of = width_of, None
     stats, step = [], core.step
 
     def spy():
@@ -167,6 +167,41 @@ def test_tree_steps_ahead_share_one_harmonized_width(tiny_checkpoints):
     ahead = [budgets for mode, budgets in stats if mode == "ahead" and any(budgets)]
     assert ahead and all(max(budgets) <= 3 for budgets in ahead), stats
     assert asked and all(len(set(b for b in budgets if b)) > 1 for budgets in asked)  # only when they differ
+
+
+def test_uniform_steps_verify_what_the_controller_gives_every_request(tiny_checkpoints):
+    """Under the CUDA-graph layout a tree step lays every decoding request out at its width, so the step's nodes
+    are chosen for all requests at once (the scheduler's uniform_of, the adaptive budget's uniform): requests that
+    wanted no tree verify the nodes it gives them too, in steps planned as usual and ahead of their predecessor's
+    results, and what each request learns from is the nodes it chose (all of them when it chose none); output
+    stays plain decoding's."""
+    folder, _ = tiny_checkpoints("llama")
+    ps = prompts(4)
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
+    ref = plain_greedy(folder, ps, params)
+    core = tree_engine(folder, ps, ref, True, budget=8, adaptive=True).engine
+    wanted = {}
+    core.budgets.budget = lambda rid, dry=False, ahead=False: wanted.setdefault(rid, [0, 2, 0, 5][len(wanted) % 4])
+    asked = []
+
+    def uniform_of(requests, budgets, caps):  # a stand-in: 3 nodes for everyone within its cap
+        asked.append(list(budgets))
+        return [min(3, c) for c in caps]
+
+    core.scheduler.uniform_of = uniform_of
+    plans, launch = [], core.runner.launch
+
+    def spy(plan, after=None):
+        if all(s.spec_budget for s in plan.seqs):
+            plans.append([(s.spec_budget, s.chosen_budget) for s in plan.seqs])
+        return launch(plan, after)
+
+    core.runner.launch = spy
+    out, _, ahead = tree_steps_ahead(core, ps, params)
+    assert out == ref
+    assert ahead > 0 and asked and all(any(b) for b in asked)  # asked only when some request wants a tree
+    full = [p for p in plans if len(p) == 4 and all(v == 3 for v, _ in p)]
+    assert full and all([c for _, c in p] == [3, 2, 3, 3] for p in full), plans
 
 
 def test_drafters_that_need_the_host_never_draft_ahead(tiny_checkpoints):

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
-from engine.speculative.adaptive import (MIN_GAIN, NUM_BINS, PROBE_BUDGET, BudgetController, _nodes_above,
-                                         node_confidence)
+from engine.speculative.adaptive import (MIN_GAIN, NUM_BINS, PROBE_BUDGET, PROBE_EVERY, BudgetController,
+                                         _nodes_above, node_confidence)
 from engine.speculative.oracle import OracleDrafter
 from tests.speculative.test_ddtree_e2e import golden_lookup, prompts
 
@@ -258,6 +258,60 @@ def test_a_new_request_starts_from_its_neighbours_tree():
     assert wrong.budget("new") == 0
 
 
+def test_a_new_request_probes_its_own_tree_at_once():
+    """After a run of failing requests the engine-wide record rates the drafter's confident nodes low, so a new
+    request's first budget is 0; once it has drafted a tree of its own it verifies a probe at once instead of
+    waiting for the engine's next probe step (up to two probe intervals at budget 0: on the H200 a batch of 64
+    new requests decoded 30 steps plainly behind an oracle right three times in four)."""
+    curve = [sum(0.9 ** d for d in range(1, min(j + 1, 7) + 1)) + 0.01 * max(0, j - 6) for j in range(16)]
+    controller = BudgetController(max_budget=16)
+    for _ in range(10):
+        controller.observe_request("failing", 7, [], confidence(curve))
+        controller.observe_step(8, 0.010, tokens=1)
+    assert controller.budget("new") == 0  # the neighbour's tree at the engine's record: not worth verifying
+    controller.observe_request("new", 0, [], confidence(curve))  # its first draft (a curve, nothing verified)
+    controller.observe_step(8, 0.010, tokens=1)
+    assert controller.clock % PROBE_EVERY != 0  # not a probe step for the engine
+    assert controller.budget("new") == PROBE_BUDGET
+    assert controller.budget("failing") == 0  # a request with a record of its own waits for the probe step
+
+
+def test_the_engine_wide_record_decays_by_the_step_not_by_the_request():
+    """At batch 64 a record decayed per observed request spans the last ~10 requests: ten failing probes after a
+    step of 64 right trees outweighed it. Decayed per step, the record weighs a step's trees together."""
+    curve = [sum(0.9 ** d for d in range(1, min(j + 1, 4) + 1)) for j in range(4)]
+    controller = BudgetController(max_budget=4)
+    for i in range(64):
+        controller.observe_request(f"right{i}", 4, [1, 2, 3, 4], confidence(curve))
+    controller.observe_step(320, 0.010, tokens=320)
+    for i in range(10):
+        controller.observe_request(f"failing{i}", 4, [], confidence(curve))
+    controller.observe_step(50, 0.010, tokens=10)
+    ratio = controller.accepted / controller.predicted
+    assert ratio > 1.0, ratio  # 64 trees right (4 accepted of 3.1 predicted each), 10 wrong; per request: 0.45
+    assert min(controller._bin_reliability()[:2]) > 0.8
+
+
+def test_uniform_width_prices_the_width_for_every_request():
+    """Under the CUDA-graph layout every decoding request pays the step's width once any tree is verified: the
+    width is chosen for the batch (theta per row per request), every request whose nodes beat its drafting cost
+    fills it, and a step in which no width pays stays plain."""
+    from engine.speculative.step_width import uniform_width
+
+    strong, weak = [0.9, 0.8, 0.7, 0.6, 0.5, 0.4, 0.3, 0.2], [0.3, 0.2, 0.1, 0.05, 0.05, 0.05, 0.05, 0.05]
+    # n = 3, theta 0.1, drafting 0.2: w = 7 nets (4.2 - 0.2) + (0.8 - 0.2) - 2.1 = 2.5 (w = 6 and 8: 2.45)
+    assert uniform_width([strong, weak, []], [8, 8, 8], 0.1, 0.2) == [7, 7, 0]
+    # the weak request's nodes never beat a dear draft (0.9): it rides root-only; w = 6 and 7 tie at 1.2, the
+    # smaller kept
+    assert uniform_width([strong, weak, []], [8, 8, 8], 0.1, 0.9) == [6, 0, 0]
+    # caps (remaining tokens, the context) bound each request, not the width
+    assert uniform_width([strong, weak], [2, 8], 0.01, 0.0) == [2, 8]
+    # every row priced for every request: weak drafts alone never pay a step of trees
+    assert uniform_width([weak] * 8, [8] * 8, 0.35, 0.0) == [0] * 8
+    # a probe holds its width whatever its gain, and counts whatever it brings
+    assert uniform_width([[0.01] * 4, []], [4, 4], 0.5, 0.0, fixed=[4, 0]) == [4, 0]
+
+
 def test_reset_forgets_what_the_controller_learned():
     """After a run whose drafter was always wrong, reset() starts the next run from a fresh controller's prior."""
     curve = [0.9 * (1 - 0.5 ** (j + 1)) / 0.5 for j in range(16)]
@@ -485,5 +539,6 @@ def test_the_budget_learns_only_from_the_nodes_it_chose():
     plan = StepPlan([ScheduledSeq(requests[0], 1, True, 6, chosen_budget=2), ScheduledSeq(requests[1], 1, True, 6)])
     result = StepResult(new_token_ids={"filled": [7] * 5, "own": [7] * 3}, curves={"filled": [0.5], "own": [0.5]},
                         accepted_rows={"filled": [1, 2, 4, 6], "own": [1, 3]})
-    EngineCore._observe_budgets(SimpleNamespace(budgets=budgets, tp=None), plan, result, 0.01)
+    EngineCore._observe_budgets(SimpleNamespace(budgets=budgets, tp=None, runner=SimpleNamespace(uniform_trees=False)),
+                                plan, result, 0.01)
     assert seen == [("filled", 2, [1, 2], [0.5]), ("own", 6, [1, 3], [0.5])]

@@ -135,17 +135,24 @@ def test_adaptive_budget_with_tree_steps_ahead(tiny_checkpoints):
     assert out == ref and ahead > 0
 
 
-def test_tree_steps_ahead_share_one_harmonized_width(tiny_checkpoints):
-    """A step planned ahead pads every tree to the widest one like any step, so budgets that differ go through the
-    same harmonizing (the scheduler's width_of, the adaptive budget's harmonize, for layouts that pad only the
-    trees: uniform_of off) and the step verifies what it returns; output stays plain decoding's."""
+def engine_wanting(tiny_checkpoints, budgets: list[int]):
+    """A pipelined tree engine over 4 prompts whose requests want these budgets, in order of first asking; with
+    the prompts, their sampling params and plain decoding's output."""
     folder, _ = tiny_checkpoints("llama")
     ps = prompts(4)
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
     ref = plain_greedy(folder, ps, params)
     core = tree_engine(folder, ps, ref, True, budget=8, adaptive=True).engine
     wanted = {}
-    core.budgets.budget = lambda rid, dry=False, ahead=False: wanted.setdefault(rid, [1, 3, 6, 8][len(wanted) % 4])
+    core.budgets.budget = lambda rid, dry=False, ahead=False: wanted.setdefault(rid, budgets[len(wanted) % 4])
+    return core, ps, params, ref
+
+
+def test_tree_steps_ahead_share_one_harmonized_width(tiny_checkpoints):
+    """A step planned ahead pads every tree to the widest one like any step, so budgets that differ go through the
+    same harmonizing (the scheduler's width_of, the adaptive budget's harmonize, for layouts that pad only the
+    trees: uniform_of off) and the step verifies what it returns; output stays plain decoding's."""
+    core, ps, params, ref = engine_wanting(tiny_checkpoints, [1, 3, 6, 8])
     asked = []
 
     def width_of(requests, budgets):  # a stand-in harmonizer: one width of 3 rows past the root
@@ -175,13 +182,7 @@ def test_uniform_steps_verify_what_the_controller_gives_every_request(tiny_check
     wanted no tree verify the nodes it gives them too, in steps planned as usual and ahead of their predecessor's
     results, and what each request learns from is the nodes it chose (all of them when it chose none); output
     stays plain decoding's."""
-    folder, _ = tiny_checkpoints("llama")
-    ps = prompts(4)
-    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
-    ref = plain_greedy(folder, ps, params)
-    core = tree_engine(folder, ps, ref, True, budget=8, adaptive=True).engine
-    wanted = {}
-    core.budgets.budget = lambda rid, dry=False, ahead=False: wanted.setdefault(rid, [0, 2, 0, 5][len(wanted) % 4])
+    core, ps, params, ref = engine_wanting(tiny_checkpoints, [0, 2, 0, 5])
     asked = []
 
     def uniform_of(requests, budgets, caps):  # a stand-in: 3 nodes for everyone within its cap

@@ -34,7 +34,7 @@ import torch
 from engine import graph_sampling
 from engine.graph_sampling import GREEDY, GraphSampling, variants_for
 from engine.plan import ScheduledSeq
-from engine.speculative.adaptive import node_confidence
+from engine.speculative.confidence import node_confidence
 from engine.speculative.speculator import Proposal, Speculator, Walk
 from engine.speculative.tree import DraftTree
 from engine.staging import Staging

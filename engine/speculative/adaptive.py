@@ -43,8 +43,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-import torch
-
+from engine.speculative.confidence import CONFIDENCE_LABELS, NUM_BINS
 from engine.speculative.step_width import common_width, uniform_width
 
 DECAY = 0.9  # per observation (a request's acceptance, the cost fit) or per step (the engine-wide record)
@@ -56,7 +55,6 @@ CHEAP_DRAFT = 0.02  # tokens of throughput a curve-only draft may cost to run ev
 MAX_PROBE_INTERVAL = 256
 SPIKE_CLIP = 4.0  # a drafter call counts at most this many times the running per-request average
 MIN_DRAFT_CALLS = 1  # drafter calls measured before their cost counts (the first is discarded)
-NUM_BINS = 8  # confidence bins of the reliability curve: q in [2^-(k+1), 2^-k), the last holds everything below
 BIN_PRIOR = 0.25  # predicted drafts of the engine-wide ratio behind each bin's own (a bin of q ~ 0.1 sees ~1 a step)
 
 
@@ -415,20 +413,6 @@ class BudgetController:
         stats.steps_undrafted = 0
         stats.draft_interval = min(2 * stats.draft_interval, MAX_PROBE_INTERVAL)  # reset when a tree is chosen
         return True
-
-
-CONFIDENCE_LABELS = [f"{2.0 ** -(k + 1):g}" for k in range(NUM_BINS - 1)] + ["0"]  # each bin's lowest q
-
-
-def node_confidence(node_q: torch.Tensor) -> torch.Tensor:
-    """[N, B] float64 node probabilities q (best-first, padding 0) -> [N, 2B] float64: q, then each node's
-    confidence bin, k for q in [2^-(k+1), 2^-k) (q = 1 in bin 0), the last bin for q below them or 0. Made on
-    the device with the tree and brought back in the step's one result copy: at batch 64 binning 64 curves node
-    by node in Python was the largest part of the controller's host time."""
-    _, exponent = torch.frexp(node_q)  # q = m * 2^e, m in [0.5, 1): bin -e
-    bins = (-exponent).clamp(0, NUM_BINS - 1).to(node_q.dtype)
-    bins = torch.where(node_q > 0, bins, float(NUM_BINS - 1))
-    return torch.cat([node_q, bins], dim=-1)
 
 
 def _nodes_above(node_q: list[float], theta: float) -> int:

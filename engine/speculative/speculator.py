@@ -19,7 +19,7 @@ import torch
 
 from engine.plan import ScheduledSeq
 from engine.speculative import verify
-from engine.speculative.adaptive import node_confidence
+from engine.speculative.confidence import node_confidence
 from engine.speculative.drafter import DraftRequest
 from engine.speculative.tree import DraftTree
 from engine.structured import ConstrainedTree

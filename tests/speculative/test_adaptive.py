@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
-from engine.speculative.adaptive import (MIN_GAIN, NUM_BINS, PROBE_BUDGET, PROBE_EVERY, BudgetController,
-                                         _nodes_above, node_confidence)
+from engine.speculative.adaptive import MIN_GAIN, PROBE_BUDGET, PROBE_EVERY, BudgetController, _nodes_above
+from engine.speculative.confidence import NUM_BINS, node_confidence
 from engine.speculative.oracle import OracleDrafter
 from tests.speculative.test_ddtree_e2e import golden_lookup, prompts
 

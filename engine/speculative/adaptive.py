@@ -289,11 +289,18 @@ class BudgetController:
 
     def _first_budget(self) -> int:
         """A request without a draft of its own: the tree the drafter last drew for another request, valued at the
-        engine-wide record (a request's first tree is no worse a guess than its neighbour's); before any tree
-        was verified, 0 (this step drafts without verifying: the runner watches budget 0)."""
-        if self.latest is None:
+        engine-wide record (a request's first tree is no worse a guess than its neighbour's); 0 before any tree
+        was verified, and while drafting is cheap (this step then drafts without verifying, the runner watching
+        budget 0, and the next one values the request's own tree: an n-gram drafter's trees say nothing about
+        another request's text)."""
+        if self.latest is None or self._cheap_draft():
             return 0
         return self._net_best(self.latest, self.threshold(), standing=1.0)
+
+    def _cheap_draft(self) -> bool:
+        """A curve-only draft may run every step: it costs next to nothing and no step runs ahead of its
+        predecessor's results (it needs the request's newest token on the host)."""
+        return self.draft_tokens() <= CHEAP_DRAFT and not self.pipelined
 
     def _net_best(self, stats: _RequestStats, theta: float, standing: float | None = None) -> int:
         """How many leading nodes of the request's latest tree to verify, or 0 when that does not pay for drafting.
@@ -402,7 +409,7 @@ class BudgetController:
         Under asynchronous scheduling (`pipelined`) a draft is never cheap: it needs the request's newest token
         on the host, so the step cannot run ahead of the previous one's results."""
         stats = self.requests.get(request_id)
-        if stats is None or not stats.node_q or (self.draft_tokens() <= CHEAP_DRAFT and not self.pipelined):
+        if stats is None or not stats.node_q or self._cheap_draft():
             return True
         if stats.steps_undrafted + 1 < stats.draft_interval or not self._aligned(ahead):
             if not dry:

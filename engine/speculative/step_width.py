@@ -51,16 +51,21 @@ def uniform_width(gains: list[list[float]], caps: list[int], theta: float, draft
     fixed = fixed or [0] * n
     floor, top = max(fixed, default=0), max(caps, default=0)
     # rows[i][w]: the gain of request i's first min(w, cap_i) nodes, net of drafting it, for w = 0..top
+    # (C-level loops where they can be: at batch 64 this runs on the host's critical path of every graph step)
     rows = []
     for g, cap in zip(gains, caps):
-        row = [v - draft_cost for v in accumulate(g[:cap], initial=0.0)]
-        rows.append(row + [row[-1]] * (top + 1 - len(row)))
+        row = list(accumulate(g[:cap], initial=-draft_cost))
+        if len(row) <= top:
+            row += [row[-1]] * (top + 1 - len(row))
+        rows.append(row)
     best_w, best_net = 0, 0.0 if floor == 0 else float("-inf")
     probes = [i for i in range(n) if fixed[i]]
     for w, column in enumerate(zip(*rows)):
         if w < max(1, floor):
             continue
-        net = sum(v for v in column if v > 0) + sum(column[i] for i in probes if column[i] <= 0) - theta * w * n
+        net = sum(filter((0.0).__lt__, column)) - theta * w * n
+        if probes:
+            net += sum(column[i] for i in probes if column[i] <= 0)
         if net > best_net:
             best_w, best_net = w, net
     if best_w == 0:

@@ -179,7 +179,7 @@ def run_ours(args, model_path: str, load_format: str) -> None:
             # a timed pass whose step shapes differ from the pass it replays (the warm budget, the host's timing)
             # can round a request off its replay, which then decodes at tau 1 to the end: that pass measures
             # the oracle, not the engine, and is repeated (--timed-attempts; every attempt is counted)
-            for attempt in range(1, args.timed_attempts + 1):
+            for attempt in range(1, max(1, args.timed_attempts) + 1):
                 steps = Counter()
                 elapsed, outs = timed(llm, ps, args.new_tokens, args.temperature, args.top_p,
                                       fresh=args.cold_budget, steps=steps)

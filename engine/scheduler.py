@@ -87,8 +87,8 @@ class Scheduler:
         width too, so uniform_of prices the width for all of them and fills every request whose nodes pay for
         their drafting. Otherwise differing budgets are harmonized to the width that pays (width_of), then each
         tree verifies as many nodes as that width holds within its own cap (fill_trees: the rows are paid
-        anyway). The adaptive budget learns from the nodes a request chose (all of them when it chose none). caps: the requests'
-        budget_cap, asked only when needed."""
+        anyway). The adaptive budget learns from the nodes a request chose (all of them when it chose none).
+        caps: the requests' budget_cap, asked only when needed."""
         def differ(values: list[int]) -> bool:
             return len({b for b in values if b}) > 1
 

@@ -6,11 +6,22 @@ at positions p <= T-2, so the suffix never matches itself). A match ending at p 
 token t[p + d]; when p + d runs past the committed tokens the match is read as a period P = T-1-p and the
 continuation repeats (t[p + 1 + (d-1) % P]), so a repetition seen once already predicts every depth.
 
-Scores per depth: each match weighs 1 + recency * (p+1)/T (newer matches count more); a level's weights are
-normalised and scaled by m/(m+1) for its m matches (more evidence, more confidence), then by
-backoff^(n_longest - n) (shorter suffixes contribute less). log-prob = log(score / sum of level scales).
-Candidates are ordered by score descending, ties by token id ascending, so the output is deterministic;
-missing slots are padded by engine.speculative.drafter.pack_candidates.
+Weights: each match weighs 1 + recency * (p+1)/T (newer matches count more); a level's weights are normalised and
+scaled by m/(m+1) for its m matches (more evidence, more confidence), then by backoff^(n_longest - n) (shorter
+suffixes contribute less). Depth 1's share of a token is its matches' weight over the sum of the level scales.
+Deeper depths are conditional on the path of top candidates: depth d counts only the matches that predicted the
+top token at every depth before it (DDTree multiplies a path's per-depth probabilities, so each depth must say how
+likely its token is once the path to it was right; counted over all matches, a single repetition's depth-8 chain
+came out at 0.5^8 where it held half the time). Their share: weight over the surviving matches' weight, times
+m/(m+1) for m survivors.
+
+Calibration: shares are not probabilities (on chat text, a depth-1 top at share 0.6-1.0 was right 97-100% of the
+time, one at 0.4-0.6 64%). The drafter checks its own top candidates against the tokens committed later and keeps,
+per depth group (1, 2, deeper) and share decile, a decayed hit rate behind a prior of CAL_PRIOR observations at the
+share itself; a top candidate's probability is that rate, the other candidates share what remains in proportion to
+their shares. Candidates are ordered by share descending, ties by token id ascending (tied candidates get equal
+probabilities), so the output is deterministic for a given history; missing slots are padded by
+engine.speculative.drafter.pack_candidates.
 
 The index is updated incrementally: each call only indexes the tokens committed since the previous one, so
 a long prompt is indexed once (O(T * max_ngram)) and every later step costs O(new tokens + matches).
@@ -25,6 +36,10 @@ import torch
 from engine.speculative.drafter import DraftRequest, pack_candidates
 
 _CHECK = 8  # committed tokens compared to detect a request whose history was rewritten
+NUM_SHARE_BINS = 10  # calibration buckets per depth group: share deciles
+NUM_DEPTH_GROUPS = 3  # depth 1, depth 2, deeper (deeper tops, once the path to them held, are right more often)
+CAL_PRIOR = 2.0  # pseudo-observations at the share itself behind each bucket's hit rate
+CAL_DECAY = 0.995  # per observation of a bucket
 
 
 @dataclass
@@ -32,6 +47,42 @@ class _Index:
     tokens: list[int] = field(default_factory=list)
     indexed: int = 0  # n-grams ending at positions < indexed are in `ends`
     ends: dict[tuple[int, ...], list[int]] = field(default_factory=dict)  # n-gram -> end positions, ascending
+    # top candidates not yet checked against the committed tokens: [root index + 1, [(token, bucket)...], checked]
+    pending: list[list] = field(default_factory=list)
+
+
+class _Calibration:
+    """How often the drafter's top candidate was the token the target committed, per calibration bucket (depth
+    group * NUM_SHARE_BINS + share decile), as decayed counts; depth d > 1 is checked only when depths 1..d-1
+    were right (the conditional probability a path's product needs)."""
+
+    def __init__(self):
+        num = NUM_DEPTH_GROUPS * NUM_SHARE_BINS
+        self.hits, self.seen = [0.0] * num, [0.0] * num
+
+    @staticmethod
+    def bucket(depth: int, share: float) -> int:
+        group = min(depth, NUM_DEPTH_GROUPS) - 1
+        return group * NUM_SHARE_BINS + min(NUM_SHARE_BINS - 1, int(share * NUM_SHARE_BINS))
+
+    def probability(self, bucket: int, share: float) -> float:
+        return (self.hits[bucket] + CAL_PRIOR * share) / (self.seen[bucket] + CAL_PRIOR)
+
+    def check(self, index: _Index) -> None:
+        """Scores the request's pending top candidates against the tokens committed since they were drafted."""
+        t, total, still = index.tokens, len(index.tokens), []
+        for entry in index.pending:
+            start, tops, checked = entry
+            while checked < len(tops) and start + checked < total:
+                token, bucket = tops[checked]
+                hit = t[start + checked] == token
+                self.hits[bucket] = CAL_DECAY * self.hits[bucket] + hit
+                self.seen[bucket] = CAL_DECAY * self.seen[bucket] + 1.0
+                checked = checked + 1 if hit else len(tops)
+            if checked < len(tops):
+                entry[2] = checked
+                still.append(entry)
+        index.pending = still
 
 
 class NgramDrafter:
@@ -45,6 +96,7 @@ class NgramDrafter:
         max_matches: int = 32,  # most recent matches used per suffix length
         backoff: float = 0.1,
         recency: float = 1.0,
+        calibrate: bool = True,  # False: a top candidate's probability is its share (no learning from history)
         device: torch.device | str = "cpu",
     ):
         if horizon < 1 or max_ngram < 1 or max_matches < 1:
@@ -53,6 +105,7 @@ class NgramDrafter:
             raise ValueError(f"ngram drafter: backoff must be in (0, 1], got {backoff}")
         self.vocab_size, self.horizon, self.max_ngram = vocab_size, horizon, max_ngram
         self.max_matches, self.backoff, self.recency = max_matches, backoff, recency
+        self.calibration = _Calibration() if calibrate else None
         self.device = device
         self._state: dict[str, _Index] = {}
 
@@ -72,30 +125,65 @@ class NgramDrafter:
         if not req.token_ids:
             raise ValueError(f"request {req.request_id}: no committed tokens (the root token is needed)")
         index = self._sync(req)
+        if self.calibration is not None:
+            self.calibration.check(index)
         t, total = index.tokens, len(index.tokens)
-        scores: list[dict[int, float]] = [{} for _ in range(self.horizon)]
-        longest, mass = None, 0.0
-        for n in range(min(self.max_ngram, total), 0, -1):
-            matches = index.ends.get(tuple(t[total - n :]))
+        matches, mass = self._matches(index)
+        rows, tops = [], []
+        for d in range(1, self.horizon + 1):
             if not matches:
+                rows.append([])
+                continue
+            scores: dict[int, float] = {}
+            predicted = []  # each surviving match's token at this depth
+            for p, w in matches:
+                token = t[p + d] if p + d < total else t[p + 1 + (d - 1) % (total - 1 - p)]
+                scores[token] = scores.get(token, 0.0) + w
+                predicted.append(token)
+            ranked = sorted(scores.items(), key=lambda kv: (-kv[1], kv[0]))
+            if d > 1:  # conditional on the path: over the survivors' weight, m/(m+1) for m survivors
+                mass = sum(w for _, w in matches) * (len(matches) + 1) / len(matches)
+            rows.append(self._probabilities(ranked, mass, d, tops))
+            top = ranked[0][0]
+            matches = [m for m, token in zip(matches, predicted) if token == top]
+        if self.calibration is not None and tops:
+            if index.pending and index.pending[-1][0] == total:  # drafted again before any new token
+                index.pending.pop()
+            index.pending.append([total, tops, 0])
+        return rows
+
+    def _matches(self, index: _Index) -> tuple[list[tuple[int, float]], float]:
+        """([(end position p, weight)] of the suffix's earlier occurrences over every level, sum of level scales)."""
+        t, total = index.tokens, len(index.tokens)
+        matches, longest, mass = [], None, 0.0
+        for n in range(min(self.max_ngram, total), 0, -1):
+            ends = index.ends.get(tuple(t[total - n :]))
+            if not ends:
                 continue
             longest = n if longest is None else longest
             scale = self.backoff ** (longest - n)
             mass += scale
-            recent = matches[-self.max_matches :]
+            recent = ends[-self.max_matches :]
             weights = [1.0 + self.recency * (p + 1) / total for p in recent]
             level = scale * len(recent) / (len(recent) + 1) / sum(weights)
-            for p, w in zip(recent, weights):
-                period = total - 1 - p
-                for d in range(1, self.horizon + 1):
-                    i = p + d if p + d < total else p + 1 + (d - 1) % period
-                    depth = scores[d - 1]
-                    depth[t[i]] = depth.get(t[i], 0.0) + w * level
-        rows = []
-        for depth in scores:
-            ranked = sorted(depth.items(), key=lambda kv: (-kv[1], kv[0]))
-            rows.append([(tok, math.log(s / mass)) for tok, s in ranked])
-        return rows
+            matches.extend((p, w * level) for p, w in zip(recent, weights))
+        return matches, mass
+
+    def _probabilities(self, ranked: list[tuple[int, float]], mass: float, depth: int, tops: list
+                       ) -> list[tuple[int, float]]:
+        """(token, log-prob) of one depth's candidates, ranked by score; the top's calibrated (appending it to
+        `tops` for checking later), ties with it equal, the rest sharing what remains in proportion."""
+        shares = [s / mass for _, s in ranked]
+        if self.calibration is None:
+            return [(tok, math.log(s)) for (tok, _), s in zip(ranked, shares)]
+        top_share, num_tied = shares[0], sum(1 for s in shares if s == shares[0])
+        bucket = _Calibration.bucket(depth, top_share)
+        tops.append((ranked[0][0], bucket))
+        top = min(self.calibration.probability(bucket, top_share), 1.0 / num_tied)
+        rest_share = 1.0 - num_tied * top_share
+        scale = (1.0 - num_tied * top) / rest_share if rest_share > 1e-12 else 0.0
+        probs = [top if s == top_share else s * scale for s in shares]
+        return [(tok, math.log(max(p, 1e-30))) for (tok, _), p in zip(ranked, probs)]
 
     def _sync(self, req: DraftRequest) -> _Index:
         """Brings the request's index up to its committed tokens; rebuilds it if the history changed."""

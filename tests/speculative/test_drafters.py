@@ -366,15 +366,56 @@ def test_ngram_ties_by_token_id_and_padding():
     assert ids[0, 0].tolist() == [0, 1, 2]
 
 
+def test_ngram_deeper_depths_follow_the_top_path():
+    """Depth d counts only the matches that predicted the top token at every depth before it: suffix [8, 1] ends at
+    6 (-> 2, 4, 5) and suffix [1] also at 1 (-> 2, 3, 6); depth 2's top is 4, so depth 3 holds 5 and not 6, and its
+    share is the survivors' m/(m+1), not diluted by the dead match."""
+    tokens = [7, 1, 2, 3, 6, 8, 1, 2, 4, 5, 8, 1]
+    rows = NgramDrafter(VOCAB, horizon=3, calibrate=False).candidates(DraftRequest("c", tokens, None))
+    assert [tok for tok, _ in rows[0]] == [2]
+    assert [tok for tok, _ in rows[1]][:2] == [4, 3]
+    assert [tok for tok, _ in rows[2]] == [5]
+    assert math.isclose(math.exp(rows[2][0][1]), 2 / 3)  # two surviving matches (levels 2 and 1) of one position
+
+
+def calibrated_top(drafter: NgramDrafter, tokens: list[int], steps: int) -> tuple[float, float]:
+    """Drafts `tokens` growing one token a call for `steps` calls; (depth 1's top probability at the end,
+    the share an uncalibrated drafter gives it)."""
+    start = len(tokens) - steps
+    for end in range(start, len(tokens) + 1):
+        rows = drafter.candidates(DraftRequest("k", tokens[:end], None))
+    raw = NgramDrafter(VOCAB, horizon=drafter.horizon, max_matches=drafter.max_matches, calibrate=False)
+    raw = raw.candidates(DraftRequest("k", tokens, None))
+    return math.exp(rows[0][0][1]), math.exp(raw[0][0][1])
+
+
+def test_ngram_probabilities_learn_how_often_the_top_candidate_was_right():
+    """A repetition the drafter predicts right every time (one match per level kept, so the share stays at 1/2):
+    its top probability climbs from the share toward 1.
+    A history where the suffix's earlier continuation never repeats (each 3-token motif followed by a new token):
+    the top probability falls below the share. Each check is against the tokens committed after the draft."""
+    loop = [11, 12, 13, 14, 15] * 40
+    learned, share = calibrated_top(NgramDrafter(VOCAB, horizon=4, max_matches=1), loop, 150)
+    assert share < 0.6 and learned > 0.9, (share, learned)
+    g = torch.Generator().manual_seed(3)
+    fresh = torch.randperm(VOCAB - 40, generator=g)[:120].add(40).tolist()
+    misleading = [t for i in range(120) for t in (21, 22, 23, fresh[i])] + [21, 22, 23]
+    learned, share = calibrated_top(NgramDrafter(VOCAB, horizon=4), misleading, 300)
+    assert learned < share / 2, (share, learned)
+
+
 def test_ngram_incremental_index_equals_fresh_and_is_fast():
     g = torch.Generator().manual_seed(6)
     tokens = torch.randint(0, 12, (80,), generator=g).tolist()
-    inc = NgramDrafter(VOCAB, horizon=5)
+    # calibration off: the proposals are a function of the history alone; on, the same candidates (their
+    # probabilities learned from the drafter's own past calls)
+    inc, learning = NgramDrafter(VOCAB, horizon=5, calibrate=False), NgramDrafter(VOCAB, horizon=5)
     for end in range(1, 81, 3):
-        got = inc.propose([DraftRequest("s", tokens[:end], None), DraftRequest("b", tokens[:end][::-1], None)], 7)
-        want = NgramDrafter(VOCAB, horizon=5).propose(
-            [DraftRequest("s", tokens[:end], None), DraftRequest("b", tokens[:end][::-1], None)], 7)
+        batch = [DraftRequest("s", tokens[:end], None), DraftRequest("b", tokens[:end][::-1], None)]
+        got = inc.propose(batch, 7)
+        want = NgramDrafter(VOCAB, horizon=5, calibrate=False).propose(batch, 7)
         assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+        assert torch.equal(learning.propose(batch, 7)[1], want[1])
     long = torch.randint(0, 50, (32768,), generator=g).tolist()
     drafter = NgramDrafter(VOCAB)
     t0 = time.perf_counter()

@@ -39,6 +39,8 @@ class AttentionMetadata:
     _tree_bits: torch.Tensor | None = field(default=None, repr=False)
     _prefixes: dict = field(default_factory=dict, repr=False)  # num_seqs -> the metadata of the first num_seqs
     _row_starts: list[int] | None = field(default=None, repr=False)
+    # the reference (CPU) attention's layout of the step, built by its first layer (ext/reference/attention.py)
+    _reference_layout: tuple | None = field(default=None, repr=False)
 
     @property
     def num_seqs(self) -> int:

@@ -11,14 +11,24 @@ import torch
 from ext.metadata import AttentionMetadata
 
 
-def write_kv(cache: torch.Tensor, rows: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """cache [num_blocks, block_size, *row_shape]; rows [num_tokens, *row_shape]; slot -1 = padding, skipped."""
-    flat = cache.view(-1, *cache.shape[2:])
+def unpadded(slot_mapping: torch.Tensor, *rows: torch.Tensor) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
+    """(slots, rows) without the padding rows (slot -1)."""
     keep = slot_mapping >= 0
     if bool(keep.all()):
-        flat.index_copy_(0, slot_mapping, rows.to(flat.dtype))
-    else:
-        flat.index_copy_(0, slot_mapping[keep], rows[keep].to(flat.dtype))
+        return slot_mapping, rows
+    return slot_mapping[keep], tuple(r[keep] for r in rows)
+
+
+def write_rows(cache: torch.Tensor, rows: torch.Tensor, slots: torch.Tensor) -> None:
+    """cache [num_blocks, block_size, *row_shape] at slots (no padding) <- rows [len(slots), *row_shape]."""
+    flat = cache.view(-1, *cache.shape[2:])
+    flat.index_copy_(0, slots, rows.to(flat.dtype))
+
+
+def write_kv(cache: torch.Tensor, rows: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """cache [num_blocks, block_size, *row_shape]; rows [num_tokens, *row_shape]; slot -1 = padding, skipped."""
+    slots, (rows,) = unpadded(slot_mapping, rows)
+    write_rows(cache, rows, slots)
 
 
 def _visibility(meta: AttentionMetadata, seq: int, q0: int, num_q: int, seq_len: int) -> torch.Tensor | None:

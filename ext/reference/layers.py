@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ext.reference.attention import write_kv
+from ext.reference.attention import unpadded, write_rows
 
 
 def fused_add_rmsnorm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
@@ -46,9 +46,11 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 
 def write_kv_pair(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                   slot_mapping: torch.Tensor) -> None:
-    """write_kv of k into k_cache and of v into v_cache at the same slots (-1 skipped)."""
-    write_kv(k_cache, k, slot_mapping)
-    write_kv(v_cache, v, slot_mapping)
+    """write_kv of k into k_cache and of v into v_cache at the same slots (-1 skipped), the padding test done once
+    for both."""
+    slots, (k, v) = unpadded(slot_mapping, k, v)
+    write_rows(k_cache, k, slots)
+    write_rows(v_cache, v, slots)
 
 
 def rope_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,

@@ -42,6 +42,7 @@ into a tree step, while aligned they cost one step in PROBE_EVERY.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from itertools import accumulate
 
 from engine.speculative.confidence import CONFIDENCE_LABELS, NUM_BINS
 from engine.speculative.step_width import common_width, uniform_width
@@ -74,6 +75,7 @@ class _RequestStats:
     pending: tuple | None = None  # a dry budget() answer: ((version, ahead), budget, effect) for the counted call
     probing: bool = False  # the last counted budget was a probe
     verified: bool = False  # a tree of the request's own was verified (else its record is the engine's prior)
+    gains: tuple | None = None  # (version, its nodes' expected accepted drafts): _gains until the next observation
 
 
 class _CostFit:
@@ -307,20 +309,25 @@ class BudgetController:
         A node's gain (expected accepted drafts) is q times its confidence bin's reliability times the request's
         standing (its record against the engine's, unless given); the budget is the prefix of the best-first order
         (every prefix is a tree) with the largest total gain net of theta per node (gains need not decrease once
-        the reliability curve bends), provided that net beats the drafting cost. One pass, no lists: at batch 64
-        this runs 64 times a step on the host's critical path."""
-        reliability, standing = self._bin_reliability(), self._standing(stats, standing)
-        best, best_net, net = 0, 0.0, 0.0
-        for j, (q, k) in enumerate(zip(stats.node_q[:self.max_budget], stats.node_bins)):
-            net += q * reliability[k] * standing - theta  # _gains, inline: a list or generator cost 15-20% here
-            if net > best_net:
-                best, best_net = j + 1, net
+        the reliability curve bends), provided that net beats the drafting cost."""
+        best, best_net = 0, 0.0
+        for j, total in enumerate(accumulate(self._gains(stats, standing, self.max_budget)), 1):
+            if total - theta * j > best_net:
+                best, best_net = j, total - theta * j
         return best if best and best_net > self.draft_tokens() else 0
 
     def _gains(self, stats: _RequestStats, standing: float | None, num_nodes: int) -> list[float]:
-        """The first num_nodes nodes' expected accepted drafts, best-first (as _net_best computes them inline)."""
-        reliability, standing = self._bin_reliability(), self._standing(stats, standing)
-        return [q * reliability[k] * standing for q, k in zip(stats.node_q[:num_nodes], stats.node_bins)]
+        """The first num_nodes nodes' expected accepted drafts, best-first. A request's own (standing None) are
+        kept until the next observation: at batch 64 its budget() and the step's uniform() both ask, on the
+        host's critical path."""
+        if standing is None and stats.gains is not None and stats.gains[0] == self.version:
+            return stats.gains[1][:num_nodes]
+        reliability, standing_now = self._bin_reliability(), self._standing(stats, standing)
+        if standing is None:
+            gains = [q * reliability[k] * standing_now for q, k in zip(stats.node_q[:self.max_budget], stats.node_bins)]
+            stats.gains = (self.version, gains)
+            return gains[:num_nodes]
+        return [q * reliability[k] * standing_now for q, k in zip(stats.node_q[:num_nodes], stats.node_bins)]
 
     def harmonize(self, request_ids: list[str], budgets: list[int]) -> list[int]:
         """The counted budgets of one step's decoding requests, at one padded width (step_width.common_width),

@@ -8,12 +8,12 @@ continuation repeats (t[p + 1 + (d-1) % P]), so a repetition seen once already p
 
 Weights: each match weighs 1 + recency * (p+1)/T (newer matches count more); a level's weights are normalised and
 scaled by m/(m+1) for its m matches (more evidence, more confidence), then by backoff^(n_longest - n) (shorter
-suffixes contribute less). Depth 1's share of a token is its matches' weight over the sum of the level scales.
-Deeper depths are conditional on the path of top candidates: depth d counts only the matches that predicted the
+suffixes contribute less); a position matched at several levels is one match with their weights summed. Depth 1's
+share of a token is its matches' weight over the sum of the level scales. Deeper depths are conditional on the path of top candidates: depth d counts only the matches that predicted the
 top token at every depth before it (DDTree multiplies a path's per-depth probabilities, so each depth must say how
 likely its token is once the path to it was right; counted over all matches, a single repetition's depth-8 chain
 came out at 0.5^8 where it held half the time). Their share: weight over the surviving matches' weight, times
-m/(m+1) for m survivors.
+m/(m+1) for m surviving positions.
 
 Calibration: shares are not probabilities (on chat text, a depth-1 top at share 0.6-1.0 was right 97-100% of the
 time, one at 0.4-0.6 64%). The drafter checks its own top candidates against the tokens committed later and keeps,
@@ -153,9 +153,11 @@ class NgramDrafter:
         return rows
 
     def _matches(self, index: _Index) -> tuple[list[tuple[int, float]], float]:
-        """([(end position p, weight)] of the suffix's earlier occurrences over every level, sum of level scales)."""
+        """([(end position p, weight)] of the suffix's earlier occurrences, each position once with its weights over
+        every level summed (a longer suffix's match is also a shorter one's), sum of level scales)."""
         t, total = index.tokens, len(index.tokens)
-        matches, longest, mass = [], None, 0.0
+        weights_at: dict[int, float] = {}
+        longest, mass = None, 0.0
         for n in range(min(self.max_ngram, total), 0, -1):
             ends = index.ends.get(tuple(t[total - n :]))
             if not ends:
@@ -166,8 +168,9 @@ class NgramDrafter:
             recent = ends[-self.max_matches :]
             weights = [1.0 + self.recency * (p + 1) / total for p in recent]
             level = scale * len(recent) / (len(recent) + 1) / sum(weights)
-            matches.extend((p, w * level) for p, w in zip(recent, weights))
-        return matches, mass
+            for p, w in zip(recent, weights):
+                weights_at[p] = weights_at.get(p, 0.0) + w * level
+        return list(weights_at.items()), mass
 
     def _probabilities(self, ranked: list[tuple[int, float]], mass: float, depth: int, tops: list
                        ) -> list[tuple[int, float]]:

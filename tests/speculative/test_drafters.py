@@ -369,13 +369,13 @@ def test_ngram_ties_by_token_id_and_padding():
 def test_ngram_deeper_depths_follow_the_top_path():
     """Depth d counts only the matches that predicted the top token at every depth before it: suffix [8, 1] ends at
     6 (-> 2, 4, 5) and suffix [1] also at 1 (-> 2, 3, 6); depth 2's top is 4, so depth 3 holds 5 and not 6, and its
-    share is the survivors' m/(m+1), not diluted by the dead match."""
+    share is the survivors' m/(m+1) (one position, matched at two levels), not diluted by the dead match."""
     tokens = [7, 1, 2, 3, 6, 8, 1, 2, 4, 5, 8, 1]
     rows = NgramDrafter(VOCAB, horizon=3, calibrate=False).candidates(DraftRequest("c", tokens, None))
     assert [tok for tok, _ in rows[0]] == [2]
     assert [tok for tok, _ in rows[1]][:2] == [4, 3]
     assert [tok for tok, _ in rows[2]] == [5]
-    assert math.isclose(math.exp(rows[2][0][1]), 2 / 3)  # two surviving matches (levels 2 and 1) of one position
+    assert math.isclose(math.exp(rows[2][0][1]), 1 / 2)
 
 
 def calibrated_top(drafter: NgramDrafter, tokens: list[int], steps: int) -> tuple[float, float]:

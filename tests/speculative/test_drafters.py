@@ -496,3 +496,15 @@ def test_pack_candidates_excludes_and_pads():
     lp, ids = pack_candidates([[(5, -0.5), (0, -1.0)], []], 4, 10, exclude=[1, 2])
     assert ids.tolist() == [[5, 0, 3, 4], [0, 3, 4, 5]]
     assert lp[0, 2] == -1.0 - PAD_GAP and lp[1, 0] == -PAD_GAP and bool((lp[:, 1:] < lp[:, :-1]).all())
+
+
+@pytest.mark.parametrize("rows, exclude, message", [
+    ([[(10, -0.5)]], (), "outside the vocabulary"),
+    ([[(-1, -0.5)]], (), "outside the vocabulary"),
+    ([[(3, float("nan"))]], (), "finite"),
+    ([[(3, float("-inf"))]], (), "finite"),
+    ([[(0, -0.1)], [(2, -0.5)]], [2], "excluded"),
+])
+def test_pack_candidates_rejects_bad_candidates(rows, exclude, message):
+    with pytest.raises(ValueError, match=message):
+        pack_candidates(rows, 4, 10, exclude=exclude)

@@ -174,6 +174,7 @@ class EngineCore:
             spec.capture_draft_graphs(buckets_up_to(BATCH_SIZES, config.max_num_seqs), self.max_model_len,
                                       emulate=emulate)
         self.runner.uniform_trees = self.scheduler.uniform_trees = self.speculator is not None
+        self.budgets.price_tree_steps = False  # the uniform width prices a graph step (BudgetController.uniform)
 
     @property
     def vocab_size(self) -> int:
@@ -373,7 +374,7 @@ class EngineCore:
         draft_seconds = result.draft_seconds
         if self.tp is not None and self.budgets.enabled:  # budgets follow the leader's clock on every rank
             seconds, draft_seconds = self.tp.broadcast_object((seconds, draft_seconds))
-        self.budgets.observe_step(rows, seconds, tokens, fit=decoding)
+        self.budgets.observe_step(rows, seconds, tokens, fit=decoding, tree=width > 1)
         self.budgets.observe_draft(result.num_drafted, draft_seconds)
         for s in plan.seqs:
             rid = s.request.request_id

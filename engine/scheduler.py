@@ -85,7 +85,7 @@ class Scheduler:
         """(chosen, verified) budgets of one step's decoding requests, whose trees are all laid out at the widest
         one's rows. uniform (CUDA graphs, every request decoding): the requests at budget 0 are laid out at that
         width too, so uniform_of prices the width for all of them and fills every request whose nodes pay for
-        their drafting. Otherwise differing budgets are harmonized to the width that pays (width_of), then each
+        their drafting. Otherwise the budgets are harmonized to the width that pays (width_of), then each
         tree verifies as many nodes as that width holds within its own cap (fill_trees: the rows are paid
         anyway). The adaptive budget learns from the nodes a request chose (all of them when it chose none).
         caps: the requests' budget_cap, asked only when needed."""
@@ -99,7 +99,7 @@ class Scheduler:
             # a request that wanted no tree but fills this one learns from all of it, as from a probe (else a
             # request the record rates middling would be drafted for at every tree step and never re-rated)
             return [min(b, v) if b else v for b, v in zip(budgets, verified)], verified
-        if differ(budgets):
+        if any(budgets):  # one width, and trees only when they pay the step's fixed cost (width_of)
             budgets = self.width_of(requests, budgets)
         if not (self.fill_trees and differ(budgets)):
             return budgets, budgets

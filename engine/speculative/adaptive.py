@@ -45,9 +45,9 @@ from dataclasses import dataclass, field
 from itertools import accumulate
 
 from engine.speculative.confidence import CONFIDENCE_LABELS, NUM_BINS
+from engine.speculative.cost_fit import DECAY, CostFit  # DECAY: also a request's acceptance, the engine-wide record
 from engine.speculative.step_width import common_width, uniform_width
 
-DECAY = 0.9  # per observation (a request's acceptance, the cost fit) or per step (the engine-wide record)
 PROBE_EVERY = 16  # steps a request stays at budget 0 before a probe
 PROBE_BUDGET = 4
 PRIOR_WEIGHT = 4.0  # pseudo-observations behind the cost prior
@@ -78,35 +78,22 @@ class _RequestStats:
     gains: tuple | None = None  # (version, its nodes' expected accepted drafts): _gains until the next observation
 
 
-class _CostFit:
-    """Decayed least squares of step seconds on rows: T = t0 + t_row * rows."""
-
-    n = sx = sy = sxx = sxy = 0.0
-
-    def add(self, x: float, y: float, weight: float = 1.0) -> None:
-        self.n, self.sx, self.sy = DECAY * self.n + weight, DECAY * self.sx + weight * x, DECAY * self.sy + weight * y
-        self.sxx, self.sxy = DECAY * self.sxx + weight * x * x, DECAY * self.sxy + weight * x * y
-
-    def slope(self) -> float | None:
-        var = self.sxx / self.n - (self.sx / self.n) ** 2 if self.n else 0.0
-        if var <= 1e-9:
-            return None
-        return max(0.0, (self.sxy / self.n - self.sx * self.sy / self.n ** 2) / var)
-
-
 class BudgetController:
     def __init__(self, max_budget: int, enabled: bool = True, prior_row_share: float = 0.5):
         """prior_row_share: before measurements, the share of a plain step's time one row is assumed to cost
         relative to the average row (1 = fully compute-bound, 0 = rows are free)."""
         self.max_budget, self.enabled, self.prior_row_share = max_budget, enabled, prior_row_share
         self.pipelined = False  # the engine schedules steps ahead of their predecessors' results
+        # a step with any tree pays a fitted fixed cost beyond its rows (without CUDA graphs; under graphs the
+        # uniform width prices the whole batch, and tree steps are not fitted apart)
+        self.price_tree_steps = True
         self.reset()
 
     def reset(self) -> None:
         """Forgets every measurement (acceptance, step and drafting costs, probe state): a fresh engine's prior.
         Benchmarks call it between runs so that one run's requests do not set the next run's calibration."""
         self.requests: dict[str, _RequestStats] = {}
-        self.fit = _CostFit()
+        self.fit = CostFit()
         self.last_rows, self.last_seconds = 0, 0.0
         self.tokens = self.seconds = 0.0  # decayed sums over decoding steps: the engine's throughput
         self.draft_s = self.drafted = 0.0  # decayed sums: drafter seconds, requests drafted
@@ -127,7 +114,7 @@ class BudgetController:
 
     # -------------------------------------------------------------------------------------------- observing
 
-    def observe_step(self, rows: int, seconds: float, tokens: int, fit: bool = True) -> None:
+    def observe_step(self, rows: int, seconds: float, tokens: int, fit: bool = True, tree: bool = False) -> None:
         """One engine step: rows through the target, its wall time, tokens it produced. fit=False: the step is
         counted (probes follow the step count) and may seed the prior, but does not price rows (the engine's steps
         with a prefill chunk)."""
@@ -151,7 +138,7 @@ class BudgetController:
                 self.fit.add(r, seconds + t_row * (r - rows), PRIOR_WEIGHT / 2)
         if not fit:
             return
-        self.fit.add(rows, seconds)
+        self.fit.add(rows, seconds, tree=tree and self.price_tree_steps)
         self.last_rows, self.last_seconds = rows, seconds
         self.tokens, self.seconds = DECAY * self.tokens + tokens, DECAY * self.seconds + seconds
 
@@ -332,13 +319,27 @@ class BudgetController:
     def harmonize(self, request_ids: list[str], budgets: list[int]) -> list[int]:
         """The counted budgets of one step's decoding requests, at one padded width (step_width.common_width),
         for a step that pads only its trees (without CUDA graphs): a request whose nodes do not pay for the width
-        the others want falls to 0; probes keep theirs (~0.18 ms for 64 requests of 16 nodes on the 2-core CPU;
-        the scheduler asks only when the trees' budgets differ). Also for the dry answers of a step planned
-        ahead (their counted calls follow the plan)."""
+        the others want falls to 0; probes keep theirs; and when the trees together do not beat the fixed cost of
+        a tree step (fitted: CostFit.tree_cost), every budget falls to 0 (~0.18 ms for 64 requests of 16 nodes on
+        the 2-core CPU). Also for the dry answers of a step planned ahead (their counted calls follow the plan)."""
         if not self.enabled:
             return budgets
         gains, probes = self._step_gains(request_ids, budgets, budgets)
-        return common_width(gains, budgets, self.threshold(), [bool(p) for p in probes])
+        fixed = [bool(p) for p in probes]
+        out = common_width(gains, budgets, self.threshold(), fixed)
+        if any(fixed) or not any(out) or self._trees_pay(gains, out):
+            return out
+        return [0] * len(out)
+
+    def _trees_pay(self, gains: list[list[float]], budgets: list[int]) -> bool:
+        """The step's trees (at one padded width) bring more expected tokens, net of their rows and drafting, than
+        the fixed cost of a tree step (CostFit.tree_cost, in tokens of throughput)."""
+        fixed = self.fit.tree_cost() * self.tokens / self.seconds if self.seconds > 0 else 0.0
+        if fixed <= 0:
+            return True
+        theta, draft, width = self.threshold(), self.draft_tokens(), max(budgets)
+        net = sum(sum(g[:b]) - theta * width - draft for g, b in zip(gains, budgets) if b)
+        return net > fixed
 
     def uniform(self, request_ids: list[str], budgets: list[int], caps: list[int]) -> list[int]:
         """The nodes each of one step's decoding requests verifies when the step is laid out uniformly (CUDA

@@ -148,9 +148,9 @@ def test_engine_prices_rows_only_on_decoding_steps(tiny_checkpoints, monkeypatch
     seen = []
     observe = BudgetController.observe_step
 
-    def spy(self, rows, seconds, tokens, fit=True):
-        seen.append((rows, fit))
-        observe(self, rows, seconds, tokens, fit)
+    def spy(self, rows, seconds, tokens, fit=True, tree=False):
+        seen.append((rows, fit, tree))
+        observe(self, rows, seconds, tokens, fit, tree)
 
     monkeypatch.setattr(BudgetController, "observe_step", spy)
     ref = greedy(LLM(folder, dtype="fp32"))
@@ -163,8 +163,56 @@ def test_engine_prices_rows_only_on_decoding_steps(tiny_checkpoints, monkeypatch
     while core.has_unfinished():
         core.step()
     assert not seen[0][1]  # the first request's prompt
-    assert any(not fit for _, fit in seen[1:])  # the second's, beside the first request's decoding
-    assert any(fit for _, fit in seen[2:])  # decoding steps, plain or tree, price rows
+    assert any(not fit for _, fit, _ in seen[1:])  # the second's, beside the first request's decoding
+    assert any(fit for _, fit, _ in seen[2:])  # decoding steps, plain or tree, price rows
+    assert any(tree for _, fit, tree in seen if fit)  # tree steps are told apart (CostFit.tree_cost)
+
+
+def test_cost_fit_tells_the_fixed_cost_of_a_tree_step_from_its_rows():
+    """Steps of 1 row (plain) and 3-17 rows (trees), T = 0.05 + 0.002 * rows + 0.04 * [tree]: the two-regressor fit
+    recovers t_row and t_tree, where rows alone put the tree cost into the row price. With only one kind of step
+    in the window the tree cost is not identifiable (0) and the row price is the rows-only fit."""
+    from engine.speculative.cost_fit import CostFit
+
+    fit, rows_only = CostFit(), CostFit()
+    for i in range(60):
+        rows, tree = (1, False) if i % 3 else (3 + 2 * (i % 8), True)
+        seconds = 0.05 + 0.002 * rows + 0.04 * tree
+        fit.add(rows, seconds, tree=tree)
+        rows_only.add(rows, seconds)
+    assert abs(fit.slope() - 0.002) < 1e-6 and abs(fit.tree_cost() - 0.04) < 1e-6
+    assert rows_only.tree_cost() == 0.0 and rows_only.slope() > 0.004  # the fixed cost smeared over the rows
+    plain = CostFit()
+    for rows in (1, 2, 4, 8) * 5:
+        plain.add(rows, 0.05 + 0.002 * rows)
+    assert plain.tree_cost() == 0.0 and abs(plain.slope() - 0.002) < 1e-6
+
+
+def test_a_step_whose_trees_do_not_beat_the_fixed_cost_stays_plain():
+    """Without graphs a tree step pays a fitted fixed cost beyond its rows (batch 1 on the CPU: a GEMM instead of a
+    GEMV). A tree worth a little more than its rows does not pay it and the step stays plain; a strong tree does;
+    a probe is verified whatever it costs; under graphs (price_tree_steps False) nothing changes."""
+    def controller(price: bool) -> BudgetController:
+        c = BudgetController(max_budget=8, prior_row_share=0.2)
+        c.price_tree_steps = price
+        for i in range(40):  # t_row 2 ms, t_tree 40 ms, a plain step 50 ms: the fixed cost is ~0.8 tokens
+            rows, tree = (1, False) if i % 3 else (3 + 2 * (i % 4), True)
+            c.observe_step(rows, 0.05 + 0.002 * rows + 0.04 * tree, tokens=1 + 2 * tree, tree=tree)
+        for rid, q, accepted in (("mild", 0.3, [1]), ("strong", 0.95, list(range(1, 9)))):
+            qs = [q ** (j + 1) for j in range(8)]
+            c.observe_request(rid, 8, accepted, confidence([sum(qs[:j + 1]) for j in range(8)]))
+        return c
+
+    priced = controller(True)
+    assert priced.fit.tree_cost() > 0.03
+    mild, strong = priced.budget("mild"), priced.budget("strong")
+    assert mild >= 1 and strong >= 4  # each pays its rows and drafting ...
+    assert priced.harmonize(["mild"], [mild]) == [0]  # ... the mild one not the step's fixed cost
+    assert priced.harmonize(["strong"], [strong]) == [strong]
+    priced.requests["mild"].probing = True
+    assert priced.harmonize(["mild"], [mild]) == [mild]
+    graphs = controller(False)
+    assert graphs.fit.tree_cost() == 0.0 and graphs.harmonize(["mild"], [graphs.budget("mild")]) != [0]
 
 
 def test_one_padded_width_for_the_step():

@@ -165,10 +165,14 @@ class BudgetController:
             self._costs = (self._threshold(), self._draft_tokens())
         return self._costs
 
+    def _in_tokens(self, seconds: float) -> float:
+        """Tokens the engine's decayed decoding throughput makes in `seconds` (0 before any decoding step)."""
+        return seconds * self.tokens / self.seconds if self.seconds > 0 else 0.0
+
     def _draft_tokens(self) -> float:
         if self.draft_calls <= MIN_DRAFT_CALLS or self.last_seconds <= 0:
             return 0.0  # too few measurements: drafting counts as free until then
-        return self.draft_s / self.drafted * self.tokens / self.seconds
+        return self._in_tokens(self.draft_s / self.drafted)
 
     def observe_request(self, request_id: str, budget: int, accepted_rows: list[int], confidence: list[float]) -> None:
         """A tree step of one request: the budget it verified, the tree rows of its accepted drafts (row j >= 1 is
@@ -231,7 +235,7 @@ class BudgetController:
             t_row = self.prior_row_share * self.last_seconds / max(1, self.last_rows)
         # the throughput a row's time would have bought: decayed over steps, not the last step's (at batch 1 a
         # step emits 1 to 8 tokens, and the threshold followed it step by step, the budget flapping with it)
-        return max(MIN_GAIN, t_row * self.tokens / self.seconds)
+        return max(MIN_GAIN, self._in_tokens(t_row))
 
     def budget(self, request_id: str, dry: bool = False, ahead: bool = False) -> int:
         """This step's tree budget for the request (before the scheduler's caps). dry: what it would be, without
@@ -307,14 +311,15 @@ class BudgetController:
         """The first num_nodes nodes' expected accepted drafts, best-first. A request's own (standing None) are
         kept until the next observation: at batch 64 its budget() and the step's uniform() both ask, on the
         host's critical path."""
-        if standing is None and stats.gains is not None and stats.gains[0] == self.version:
+        own = standing is None
+        if own and stats.gains is not None and stats.gains[0] == self.version:
             return stats.gains[1][:num_nodes]
-        reliability, standing_now = self._bin_reliability(), self._standing(stats, standing)
-        if standing is None:
-            gains = [q * reliability[k] * standing_now for q, k in zip(stats.node_q[:self.max_budget], stats.node_bins)]
+        reliability, scale = self._bin_reliability(), self._standing(stats, standing)
+        count = self.max_budget if own else num_nodes  # a request's own: all of them, kept for the other caller
+        gains = [q * reliability[k] * scale for q, k in zip(stats.node_q[:count], stats.node_bins)]
+        if own:
             stats.gains = (self.version, gains)
-            return gains[:num_nodes]
-        return [q * reliability[k] * standing_now for q, k in zip(stats.node_q[:num_nodes], stats.node_bins)]
+        return gains[:num_nodes]
 
     def harmonize(self, request_ids: list[str], budgets: list[int]) -> list[int]:
         """The counted budgets of one step's decoding requests, at one padded width (step_width.common_width),
@@ -334,7 +339,7 @@ class BudgetController:
     def _trees_pay(self, gains: list[list[float]], budgets: list[int]) -> bool:
         """The step's trees (at one padded width) bring more expected tokens, net of their rows and drafting, than
         the fixed cost of a tree step (CostFit.tree_cost, in tokens of throughput)."""
-        fixed = self.fit.tree_cost() * self.tokens / self.seconds if self.seconds > 0 else 0.0
+        fixed = self._in_tokens(self.fit.tree_cost())
         if fixed <= 0:
             return True
         theta, draft, width = self.threshold(), self.draft_tokens(), max(budgets)

@@ -9,11 +9,11 @@ continuation repeats (t[p + 1 + (d-1) % P]), so a repetition seen once already p
 Weights: each match weighs 1 + recency * (p+1)/T (newer matches count more); a level's weights are normalised and
 scaled by m/(m+1) for its m matches (more evidence, more confidence), then by backoff^(n_longest - n) (shorter
 suffixes contribute less); a position matched at several levels is one match with their weights summed. Depth 1's
-share of a token is its matches' weight over the sum of the level scales. Deeper depths are conditional on the path of top candidates: depth d counts only the matches that predicted the
-top token at every depth before it (DDTree multiplies a path's per-depth probabilities, so each depth must say how
-likely its token is once the path to it was right; counted over all matches, a single repetition's depth-8 chain
-came out at 0.5^8 where it held half the time). Their share: weight over the surviving matches' weight, times
-m/(m+1) for m surviving positions.
+share of a token is its matches' weight over the sum of the level scales. Deeper depths are conditional on the path
+of top candidates: depth d counts only the matches that predicted the top token at every depth before it (DDTree
+multiplies a path's per-depth probabilities, so each depth must say how likely its token is once the path to it
+was right; counted over all matches, a single repetition's depth-8 chain came out at 0.5^8 where it held half the
+time). Their share: weight over the surviving matches' weight, times m/(m+1) for m surviving positions.
 
 Calibration: shares are not probabilities (on chat text, a depth-1 top at share 0.6-1.0 was right 97-100% of the
 time, one at 0.4-0.6 64%). The drafter checks its own top candidates against the tokens committed later and keeps,
@@ -129,11 +129,10 @@ class NgramDrafter:
             self.calibration.check(index)
         t, total = index.tokens, len(index.tokens)
         matches, mass = self._matches(index)
+        if not matches:  # nothing to continue (the survivors of a depth are never empty: the top came from them)
+            return [[] for _ in range(self.horizon)]
         rows, tops = [], []
         for d in range(1, self.horizon + 1):
-            if not matches:
-                rows.append([])
-                continue
             scores: dict[int, float] = {}
             predicted = []  # each surviving match's token at this depth
             for p, w in matches:
@@ -146,7 +145,7 @@ class NgramDrafter:
             rows.append(self._probabilities(ranked, mass, d, tops))
             top = ranked[0][0]
             matches = [m for m, token in zip(matches, predicted) if token == top]
-        if self.calibration is not None and tops:
+        if self.calibration is not None:
             if index.pending and index.pending[-1][0] == total:  # drafted again before any new token
                 index.pending.pop()
             index.pending.append([total, tops, 0])

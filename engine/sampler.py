@@ -218,20 +218,57 @@ class Sampler:
                             top.indices if top is not None else None)
 
 
-def apply_top_k_top_p(x: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+NUM_CANDIDATES = 512  # CPU: the largest logits a row's top-k / top-p is first decided from
+
+
+def apply_top_k_top_p(x: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+                      num_candidates: int = NUM_CANDIDATES) -> torch.Tensor:
     """x [S, V] tempered logits; top_k [S] (0 = off), top_p [S] (1 = off) -> x with dropped tokens at -inf.
     top-k keeps every token at least as large as the k-th largest (ties at the boundary stay); top-p then
-    drops a token when the probability mass before it (in descending order) already reaches top_p."""
+    drops a token when the probability mass before it (in descending order) already reaches top_p.
+
+    On the CPU the rows are first decided from their num_candidates largest logits (_from_candidates): sorting a
+    49,152-token row took 4 ms of a 57 ms decoding step of the embedded model at T = 1, top_p 0.9. On the GPU the
+    sort is one kernel and a data-dependent choice would need a host sync (and break graph capture)."""
     vocab = x.shape[-1]
-    ordered, order = x.sort(dim=-1, descending=True)
     k = torch.where((top_k > 0) & (top_k < vocab), top_k, vocab)
+    if x.device.type == "cpu" and vocab > 2 * num_candidates:
+        decided = _from_candidates(x, k, top_p, num_candidates)
+        if decided is not None:
+            return decided
+    ordered, order = x.sort(dim=-1, descending=True)
     kth = ordered.gather(1, (k - 1)[:, None])
     ordered = ordered.masked_fill(ordered < kth, float("-inf"))
     probs = ordered.softmax(-1)
-    drop = (probs.cumsum(-1) - probs) >= top_p[:, None]
+    # top_p 1 is off: in float32 the cumulative mass reaches 1 before the tail, which it would drop
+    drop = ((probs.cumsum(-1) - probs) >= top_p[:, None]) & (top_p[:, None] < 1.0)
     drop[:, 0] = False  # the top token always stays
     ordered = ordered.masked_fill(drop, float("-inf"))
     return torch.empty_like(x).scatter_(1, order, ordered)
+
+
+def _from_candidates(x: torch.Tensor, k: torch.Tensor, top_p: torch.Tensor, m: int) -> torch.Tensor | None:
+    """apply_top_k_top_p from each row's m largest logits, or None when they do not decide every row (the caller
+    then sorts). A row is decided when top-k keeps fewer than m tokens (its k-th largest logit is above the m-th,
+    so no token outside is kept), or top-k is off and the m candidates already hold top_p of the mass (every token
+    after them has that much before it), or neither filter is on (the row passes unchanged)."""
+    vocab = x.shape[-1]
+    values, order = x.topk(m, dim=-1)  # [S, m], descending
+    kth = values.gather(1, (k.clamp(max=m) - 1)[:, None])  # [S, 1]
+    by_k = (k < m) & (values[:, -1] < kth[:, 0])
+    off = k >= vocab
+    masked = values.masked_fill(by_k[:, None] & (values < kth), float("-inf"))
+    # the normaliser of top-p's probabilities: the kept candidates, or (top-k off) the whole row
+    norm = torch.where(by_k, masked.logsumexp(-1), x.logsumexp(-1))
+    probs = (masked - norm[:, None]).exp()
+    cumulative = probs.cumsum(-1)
+    unchanged = off & (top_p >= 1.0)
+    if not bool((by_k | unchanged | (off & (cumulative[:, -1] >= top_p))).all()):
+        return None
+    drop = (cumulative - probs) >= top_p[:, None]
+    drop[:, 0] = False  # the top token always stays
+    out = torch.full_like(x, float("-inf")).scatter_(1, order, masked.masked_fill(drop, float("-inf")))
+    return torch.where(unchanged[:, None], x, out)
 
 
 class _RowPlan:

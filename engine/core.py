@@ -16,6 +16,7 @@ from engine.block_manager import BlockManager
 from engine.config import EngineConfig
 from engine.cuda_graphs import BATCH_SIZES, CudaGraphs, buckets_up_to, scratch_blocks_needed, supports_graphs
 from engine.detokenizer import OutputText
+from engine.draft_first import DraftFirst
 from engine.memory import AllocatorWatch, measure_cuda_peak, plan_kv_cache
 from engine.messages import Delta, RequestError, StepStats
 from engine.model.loader import default_sampling, load_model, resolve_dtype
@@ -93,7 +94,6 @@ class EngineCore:
                                   self.sampler, self.speculator, config.dense_prefill_min_tokens)
         adaptive = self.speculator is not None and config.spec.adaptive and not config.spec.chain
         self.budgets = BudgetController(max_budget, enabled=adaptive)
-        self.runner.watch = self.budgets.should_draft if adaptive else None
         budgets = self.budgets  # not self: a closure over the engine would keep it alive after its last user
         self.scheduler = Scheduler(config, self.blocks, self.max_model_len, max_budget,
                                    budget_of=lambda request: budgets.budget(request.request_id),
@@ -114,12 +114,26 @@ class EngineCore:
         self.num_constrained_requests = 0
         # asynchronous scheduling: on CUDA (one rank), unless --no-async-scheduling; tests may switch it on
         self.overlap = config.async_scheduling and config.is_cuda and tp is None
-        self.budgets.pipelined = self.overlap
         self.inflight: Launched | None = None  # a step launched ahead, its results not yet read
         self.ahead = AheadLauncher(self.scheduler, self.runner, self.speculator, self.budgets)
         self._next_scheduling = "synchronous: first step" if self.overlap else ""  # the next scheduled step's
         self._last_ready = 0.0  # when the last step's results reached the host (perf_counter)
         self.alloc_watch = AllocatorWatch(torch.device(config.device)) if config.is_cuda else None
+
+    @property
+    def overlap(self) -> bool:
+        return self._overlap
+
+    @overlap.setter
+    def overlap(self, on: bool) -> None:
+        """Asynchronous scheduling on or off, and what follows from it: the budget's view of drafting costs, and
+        whether trees are drafted before their budgets are chosen (engine/draft_first.py) or curve-only after
+        each step (the runner's watch)."""
+        self._overlap = self.budgets.pipelined = on
+        first = DraftFirst.applies(self.speculator, self.budgets.enabled, on, self.tp is not None)
+        self.draft_first = DraftFirst(self.speculator, self.budgets) if first else None
+        self.runner.watch = None if not self.budgets.enabled else \
+            self.draft_first.watch if first else self.budgets.should_draft
 
     def make_speculator(self, drafter) -> Speculator | None:
         """The DDTree half of the runner, or None for plain decoding. `drafter` overrides the configured one
@@ -295,6 +309,8 @@ class EngineCore:
         """schedule() and launch; None when nothing runs (or the step failed one request)."""
         t0 = time.perf_counter()
         preemptions_before = self.scheduler.num_preemptions
+        if self.draft_first is not None:
+            self.draft_first.refresh(self.scheduler.running)
         plan = self.scheduler.schedule()
         if not plan.seqs:
             self.last_stats = None

@@ -169,6 +169,11 @@ class BudgetController:
         """Tokens the engine's decayed decoding throughput makes in `seconds` (0 before any decoding step)."""
         return seconds * self.tokens / self.seconds if self.seconds > 0 else 0.0
 
+    def cheap_draft(self) -> bool:
+        """A draft for a request at budget 0 may run every step: it costs next to nothing and no step runs ahead of
+        its predecessor's results (it needs the request's newest token on the host)."""
+        return self.draft_tokens() <= CHEAP_DRAFT and not self.pipelined
+
     def _draft_tokens(self) -> float:
         if self.draft_calls <= MIN_DRAFT_CALLS or self.last_seconds <= 0:
             return 0.0  # too few measurements: drafting counts as free until then
@@ -193,6 +198,14 @@ class BudgetController:
             self._observe_bins(stats, budget, accepted_rows)
             self._reliability = None
             self.latest = stats
+
+    def observe_curve(self, request_id: str, confidence: list[float]) -> None:
+        """The request's full-budget tree for its coming step, drafted before its budget is asked (engine/
+        draft_first.py), as node_confidence() made it: its budget prices this tree."""
+        stats = self.requests.setdefault(request_id, _RequestStats())
+        num_nodes = len(confidence) // 2
+        stats.node_q, stats.node_bins = confidence[:num_nodes], [int(k) for k in confidence[num_nodes:]]
+        stats.gains = stats.pending = None  # both were worked out from the previous tree
 
     def _observe_bins(self, stats: _RequestStats, budget: int, accepted_rows: list[int]) -> None:
         """The verified nodes of the request's tree (the one `stats` now describes), by confidence bin. Lists
@@ -286,14 +299,9 @@ class BudgetController:
         was verified, and while drafting is cheap (this step then drafts without verifying, the runner watching
         budget 0, and the next one values the request's own tree: an n-gram drafter's trees say nothing about
         another request's text)."""
-        if self.latest is None or self._cheap_draft():
+        if self.latest is None or self.cheap_draft():
             return 0
         return self._net_best(self.latest, self.threshold(), standing=1.0)
-
-    def _cheap_draft(self) -> bool:
-        """A curve-only draft may run every step: it costs next to nothing and no step runs ahead of its
-        predecessor's results (it needs the request's newest token on the host)."""
-        return self.draft_tokens() <= CHEAP_DRAFT and not self.pipelined
 
     def _net_best(self, stats: _RequestStats, theta: float, standing: float | None = None) -> int:
         """How many leading nodes of the request's latest tree to verify, or 0 when that does not pay for drafting.
@@ -422,7 +430,7 @@ class BudgetController:
         Under asynchronous scheduling (`pipelined`) a draft is never cheap: it needs the request's newest token
         on the host, so the step cannot run ahead of the previous one's results."""
         stats = self.requests.get(request_id)
-        if stats is None or not stats.node_q or self._cheap_draft():
+        if stats is None or not stats.node_q or self.cheap_draft():
             return True
         if stats.steps_undrafted + 1 < stats.draft_interval or not self._aligned(ahead):
             if not dry:

@@ -5,56 +5,96 @@ Why a tree term: without CUDA graphs a step that verifies a tree costs more than
 row goes through a GEMV and two or more through a GEMM, so at batch 1 any tree nearly doubles the step. At batch
 16 MKL pays rows in blocks of 8, so the first tree row costs ~18 ms and the next seven ~1 ms each. Fitted on rows
 alone, that fixed part was spread over the rows: a one-node tree at batch 1 was priced at ~8 ms where it cost ~55.
-The tree term is estimated only when both kinds of step are in the window and rows vary apart from it; otherwise
-the fit is T = t0 + t_row * rows, as before."""
+
+The two kinds of step are kept apart, each decayed by its own steps (the fit is a common slope with one intercept
+per kind): once the controller has learned that trees do not pay, tree steps become rare, and decayed by every
+step their record fell out of the window within ~20 plain steps, so the next tree re-measured a cost already
+known. The tree record also ages slowly by plain steps (STALE_DECAY) and stops counting below MIN_TREE_WEIGHT, so a
+workload that has changed since is re-measured about every 70 plain steps. The tree term is estimated only while
+rows vary within the kinds (else slope and tree cost are not told apart); otherwise the fit is
+T = t0 + t_row * rows over every step."""
 from __future__ import annotations
 
-DECAY = 0.9  # per observed step
-MIN_SHARE = 0.05  # each kind of step (plain, tree) must weigh at least this share of the window
-MAX_CORRELATION = 0.95  # rows and the tree indicator must not be this collinear (squared correlation)
+from dataclasses import dataclass
+
+DECAY = 0.9  # per observed step of the same kind
+STALE_DECAY = 0.99  # the tree steps' record, per plain step
+MIN_TREE_WEIGHT = 0.5  # tree steps' decayed weight below which their cost is not estimated
+MAX_CORRELATION = 0.95  # share of the rows' variance that may lie between the two kinds of step
+
+
+@dataclass
+class _Sums:
+    """Decayed weighted sums of one kind of step: x rows, y seconds."""
+    n: float = 0.0
+    sx: float = 0.0
+    sy: float = 0.0
+    sxx: float = 0.0
+    sxy: float = 0.0
+
+    def add(self, x: float, y: float, weight: float) -> None:
+        self.scale(DECAY)
+        self.n, self.sx, self.sy = self.n + weight, self.sx + weight * x, self.sy + weight * y
+        self.sxx, self.sxy = self.sxx + weight * x * x, self.sxy + weight * x * y
+
+    def scale(self, factor: float) -> None:
+        self.n, self.sx, self.sy, self.sxx, self.sxy = (factor * v for v in
+                                                       (self.n, self.sx, self.sy, self.sxx, self.sxy))
+
+    def var_x(self) -> float:  # weighted sums of squares about the kind's own mean (not divided by n)
+        return self.sxx - self.sx * self.sx / self.n if self.n else 0.0
+
+    def cov_xy(self) -> float:
+        return self.sxy - self.sx * self.sy / self.n if self.n else 0.0
+
+    def intercept(self, slope: float) -> float:
+        return (self.sy - slope * self.sx) / self.n
 
 
 class CostFit:
-    n = sx = sz = sy = sxx = sxz = szz = sxy = szy = 0.0  # decayed weighted sums; x rows, z tree (0/1), y seconds
+    def __init__(self):
+        self.plain, self.tree = _Sums(), _Sums()
+
+    @property
+    def n(self) -> float:
+        return self.plain.n + self.tree.n
 
     def add(self, rows: float, seconds: float, weight: float = 1.0, tree: bool = False) -> None:
-        x, z, y = rows, float(tree), seconds
-        d = DECAY
-        self.n, self.sx, self.sz, self.sy = d * self.n + weight, d * self.sx + weight * x, d * self.sz + weight * z, \
-            d * self.sy + weight * y
-        self.sxx, self.sxz, self.szz = d * self.sxx + weight * x * x, d * self.sxz + weight * x * z, \
-            d * self.szz + weight * z * z
-        self.sxy, self.szy = d * self.sxy + weight * x * y, d * self.szy + weight * z * y
+        if tree:
+            self.tree.add(rows, seconds, weight)
+        else:
+            self.plain.add(rows, seconds, weight)
+            self.tree.scale(STALE_DECAY)
 
     def slope(self) -> float | None:
         """t_row (seconds a verify row), or None before rows have varied."""
         fit = self._with_tree()
         if fit is not None:
             return fit[0]
-        var = self._cov(self.sxx, self.sx, self.sx)
-        if var <= 1e-9:
+        pooled = self._pooled()
+        var = pooled.var_x()
+        if var <= 1e-9 * max(pooled.n, 1e-9):
             return None
-        return max(0.0, self._cov(self.sxy, self.sx, self.sy) / var)
+        return max(0.0, pooled.cov_xy() / var)
 
     def tree_cost(self) -> float:
         """t_tree (seconds a step pays for verifying any tree, beyond its rows), 0 while not identifiable."""
         fit = self._with_tree()
         return fit[1] if fit is not None else 0.0
 
-    def _cov(self, sab: float, sa: float, sb: float) -> float:
-        return sab / self.n - sa * sb / self.n ** 2 if self.n else 0.0
+    def _pooled(self) -> _Sums:
+        a, b = self.plain, self.tree
+        return _Sums(a.n + b.n, a.sx + b.sx, a.sy + b.sy, a.sxx + b.sxx, a.sxy + b.sxy)
 
     def _with_tree(self) -> tuple[float, float] | None:
-        """(t_row, t_tree) of the two-regressor fit, or None when it is not identifiable."""
-        if not self.n or not MIN_SHARE <= self.sz / self.n <= 1 - MIN_SHARE:
+        """(t_row, t_tree) of the fit with one intercept per kind of step, or None when it is not identifiable."""
+        plain, tree = self.plain, self.tree
+        if plain.n <= 0 or tree.n < MIN_TREE_WEIGHT:
             return None
-        vxx, vzz, vxz = self._cov(self.sxx, self.sx, self.sx), self._cov(self.szz, self.sz, self.sz), \
-            self._cov(self.sxz, self.sx, self.sz)
-        det = vxx * vzz - vxz * vxz
-        if vxx <= 1e-9 or vzz <= 1e-9 or vxz * vxz > MAX_CORRELATION * vxx * vzz:
+        within = plain.var_x() + tree.var_x()
+        if within <= 1e-9 * self.n or within < (1 - MAX_CORRELATION) * self._pooled().var_x():
             return None
-        vxy, vzy = self._cov(self.sxy, self.sx, self.sy), self._cov(self.szy, self.sz, self.sy)
-        t_row, t_tree = (vzz * vxy - vxz * vzy) / det, (vxx * vzy - vxz * vxy) / det
+        t_row = (plain.cov_xy() + tree.cov_xy()) / within
         if t_row < 0:
             return None
-        return t_row, max(0.0, t_tree)
+        return t_row, max(0.0, tree.intercept(t_row) - plain.intercept(t_row))

@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import time
 
+import torch
+
 from engine.plan import ScheduledSeq
 
 
@@ -30,6 +32,7 @@ class DraftFirst:
         return speculator is not None and adaptive and not overlap and not tensor_parallel \
             and not speculator.capture_layer_ids
 
+    @torch.inference_mode()  # the speculator stages inputs in the runner's buffers (inference tensors on CUDA)
     def refresh(self, running: list) -> None:
         """While drafts are cheap: drafts every running request whose next step decodes (its KV holds all but its
         newest token) and hands each full-budget tree's node confidence to the adaptive budget."""

@@ -460,3 +460,25 @@ def test_padded_eager_steps_equal_unpadded_on_cuda(tiny_checkpoints, family):
         llm.engine.runner.eager_pad_to = pad_to
         outs.append([o.token_ids for o in llm.generate(ps, sp)])
     assert outs[0] == outs[1]
+
+
+def test_drafting_first_on_cuda_equals_plain_decoding(tiny_checkpoints, plain_cuda, monkeypatch):
+    """Synchronous steps on CUDA with a cheap drafter draft each tree before its budget is chosen
+    (engine/draft_first.py: the speculator's staging buffers on the device): greedy output equals plain decoding
+    with the n-gram and the oracle drafters, and sampled requests (T > 0, top_p) run beside greedy ones."""
+    from engine.speculative.adaptive import BudgetController
+
+    monkeypatch.setattr(BudgetController, "draft_tokens", lambda self: 0.0)  # cheap whatever the host's speed
+    folder, _ = tiny_checkpoints("llama")
+    ref = plain_cuda("llama")
+    lookup = golden_lookup([(p + r, len(p)) for p, r in zip(prompts(), ref)])
+    for drafter in ("ngram", OracleDrafter(lookup, 1000, horizon=HORIZON, device="cuda")):
+        llm = LLM(folder, dtype="fp32", device="cuda", drafter=drafter, spec_budget=8, async_scheduling=False)
+        assert llm.engine.draft_first is not None and not llm.engine.overlap
+        assert greedy(llm) == ref
+        sampled = [SamplingParams(max_tokens=MAX_TOKENS, temperature=0.8, top_p=0.9, seed=i, ignore_eos=True)
+                   for i in range(len(ref))]
+        outs = llm.generate(prompts() * 2, [SamplingParams(max_tokens=MAX_TOKENS, temperature=0,
+                                                           ignore_eos=True)] * len(ref) + sampled)
+        assert [o.token_ids for o in outs[:len(ref)]] == ref
+        assert all(len(o.token_ids) == MAX_TOKENS for o in outs[len(ref):])

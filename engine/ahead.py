@@ -45,13 +45,13 @@ class AheadLauncher:
         return self.trees(current) if current.step.is_tree_step else self.plain(current)
 
     def plain(self, current: Launched) -> Launched | None:
-        """Plain decoding of the same requests, when none wants a tree or a draft this step."""
+        """Plain decoding of the same requests, when none wants a draft and the step would verify no tree."""
         budgets = self.budgets if self.speculator is not None and self.budgets.enabled else None
         self.why_not = "a tree or a draft wanted"
         if budgets is not None:
-            ids = [s.request.request_id for s in current.plan.seqs if not s.request.finished]
-            if any(budgets.budget(i, dry=True, ahead=True) or budgets.should_draft(i, dry=True, ahead=True)
-                   for i in ids):
+            requests = [s.request for s in current.plan.seqs if not s.request.finished]
+            if any(budgets.should_draft(r.request_id, dry=True, ahead=True) for r in requests) or \
+                    self.scheduler.wants_trees(requests, lambda r: budgets.budget(r.request_id, dry=True, ahead=True)):
                 return None
         t0 = time.perf_counter()
         plan = self.scheduler.schedule_ahead(current.plan)

@@ -106,6 +106,16 @@ class Scheduler:
         width = max(budgets)
         return budgets, [max(b, min(width, cap)) if b else 0 for b, cap in zip(budgets, caps())]
 
+    def wants_trees(self, requests: list[Request], budget_of: Callable[[Request], int]) -> bool:
+        """Whether a decoding step of these requests, each one token past its host state (planned ahead of its
+        predecessor's results), would verify any tree: their budgets (budget_of) capped and put to one width as
+        schedule() does. A request's own budget may want a tree that the step's width does not pay for (under
+        graphs every request pays it); such a step is plain, and may as well run ahead."""
+        step_budget = self.step_budget(len(self.running))
+        caps = [self.budget_cap(r, step_budget, ahead=1) for r in requests]
+        budgets = [max(0, min(budget_of(r), cap)) for r, cap in zip(requests, caps)]
+        return any(budgets) and any(self.one_width(requests, budgets, lambda: caps, self.uniform_trees)[1])
+
     def schedule(self) -> StepPlan:
         plan = StepPlan()
         budget = self.config.max_num_batched_tokens

@@ -176,6 +176,27 @@ def test_ngram_speculation_with_async_scheduling_equals_plain(tiny_checkpoints):
     assert ahead > 0
 
 
+@pytest.mark.parametrize("graphs", [False, True])
+def test_a_step_whose_width_pays_for_no_tree_runs_ahead(tiny_checkpoints, monkeypatch, graphs):
+    """Each request's own budget wants a tree, but the step's width does not pay for it (under graphs every
+    request pays the width: BudgetController.uniform; without, harmonize): the step is plain, so it runs ahead of
+    its predecessor's results. Asked only whether any request wanted a tree, every such step ran synchronously
+    (on the H200 the n-gram default at batch 16 lost the pipeline on every step)."""
+    monkeypatch.setattr(BudgetController, "budget", lambda self, rid, dry=False, ahead=False: 4)
+    monkeypatch.setattr(BudgetController, "should_draft", lambda self, rid, dry=False, ahead=False: False)
+    zeros = lambda self, ids, budgets, *caps: [0] * len(budgets)  # noqa: E731
+    monkeypatch.setattr(BudgetController, "uniform", zeros)
+    monkeypatch.setattr(BudgetController, "harmonize", zeros)
+    folder, _ = tiny_checkpoints("llama")
+    ps = prompts(3)
+    sp = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
+    ref, _, _ = run(engine(folder, False).engine, ps, sp)
+    core = engine(folder, True, graphs=graphs, drafter="ngram", spec_budget=8).engine
+    out, _, ahead = run(core, ps, sp)
+    assert out == ref
+    assert ahead >= MAX_TOKENS - 4, ahead  # every decoding step but the first ran ahead
+
+
 def test_dry_budget_questions_change_nothing():
     controller = BudgetController(8)
     controller.pipelined = True

@@ -1,0 +1,72 @@
+"""Where a drafter's steps go: per kind of step (tree or plain, how it was scheduled, which graph), how many ran,
+their median wall time, tokens a step and phase timings, beside speculation off, with and without asynchronous
+scheduling, on the self-repeating chat prompt of bench/gpu_serving.py. Also the adaptive budget's view at the end
+(drafting cost and row threshold in tokens of throughput, whether drafts count as cheap, whether the engine
+drafts first).
+
+    python bench/step_kinds.py --model SmolLM2-135M-Instruct.Q4_1.gguf --device cuda --runs 16:0 1:1 1:0
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from bench.gpu_serving import COPY_PROMPT  # noqa: E402
+from engine import LLM, SamplingParams  # noqa: E402
+
+
+def run(model, device, dtype, drafter, overlap, batch, temperature, max_tokens) -> None:
+    llm = LLM(model, device=device, dtype=dtype, drafter=drafter, async_scheduling=overlap)
+    core = llm.engine
+    prompt = llm.encode(COPY_PROMPT, chat=True)
+    llm.generate([prompt] * batch, SamplingParams(max_tokens=16, temperature=temperature))  # warm-up
+    core.budgets.reset()
+    for i in range(batch):
+        core.add_request(prompt, SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=0.9, seed=i,
+                                                ignore_eos=True))
+    kinds, tokens, t0 = collections.defaultdict(list), 0, time.perf_counter()
+    while core.has_unfinished():
+        start = time.perf_counter()
+        deltas = core.step()
+        seconds = time.perf_counter() - start
+        emitted = sum(len(d.new_token_ids) for d in deltas)
+        tokens += emitted
+        stats = core.last_stats
+        if stats is None:
+            continue
+        kind = f"{'tree' if any(stats.spec_budgets) else 'plain'} | {stats.scheduling[:28]} | {stats.cuda_graph[:22]}"
+        kinds[kind].append((seconds * 1e3, emitted, {k: v * 1e3 for k, v in stats.timings.items()}))
+    elapsed, b = time.perf_counter() - t0, core.budgets
+    print(f"== batch {batch} T {temperature} async {overlap} {drafter}: {tokens / elapsed:.0f} tok/s, "
+          f"{sum(len(v) for v in kinds.values())} steps; draft_tokens {b.draft_tokens():.3f} threshold "
+          f"{b.threshold():.3f} cheap {b.cheap_draft()} draft first {core.draft_first is not None}", flush=True)
+    for kind, steps in sorted(kinds.items(), key=lambda kv: -len(kv[1])):
+        phases = {a: round(statistics.median(s[2].get(a, 0.0) for s in steps), 3) for a in steps[0][2]}
+        print(f"   {kind:70s} n={len(steps):4d} median {statistics.median(s[0] for s in steps):.3f} ms "
+              f"tokens/step {sum(s[1] for s in steps) / len(steps):.2f} {phases}", flush=True)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default=None, help="HF folder or GGUF (default: the embedded model)")
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--dtype", default=None)
+    p.add_argument("--drafter", default="ngram")
+    p.add_argument("--runs", nargs="+", default=["16:0", "1:1", "1:0"], help="batch:temperature pairs")
+    p.add_argument("--max-tokens", type=int, default=256)
+    args = p.parse_args()
+    for pair in args.runs:
+        batch, temperature = int(pair.split(":")[0]), float(pair.split(":")[1])
+        for overlap in (True, False):
+            for drafter in ("none", args.drafter):
+                run(args.model, args.device, args.dtype, drafter, overlap, batch, temperature, args.max_tokens)
+
+
+if __name__ == "__main__":
+    main()

@@ -19,9 +19,9 @@ One factor per request is not enough: a drafter's confidence is rarely off by th
 oracle's top-1 chain is always right while its side branches, at q ~ 0.1, never are; with one factor the side
 branches inherit the chain's over-delivery and fill the tree). So the engine also keeps a reliability curve:
 accepted / predicted per confidence bin (q in [2^-(k+1), 2^-k)), from which nodes of every verified tree were
-on the accepted path, each bin blended with the engine-wide ratio (BIN_PRIOR predicted drafts of it). A node's
-gain is q_j times its bin's ratio times the request's standing against the engine (c / engine-wide ratio);
-with no bins measured it is c * q_j.
+on the accepted path, each bin blended with the engine-wide ratio (reliability.py: BIN_PRIOR predicted drafts
+of it). A node's gain is q_j times its bin's ratio times the request's standing against the engine (c /
+engine-wide ratio); with no bins measured it is c * q_j.
 
 Drafting has a cost of its own (t_draft seconds per drafted request, measured: host time on CPU, CUDA events on
 the GPU): a tree is verified only when its expected accepted drafts beat its rows' cost by more than the
@@ -44,8 +44,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from itertools import accumulate
 
-from engine.speculative.confidence import CONFIDENCE_LABELS, NUM_BINS
 from engine.speculative.cost_fit import DECAY, CostFit  # DECAY: also a request's acceptance, the engine-wide record
+from engine.speculative.reliability import ReliabilityBins
 from engine.speculative.step_width import common_width, uniform_width
 
 PROBE_EVERY = 16  # steps a request stays at budget 0 before a probe
@@ -56,7 +56,6 @@ CHEAP_DRAFT = 0.02  # tokens of throughput a curve-only draft may cost to run ev
 MAX_PROBE_INTERVAL = 256
 SPIKE_CLIP = 4.0  # a drafter call counts at most this many times the running per-request average
 MIN_DRAFT_CALLS = 1  # drafter calls measured before their cost counts (the first is discarded)
-BIN_PRIOR = 0.25  # predicted drafts of the engine-wide ratio behind each bin's own (a bin of q ~ 0.1 sees ~1 a step)
 
 
 # what counting a budget does to the request's probe state (BudgetController._choose)
@@ -99,12 +98,8 @@ class BudgetController:
         self.draft_s = self.drafted = 0.0  # decayed sums: drafter seconds, requests drafted
         self.draft_calls = 0
         self.accepted = self.predicted = 0.0  # decayed sums over every request: a new request's calibration
-        self.bin_accepted = [0.0] * NUM_BINS  # per confidence bin, decayed by the step
-        self.bin_predicted = [0.0] * NUM_BINS
-        self._reliability: list[float] | None = None  # per bin, from the sums above; None: to be recomputed
+        self.bins = ReliabilityBins()
         self._costs: tuple[float, float] | None = None  # (threshold, draft_tokens) until the next observation
-        self.step_accepted = [0] * NUM_BINS  # undecayed, since the last take_confidence_counts(): for metrics
-        self.step_predicted = [0.0] * NUM_BINS
         self.latest: _RequestStats | None = None  # the last request whose tree was verified: a new one's guess
         self.clock = 0  # engine steps observed: probes and interval drafts wait for a multiple of PROBE_EVERY
         self.version = 0  # observations so far: a dry budget() answer stands until the next one
@@ -125,9 +120,7 @@ class BudgetController:
         # steps' trees, where decayed by observation it was the last ~10 requests' (and one request's failing
         # probes could outweigh the batch that came before it)
         self.accepted, self.predicted = DECAY * self.accepted, DECAY * self.predicted
-        self.bin_accepted = [DECAY * a for a in self.bin_accepted]
-        self.bin_predicted = [DECAY * p for p in self.bin_predicted]
-        self._reliability = None
+        self.bins.decay(DECAY)
         if rows <= 0 or seconds <= 0:
             return
         if self.fit.n == 0:  # the prior, from the first step whatever it is: t_row = share * T / rows
@@ -184,9 +177,7 @@ class BudgetController:
         the j-th node of the best-first order), and its full-budget tree's node confidence as node_confidence()
         made it on the device (B node probabilities q, then their B bins)."""
         self.version += 1
-        stats = self.requests.setdefault(request_id, _RequestStats())
-        num_nodes = len(confidence) // 2
-        stats.node_q, stats.node_bins = confidence[:num_nodes], [int(k) for k in confidence[num_nodes:]]
+        stats = self._set_tree(request_id, confidence)
         accepted = len(accepted_rows)
         predicted = sum(stats.node_q[:budget]) if budget > 0 else 0.0
         stats.accepted = DECAY * stats.accepted + accepted
@@ -195,44 +186,25 @@ class BudgetController:
             stats.verified = True
             self.accepted += accepted  # decayed by the step (observe_step)
             self.predicted += predicted
-            self._observe_bins(stats, budget, accepted_rows)
-            self._reliability = None
+            self.bins.observe(stats.node_q, stats.node_bins, budget, accepted_rows)
             self.latest = stats
 
     def observe_curve(self, request_id: str, confidence: list[float]) -> None:
         """The request's full-budget tree for its coming step, drafted before its budget is asked (engine/
         draft_first.py), as node_confidence() made it: its budget prices this tree."""
+        stats = self._set_tree(request_id, confidence)
+        stats.gains = stats.pending = None  # both were worked out from the previous tree
+
+    def _set_tree(self, request_id: str, confidence: list[float]) -> _RequestStats:
+        """The request's latest tree from its node confidence (B node probabilities q, then their B bins)."""
         stats = self.requests.setdefault(request_id, _RequestStats())
         num_nodes = len(confidence) // 2
         stats.node_q, stats.node_bins = confidence[:num_nodes], [int(k) for k in confidence[num_nodes:]]
-        stats.gains = stats.pending = None  # both were worked out from the previous tree
-
-    def _observe_bins(self, stats: _RequestStats, budget: int, accepted_rows: list[int]) -> None:
-        """The verified nodes of the request's tree (the one `stats` now describes), by confidence bin. Lists
-        indexed by bin, not dicts: at batch 64 this runs 64 times a step on the host's critical path."""
-        bins = stats.node_bins
-        verified = min(budget, len(bins))
-        acc, pred, seen = [0] * NUM_BINS, [0.0] * NUM_BINS, [False] * NUM_BINS
-        for q, k in zip(stats.node_q[:verified], bins):
-            pred[k] += q
-            seen[k] = True
-        for row in set(accepted_rows):  # row j >= 1 is node j - 1
-            if 1 <= row <= verified:
-                acc[bins[row - 1]] += 1
-        for k in range(NUM_BINS):
-            if seen[k]:  # decayed by the step (observe_step)
-                self.bin_accepted[k] += acc[k]
-                self.bin_predicted[k] += pred[k]
-                self.step_accepted[k] += acc[k]
-                self.step_predicted[k] += pred[k]
+        return stats
 
     def take_confidence_counts(self) -> dict[str, tuple[int, float]]:
-        """Per confidence bin (named by its lowest q) verified since the last call: (accepted nodes, sum of their
-        draft probabilities over all verified nodes); bins without verified nodes are left out."""
-        counts = {CONFIDENCE_LABELS[k]: (self.step_accepted[k], self.step_predicted[k])
-                  for k in range(NUM_BINS) if self.step_predicted[k] > 0}
-        self.step_accepted, self.step_predicted = [0] * NUM_BINS, [0.0] * NUM_BINS
-        return counts
+        """Per confidence bin verified since the last call (ReliabilityBins.take_counts): for metrics."""
+        return self.bins.take_counts()
 
     # ----------------------------------------------------------------------------------------------- choosing
 
@@ -407,13 +379,7 @@ class BudgetController:
         return self.calibration(stats) / engine if engine > 0 else 0.0
 
     def _bin_reliability(self) -> list[float]:
-        """accepted / predicted per confidence bin, each blended with the engine-wide ratio; recomputed only after
-        a tree was observed."""
-        if self._reliability is None:
-            engine = self._engine_ratio()
-            self._reliability = [(a + BIN_PRIOR * engine) / (p + BIN_PRIOR)
-                                 for a, p in zip(self.bin_accepted, self.bin_predicted)]
-        return self._reliability
+        return self.bins.curve(self._engine_ratio())
 
     def calibration(self, stats: _RequestStats) -> float:
         """accepted / predicted drafts: the request's own record, blended with the engine-wide one (weight

@@ -43,7 +43,7 @@ class FixedTreeDrafter:
     def release(self, request_id: str) -> None:
         pass
 
-    def propose_ahead(self, batch, top_k: int, root_ids, root_positions, num_new, feats=None):
+    def propose_ahead(self, batch, top_k: int, root_ids, root_positions, num_new, feats=None, emitted_ids=None):
         return self.propose(batch, top_k)
 
     def propose(self, batch, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -140,12 +140,12 @@ class ModelRunner:
         step's accepted length, all on the device (engine.inputs.prepare_tree_inputs_ahead)."""
         seqs = plan.seqs
         requests = [s.request for s in seqs]
-        roots, starts, emitted = after.tree_successors(requests, self.staging)
+        roots, starts, num_new, emitted_ids = after.tree_successors(requests, self.staging)
         # a drafter fed by target features takes the accepted rows' from the device
         feats = after.accepted_features(requests, self.staging) if self.speculator.capture_layer_ids else None
         drafted = [s.spec_budget > 0 or self.watch is None or self.watch(s.request.request_id, ahead=True)
                    for s in seqs]
-        proposal = self.speculator.propose(seqs, drafted, ahead=(roots, starts, emitted, feats))
+        proposal = self.speculator.propose(seqs, drafted, ahead=(roots, starts, num_new, feats, emitted_ids))
         variant, why = self._round_plan(proposal)
         if variant is not None:
             return self._launch_round(proposal, variant)
@@ -360,14 +360,16 @@ class PendingStep:
         """id(request) -> the most tokens this tree step can emit for it (its budget + 1)."""
         return {id(s.request): b + 1 for s, b in zip(self.batch.seqs, self.batch.budgets)}
 
-    def tree_successors(self, requests: list, stage: Staging) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def tree_successors(self, requests: list, stage: Staging
+                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """For a tree step launched ahead of this one's results, per request (all in this step's trees), on the
         device: the next root (this step's bonus token), its position (this step's root position + accepted
-        length) and the accepted length itself, each [len(requests)] int64."""
+        length) and the accepted length itself, each [len(requests)] int64, and the emitted tokens [len(requests),
+        A] (accepted drafts then the bonus, -1 past the accepted length)."""
         walk, starts = self.walk, self.inputs.tree_starts
         accept_len = walk.accept_len
         roots = walk.emitted.gather(1, (accept_len - 1)[:, None])[:, 0]
-        return self._per_request(requests, stage, roots, starts + accept_len, accept_len)
+        return self._per_request(requests, stage, roots, starts + accept_len, accept_len, walk.emitted)
 
     def accepted_features(self, requests: list, stage: Staging) -> torch.Tensor:
         """[len(requests), A, F] the captured target features of each request's accepted rows (root first; rows

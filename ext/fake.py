@@ -60,6 +60,14 @@ def register() -> None:
     def _(logits, temperature, min_p, uniform):
         return logits.new_empty((logits.shape[0],), dtype=torch.int64)
 
+    @fake("ddtree::ngram_propose")
+    def _(history, rows, root_positions, emitted, num_new, calibration, horizon, top_k, vocab_size, max_ngram,
+          max_matches, backoff, recency, cal_prior):
+        n = rows.shape[0]
+        return (history.new_empty((n, horizon, top_k), dtype=torch.float32),
+                history.new_empty((n, horizon, top_k), dtype=torch.int64),
+                history.new_empty((n, 1 + 2 * horizon), dtype=torch.int64))
+
     @fake("ddtree::pack_tree_mask")
     def _(tree_mask):
         return tree_mask.new_empty((tree_mask.shape[0], (tree_mask.shape[1] + 63) // 64), dtype=torch.int64)

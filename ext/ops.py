@@ -168,6 +168,28 @@ def tree_accept(target_token_ids, node_token_ids, parents, num_nodes, max_depth:
     return reference.tree_accept(target_token_ids, node_token_ids, parents, num_nodes, max_depth)
 
 
+NGRAM_MAX_NGRAM, NGRAM_MAX_LIST, NGRAM_MAX_K = 8, 256, 256  # kernels.h kNgramMaxNgram, kNgramMaxList, kNgramMaxK
+
+
+def ngram_propose(history, rows, root_positions, emitted, num_new, calibration, horizon: int, top_k: int,
+                  vocab_size: int, max_ngram: int, max_matches: int, backoff: float, recency: float, cal_prior: float,
+                  calibrate: bool):
+    """Suffix-match drafting from a table of token histories, writing the previous step's emitted tokens first;
+    see ext.reference.ngram.ngram_propose. Runs where the table lives."""
+    ops = _cuda_ops(history)
+    if (ops is not None and top_k <= min(NGRAM_MAX_K, vocab_size) and max_ngram <= NGRAM_MAX_NGRAM
+            and max_ngram * max_matches <= NGRAM_MAX_LIST):
+        _served("ngram_propose", ops)
+        device = history.device
+        return ops.ngram_propose(history, rows.to(device), root_positions.to(device), emitted, num_new,
+                                 calibration.to(device) if calibrate else None, int(horizon), int(top_k),
+                                 int(vocab_size), int(max_ngram), int(max_matches), float(backoff), float(recency),
+                                 float(cal_prior))
+    _fallback("ngram_propose", history, ops)
+    return reference.ngram_propose(history, rows, root_positions, emitted, num_new, calibration, horizon, top_k,
+                                   vocab_size, max_ngram, max_matches, backoff, recency, cal_prior, calibrate)
+
+
 def _cache_views_ok(caches: list[torch.Tensor], device: torch.device) -> bool:
     return all(c.device == device and c.is_contiguous() for c in caches)
 

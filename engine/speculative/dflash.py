@@ -329,8 +329,8 @@ class DFlashDrafter:
 
     @torch.inference_mode()
     def propose_ahead(self, batch: list[DraftRequest], top_k: int, root_ids: torch.Tensor,
-                      root_positions: torch.Tensor, num_new: torch.Tensor, feats: torch.Tensor
-                      ) -> tuple[torch.Tensor, torch.Tensor]:
+                      root_positions: torch.Tensor, num_new: torch.Tensor, feats: torch.Tensor,
+                      emitted_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """propose() for a tree step launched before the previous one's results reach the host
         (engine/speculative/dflash_ahead.py); needs the graphs (an eager call plans from exact host lengths)."""
         call = prepare_ahead(self, batch, root_ids, root_positions, feats, num_new)

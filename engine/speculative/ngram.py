@@ -28,16 +28,14 @@ a long prompt is indexed once (O(T * max_ngram)) and every later step costs O(ne
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 
 import torch
 
 from engine.speculative.drafter import DraftRequest, pack_candidates
+from ext.reference.ngram import NUM_BUCKETS, draft_depths, weigh_levels
 
 _CHECK = 8  # committed tokens compared to detect a request whose history was rewritten
-NUM_SHARE_BINS = 10  # calibration buckets per depth group: share deciles
-NUM_DEPTH_GROUPS = 3  # depth 1, depth 2, deeper (deeper tops, once the path to them held, are right more often)
 CAL_PRIOR = 2.0  # pseudo-observations at the share itself behind each bucket's hit rate
 CAL_DECAY = 0.995  # per observation of a bucket
 
@@ -51,22 +49,18 @@ class _Index:
     pending: list[list] = field(default_factory=list)
 
 
-class _Calibration:
+class Calibration:
     """How often the drafter's top candidate was the token the target committed, per calibration bucket (depth
-    group * NUM_SHARE_BINS + share decile), as decayed counts; depth d > 1 is checked only when depths 1..d-1
-    were right (the conditional probability a path's product needs)."""
+    group * share decile: ext.reference.ngram.bucket_of), as decayed counts; depth d > 1 is checked only when
+    depths 1..d-1 were right (the conditional probability a path's product needs)."""
 
     def __init__(self):
-        num = NUM_DEPTH_GROUPS * NUM_SHARE_BINS
-        self.hits, self.seen = [0.0] * num, [0.0] * num
+        self.hits, self.seen = [0.0] * NUM_BUCKETS, [0.0] * NUM_BUCKETS
 
-    @staticmethod
-    def bucket(depth: int, share: float) -> int:
-        group = min(depth, NUM_DEPTH_GROUPS) - 1
-        return group * NUM_SHARE_BINS + min(NUM_SHARE_BINS - 1, int(share * NUM_SHARE_BINS))
-
-    def probability(self, bucket: int, share: float) -> float:
-        return (self.hits[bucket] + CAL_PRIOR * share) / (self.seen[bucket] + CAL_PRIOR)
+    @property
+    def table(self) -> list[list[float]]:
+        """[hits, seen] per bucket, as ext.reference.ngram.probabilities reads them."""
+        return [self.hits, self.seen]
 
     def check(self, index: _Index) -> None:
         """Scores the request's pending top candidates against the tokens committed since they were drafted."""
@@ -105,7 +99,7 @@ class NgramDrafter:
             raise ValueError(f"ngram drafter: backoff must be in (0, 1], got {backoff}")
         self.vocab_size, self.horizon, self.max_ngram = vocab_size, horizon, max_ngram
         self.max_matches, self.backoff, self.recency = max_matches, backoff, recency
-        self.calibration = _Calibration() if calibrate else None
+        self.calibration = Calibration() if calibrate else None
         self.device = device
         self._state: dict[str, _Index] = {}
 
@@ -127,25 +121,11 @@ class NgramDrafter:
         index = self._sync(req)
         if self.calibration is not None:
             self.calibration.check(index)
-        t, total = index.tokens, len(index.tokens)
+        total = len(index.tokens)
         matches, mass = self._matches(index)
-        if not matches:  # nothing to continue (the survivors of a depth are never empty: the top came from them)
-            return [[] for _ in range(self.horizon)]
-        rows, tops = [], []
-        for d in range(1, self.horizon + 1):
-            scores: dict[int, float] = {}
-            predicted = []  # each surviving match's token at this depth
-            for p, w in matches:
-                token = t[p + d] if p + d < total else t[p + 1 + (d - 1) % (total - 1 - p)]
-                scores[token] = scores.get(token, 0.0) + w
-                predicted.append(token)
-            ranked = sorted(scores.items(), key=lambda kv: (-kv[1], kv[0]))
-            if d > 1:  # conditional on the path: over the survivors' weight, m/(m+1) for m survivors
-                mass = sum(w for _, w in matches) * (len(matches) + 1) / len(matches)
-            rows.append(self._probabilities(ranked, mass, d, tops))
-            top = ranked[0][0]
-            matches = [m for m, token in zip(matches, predicted) if token == top]
-        if self.calibration is not None:
+        cal = self.calibration.table if self.calibration is not None else None
+        rows, tops = draft_depths(index.tokens, matches, mass, self.horizon, cal, CAL_PRIOR)
+        if self.calibration is not None and tops:
             if index.pending and index.pending[-1][0] == total:  # drafted again before any new token
                 index.pending.pop()
             index.pending.append([total, tops, 0])
@@ -155,37 +135,9 @@ class NgramDrafter:
         """([(end position p, weight)] of the suffix's earlier occurrences, each position once with its weights over
         every level summed (a longer suffix's match is also a shorter one's), sum of level scales)."""
         t, total = index.tokens, len(index.tokens)
-        weights_at: dict[int, float] = {}
-        longest, mass = None, 0.0
-        for n in range(min(self.max_ngram, total), 0, -1):
-            ends = index.ends.get(tuple(t[total - n :]))
-            if not ends:
-                continue
-            longest = n if longest is None else longest
-            scale = self.backoff ** (longest - n)
-            mass += scale
-            recent = ends[-self.max_matches :]
-            weights = [1.0 + self.recency * (p + 1) / total for p in recent]
-            level = scale * len(recent) / (len(recent) + 1) / sum(weights)
-            for p, w in zip(recent, weights):
-                weights_at[p] = weights_at.get(p, 0.0) + w * level
-        return list(weights_at.items()), mass
-
-    def _probabilities(self, ranked: list[tuple[int, float]], mass: float, depth: int, tops: list
-                       ) -> list[tuple[int, float]]:
-        """(token, log-prob) of one depth's candidates, ranked by score; the top's calibrated (appending it to
-        `tops` for checking later), ties with it equal, the rest sharing what remains in proportion."""
-        shares = [s / mass for _, s in ranked]
-        if self.calibration is None:
-            return [(tok, math.log(s)) for (tok, _), s in zip(ranked, shares)]
-        top_share, num_tied = shares[0], sum(1 for s in shares if s == shares[0])
-        bucket = _Calibration.bucket(depth, top_share)
-        tops.append((ranked[0][0], bucket))
-        top = min(self.calibration.probability(bucket, top_share), 1.0 / num_tied)
-        rest_share = 1.0 - num_tied * top_share
-        scale = (1.0 - num_tied * top) / rest_share if rest_share > 1e-12 else 0.0
-        probs = [top if s == top_share else s * scale for s in shares]
-        return [(tok, math.log(max(p, 1e-30))) for (tok, _), p in zip(ranked, probs)]
+        recent = [index.ends.get(tuple(t[total - n:]), [])[-self.max_matches:]
+                  for n in range(min(self.max_ngram, total), 0, -1)]
+        return weigh_levels(recent, total, self.backoff, self.recency)
 
     def _sync(self, req: DraftRequest) -> _Index:
         """Brings the request's index up to its committed tokens; rebuilds it if the history changed."""

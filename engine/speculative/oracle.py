@@ -163,7 +163,8 @@ class DeviceOracle:
         return self._gather(self._batch_rows(batch), positions, top_k)
 
     def propose_ahead(self, batch: list[DraftRequest], top_k: int, root_ids: torch.Tensor,
-                      root_positions: torch.Tensor, num_new: torch.Tensor, feats=None) -> tuple[torch.Tensor, torch.Tensor]:
+                      root_positions: torch.Tensor, num_new: torch.Tensor, feats=None, emitted_ids=None
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
         """propose() for requests whose roots are still on the device (root_positions [N] int64 there; the
         drafter protocol's ahead call, engine.speculative.drafter)."""
         return self._gather(self._batch_rows(batch), root_positions, top_k)

@@ -243,9 +243,10 @@ class Speculator:
         clock = DraftClock(self.device)
         try:
             if batch and ahead is not None:
-                given = [a for a in ahead if a is not None]
-                given = given if index is None else [a[index] for a in given]
-                logprobs, token_ids = self.drafter.propose_ahead(batch, top_k, *given)  # [N, L, K]
+                roots, positions, num_new, feats, emitted_ids = (a if a is None or index is None else a[index]
+                                                                 for a in ahead)
+                logprobs, token_ids = self.drafter.propose_ahead(batch, top_k, roots, positions, num_new, feats,
+                                                                 emitted_ids=emitted_ids)  # [N, L, K]
             elif batch:
                 logprobs, token_ids = self.drafter.propose(batch, top_k)  # [N, L, K]
             else:

@@ -88,6 +88,33 @@ cudaError_t tree_accept(const int64_t* target_token_ids, const int64_t* node_tok
                         const int64_t* num_nodes, int num_reqs, int num_rows, int max_depth,
                         int64_t* accepted_nodes, int64_t* accept_len, int64_t* emitted, cudaStream_t stream);
 
+// Suffix-match drafting from a table of token histories (ngram.cu; the rule: ext/reference/ngram.py), one block
+// of kNgramThreads per request. Needs max_ngram <= kNgramMaxNgram, max_ngram * max_matches <= kNgramMaxList and
+// top_k <= kNgramMaxK.
+constexpr int kNgramThreads = 256;
+constexpr int kNgramMaxNgram = 8;
+constexpr int kNgramMaxList = 256;
+constexpr int kNgramMaxK = 256;
+constexpr int kNgramShareBins = 10;
+constexpr int kNgramDepthGroups = 3;
+constexpr int kNgramBuckets = kNgramShareBins * kNgramDepthGroups;
+struct NgramParams {
+  int* history;                 // [R, history_stride] int32, one request per row (written: the emitted tokens)
+  int64_t history_stride;
+  const int64_t* rows;          // [N] each request's row
+  const int64_t* root_positions;  // [N]
+  const int64_t* emitted;       // [N, emitted_width] the previous step's tokens, or nullptr
+  int64_t emitted_width;
+  const int64_t* num_new;       // [N] how many of them (with emitted)
+  const float* calibration;     // [2, kNgramBuckets] hits then seen, or nullptr (shares as probabilities)
+  int horizon, top_k, vocab_size, max_ngram, max_matches;
+  float backoff, recency, cal_prior;
+  float* out_logprobs;          // [N, horizon, top_k]
+  int64_t* out_ids;             // [N, horizon, top_k]
+  int64_t* out_tops;            // [N, 1 + 2 * horizon]: history length or -1, top token per depth, bucket per depth
+};
+cudaError_t ngram_propose(const NgramParams& p, int num_reqs, cudaStream_t stream);
+
 // ---- sampling ---------------------------------------------------------------------------------------------
 // Target token per row, as ext/reference/sampling.py: argmax (NaN largest, ties -> lower id) where
 // temperature[r] < 1e-5 (or NaN); else inverse-CDF sampling of p = softmax(logits / T) over the tokens with

@@ -213,6 +213,64 @@ std::tuple<Tensor, Tensor, Tensor> tree_accept(Tensor target, Tensor tokens, Ten
   return {accepted, accept_len, emitted};
 }
 
+std::tuple<Tensor, Tensor, Tensor> ngram_propose(Tensor history, Tensor rows, Tensor root_positions,
+                                                 std::optional<Tensor> emitted, std::optional<Tensor> num_new,
+                                                 std::optional<Tensor> calibration, int64_t horizon, int64_t top_k,
+                                                 int64_t vocab_size, int64_t max_ngram, int64_t max_matches,
+                                                 double backoff, double recency, double cal_prior) {
+  CHECK_CUDA(history); CHECK_CUDA(rows); CHECK_CUDA(root_positions);
+  CHECK_TYPE(history, at::kInt); CHECK_TYPE(rows, at::kLong); CHECK_TYPE(root_positions, at::kLong);
+  TORCH_CHECK(history.dim() == 2 && history.stride(1) == 1, "ddtree::ngram_propose: history [R, W] with unit column stride");
+  TORCH_CHECK(rows.dim() == 1 && root_positions.sizes() == rows.sizes(), "ddtree::ngram_propose: rows and root_positions [N]");
+  TORCH_CHECK(horizon >= 1 && top_k >= 1 && top_k <= ddtree::kNgramMaxK && top_k <= vocab_size,
+              "ddtree::ngram_propose: 1 <= top_k <= min(vocab_size, kNgramMaxK) and horizon >= 1");
+  TORCH_CHECK(max_ngram >= 1 && max_ngram <= ddtree::kNgramMaxNgram && max_matches >= 1 &&
+              max_ngram * max_matches <= ddtree::kNgramMaxList, "ddtree::ngram_propose: max_ngram or max_matches too large");
+  TORCH_CHECK(emitted.has_value() == num_new.has_value(), "ddtree::ngram_propose: emitted and num_new go together");
+  const int64_t N = rows.numel();
+  c10::cuda::CUDAGuard guard(history.device());
+  Tensor rc = rows.contiguous(), pc = root_positions.contiguous();
+  Tensor ec, nc, cc;
+  ddtree::NgramParams p{};
+  if (emitted.has_value()) {
+    CHECK_CUDA((*emitted)); CHECK_CUDA((*num_new)); CHECK_TYPE((*emitted), at::kLong); CHECK_TYPE((*num_new), at::kLong);
+    TORCH_CHECK(emitted->dim() == 2 && emitted->size(0) == N && num_new->numel() == N,
+                "ddtree::ngram_propose: emitted [N, A] and num_new [N]");
+    ec = emitted->contiguous();
+    nc = num_new->contiguous();
+    p.emitted = ec.data_ptr<int64_t>();
+    p.emitted_width = ec.size(1);
+    p.num_new = nc.data_ptr<int64_t>();
+  }
+  if (calibration.has_value()) {
+    CHECK_CUDA((*calibration));
+    TORCH_CHECK(calibration->numel() == 2 * ddtree::kNgramBuckets, "ddtree::ngram_propose: calibration [2, buckets]");
+    cc = calibration->to(at::kFloat).contiguous();
+    p.calibration = cc.data_ptr<float>();
+  }
+  auto opt = history.options();
+  Tensor lp = at::empty({N, horizon, top_k}, opt.dtype(at::kFloat));
+  Tensor ids = at::empty({N, horizon, top_k}, opt.dtype(at::kLong));
+  Tensor tops = at::empty({N, 1 + 2 * horizon}, opt.dtype(at::kLong));
+  p.history = history.data_ptr<int>();
+  p.history_stride = history.stride(0);
+  p.rows = rc.data_ptr<int64_t>();
+  p.root_positions = pc.data_ptr<int64_t>();
+  p.horizon = static_cast<int>(horizon);
+  p.top_k = static_cast<int>(top_k);
+  p.vocab_size = static_cast<int>(vocab_size);
+  p.max_ngram = static_cast<int>(max_ngram);
+  p.max_matches = static_cast<int>(max_matches);
+  p.backoff = static_cast<float>(backoff);
+  p.recency = static_cast<float>(recency);
+  p.cal_prior = static_cast<float>(cal_prior);
+  p.out_logprobs = lp.data_ptr<float>();
+  p.out_ids = ids.data_ptr<int64_t>();
+  p.out_tops = tops.data_ptr<int64_t>();
+  check(ddtree::ngram_propose(p, static_cast<int>(N), stream()), "ngram_propose");
+  return {lp, ids, tops};
+}
+
 std::vector<ddtree::CacheList> cache_lists(at::TensorList caches) {
   std::vector<ddtree::CacheList> lists;
   for (size_t i = 0; i < caches.size(); ++i) {
@@ -315,6 +373,9 @@ TORCH_LIBRARY(ddtree, m) {
   m.def("kv_compact_tree(Tensor(a!)[] caches, Tensor accepted_nodes, Tensor tree_slots) -> ()");
   m.def("sample_tokens(Tensor logits, Tensor temperature, Tensor min_p, Tensor uniform) -> Tensor");
   m.def("pack_tree_mask(Tensor tree_mask) -> Tensor");
+  m.def("ngram_propose(Tensor(a!) history, Tensor rows, Tensor root_positions, Tensor? emitted, Tensor? num_new, "
+        "Tensor? calibration, int horizon, int top_k, int vocab_size, int max_ngram, int max_matches, float backoff, "
+        "float recency, float cal_prior) -> (Tensor, Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(ddtree, CUDA, m) {
@@ -328,4 +389,5 @@ TORCH_LIBRARY_IMPL(ddtree, CUDA, m) {
   m.impl("kv_compact_tree", &kv_compact_tree);
   m.impl("sample_tokens", &sample_tokens);
   m.impl("pack_tree_mask", &pack_tree_mask);
+  m.impl("ngram_propose", &ngram_propose);
 }

@@ -265,8 +265,8 @@ def dflash_ahead_against_synchronous(tiny_checkpoints, tmp_path, device: str) ->
             calls.append(propose(batch, top_k)[0].clone())
             return oracle.propose(batch, top_k)
 
-        def device_(batch, top_k, roots, positions, num_new, feats, propose_ahead=propose_ahead, oracle=oracle,
-                    calls=calls):
+        def device_(batch, top_k, roots, positions, num_new, feats, emitted_ids=None, propose_ahead=propose_ahead,
+                    oracle=oracle, calls=calls):
             calls.append(propose_ahead(batch, top_k, roots, positions, num_new, feats)[0].clone())
             return oracle.propose_ahead(batch, top_k, roots, positions, num_new)
 

@@ -1,0 +1,149 @@
+"""The n-gram drafter on the device (engine/speculative/ngram_device.py) through ext.ops.ngram_propose's PyTorch
+reference (the CUDA kernel is checked against that reference in tests/ext/test_ngram_gpu.py): the same proposals as
+the host drafter (engine/speculative/ngram.py: an incremental index, a different implementation of the rule) call
+after call with its calibration learning, for several requests at once; drafting ahead from the emitted tokens
+equals drafting from the host's tokens; rows reused, grown and rewritten; and in the engine, tree steps drafted
+ahead of their predecessor's results decode exactly as plain decoding."""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from engine import LLM, SamplingParams
+from engine.speculative.drafter import DraftRequest
+from engine.speculative.ngram import NgramDrafter
+from engine.speculative.ngram_device import MIN_WIDTH, DeviceNgramDrafter
+from tests.engine.test_async_trees import plain_greedy, tree_steps_ahead
+from tests.engine.test_cuda_graphs import prompts
+
+
+def grow(rng: random.Random, toks: list[int], vocab: int) -> list[int]:
+    """A few more tokens: half fresh, half copied from earlier (so suffixes recur)."""
+    return [rng.randrange(vocab) if rng.random() < 0.5 else toks[-rng.randrange(1, len(toks) + 1)]
+            for _ in range(rng.randrange(1, 4))]
+
+
+def assert_same(a: tuple[torch.Tensor, torch.Tensor], b: tuple[torch.Tensor, torch.Tensor], where) -> None:
+    assert torch.equal(a[1], b[1]), where
+    assert torch.equal(a[0], b[0]), where
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_the_device_rule_equals_the_host_drafter_as_it_learns(seed):
+    rng = random.Random(seed)
+    vocab = rng.choice([5, 12, 50])
+    toks = [rng.randrange(vocab) for _ in range(rng.randrange(1, 60))]
+    host, dev = NgramDrafter(vocab, horizon=6), DeviceNgramDrafter(vocab, horizon=6)
+    for step in range(25):
+        assert_same(host.propose([DraftRequest("a", list(toks))], 8),
+                    dev.propose([DraftRequest("a", list(toks))], 8), (seed, step))
+        toks += grow(rng, toks, vocab)
+    assert sum(host.calibration.seen) > 5 and host.calibration.seen == dev.calibration.seen
+
+
+def test_a_batch_of_requests_equals_the_host_drafter():
+    """Several requests a call, joining and leaving (rows freed and reused), without calibration (the host drafter
+    checks and drafts request by request, the device one checks a whole call first)."""
+    rng = random.Random(7)
+    host, dev = NgramDrafter(30, calibrate=False), DeviceNgramDrafter(30, calibrate=False)
+    live = {f"r{i}": [rng.randrange(30) for _ in range(rng.randrange(1, 40))] for i in range(5)}
+    for step in range(30):
+        batch = sorted(live)
+        assert_same(host.propose([DraftRequest(r, list(live[r])) for r in batch], 16),
+                    dev.propose([DraftRequest(r, list(live[r])) for r in batch], 16), step)
+        for r in batch:
+            live[r] += grow(rng, live[r], 30)
+        if step % 6 == 5:  # one leaves, a new one comes
+            gone = batch[step % len(batch)]
+            host.release(gone)
+            dev.release(gone)
+            del live[gone]
+            live[f"n{step}"] = [rng.randrange(30) for _ in range(rng.randrange(1, 20))]
+    assert dev.table.shape[0] <= 8  # rows of released requests were reused
+
+
+@pytest.mark.parametrize("calibrate", [False, True])
+def test_drafting_ahead_from_the_emitted_tokens_equals_drafting_from_the_host(calibrate):
+    """propose_ahead with the host's tokens one tree step behind and that step's emitted tokens on the device (-1
+    padded past each request's count) drafts what propose drafts from the whole history. With calibration the
+    ahead drafter checks its tops a step later (against the host's tokens): the same tops, the same observations
+    once both have caught up, probabilities a step behind."""
+    rng = random.Random(3)
+    sync, ahead = DeviceNgramDrafter(20, horizon=5, calibrate=calibrate), \
+        DeviceNgramDrafter(20, horizon=5, calibrate=calibrate)
+    live = {f"r{i}": [rng.randrange(20) for _ in range(rng.randrange(2, 30))] for i in range(3)}
+    before = {r: list(t) for r, t in live.items()}  # the host's tokens, a step behind
+    for step in range(20):
+        batch = sorted(live)
+        want = sync.propose([DraftRequest(r, list(live[r])) for r in batch], 8)
+        width = 4
+        emitted = torch.full((len(batch), width), -1, dtype=torch.int64)
+        for i, r in enumerate(batch):
+            new = live[r][len(before[r]):]
+            emitted[i, :len(new)] = torch.tensor(new)
+        num_new = torch.tensor([len(live[r]) - len(before[r]) for r in batch])
+        positions = torch.tensor([len(live[r]) - 1 for r in batch])
+        roots = torch.tensor([live[r][-1] for r in batch])
+        got = ahead.propose_ahead([DraftRequest(r, list(before[r])) for r in batch], 8, roots, positions, num_new,
+                                  emitted_ids=emitted)
+        if calibrate:
+            assert torch.equal(want[1][..., 0], got[1][..., 0]), step  # the same tops
+        else:
+            assert_same(want, got, step)
+        before = {r: list(t) for r, t in live.items()}
+        for r in batch:  # the next step emits 1..4 tokens
+            live[r] += grow(rng, live[r], 20)[:width]
+    if calibrate:
+        for drafter in (sync, ahead):  # both check what is left against the whole history
+            drafter.propose([DraftRequest(r, list(live[r])) for r in sorted(live)], 8)
+        assert sum(sync.calibration.seen) > 5
+        assert sync.calibration.seen == pytest.approx(ahead.calibration.seen)
+        assert sync.calibration.hits == pytest.approx(ahead.calibration.hits)
+
+
+def test_long_histories_grow_the_table_and_a_rewritten_history_is_written_again():
+    rng = random.Random(11)
+    host, dev = NgramDrafter(40), DeviceNgramDrafter(40)
+    toks = [rng.randrange(40) for _ in range(MIN_WIDTH + 300)]
+    assert_same(host.propose([DraftRequest("a", toks)], 8), dev.propose([DraftRequest("a", toks)], 8), "long")
+    assert dev.table.shape[1] >= MIN_WIDTH + 301
+    other = toks[:100] + [(t + 1) % 40 for t in toks[100:400]]  # same id, another history
+    host.release("a")
+    assert_same(NgramDrafter(40).propose([DraftRequest("a", other)], 8),
+                dev.propose([DraftRequest("a", other)], 8), "rewritten")
+
+
+def test_the_device_drafter_needs_the_emitted_tokens_to_draft_ahead():
+    dev = DeviceNgramDrafter(20)
+    one = torch.tensor([1])
+    with pytest.raises(ValueError, match="emitted"):
+        dev.propose_ahead([DraftRequest("a", [1, 2, 1])], 4, one, torch.tensor([3]), one)
+
+
+@pytest.mark.parametrize("batch", [1, 17])
+def test_tree_steps_drafted_ahead_on_the_device_equal_plain_decoding(tiny_checkpoints, batch):
+    """The engine with the device drafter, CUDA-graph layout emulated and asynchronous scheduling on: tree steps
+    are drafted ahead of their predecessor's results, and greedy output equals plain decoding."""
+    folder, _ = tiny_checkpoints("llama")
+    ps = prompts(batch)
+    params = [SamplingParams(max_tokens=40 - i % 7, temperature=0, ignore_eos=True) for i in range(batch)]
+    ref = plain_greedy(folder, ps, params)
+    llm = LLM(folder, dtype="fp32", drafter=DeviceNgramDrafter(1000, horizon=6), spec_budget=6, adaptive=False,
+              max_num_seqs=32)
+    llm.engine.enable_graphs(emulate=True)
+    llm.engine.overlap = llm.engine.budgets.pipelined = True
+    accepted, step = [], llm.engine.step
+
+    def spy():
+        deltas = step()
+        if llm.engine.last_stats is not None:
+            accepted.extend(llm.engine.last_stats.accepted_per_position)
+        return deltas
+
+    llm.engine.step = spy
+    out, _, ahead = tree_steps_ahead(llm.engine, ps, params)
+    assert out == ref
+    assert ahead >= 3, ahead
+    assert sum(accepted) > 0  # the drafts were right now and then (the tiny model repeats itself)

@@ -118,6 +118,7 @@ class EngineCore:
         self.ahead = AheadLauncher(self.scheduler, self.runner, self.speculator, self.budgets)
         self._next_scheduling = "synchronous: first step" if self.overlap else ""  # the next scheduled step's
         self._last_ready = 0.0  # when the last step's results reached the host (perf_counter)
+        self._call_start = 0.0  # when the current step() call began
         self.alloc_watch = AllocatorWatch(torch.device(config.device)) if config.is_cuda else None
 
     @property
@@ -294,6 +295,7 @@ class EngineCore:
         step k runs while the device computes step k+1; step() then returns step k's deltas and keeps step k+1
         in flight for the next call."""
         self._mirror("step")
+        self._call_start = time.perf_counter()
         current, self.inflight = self.inflight, None
         if current is None:
             current = self._launch_scheduled()
@@ -337,8 +339,12 @@ class EngineCore:
         if self.inflight is not None and self.inflight.step.batch is not None:  # a tree step drafted ahead of these
             self.speculator.confirm_ahead(self.inflight.step.batch, result.new_token_ids)
         self._next_scheduling = launched.next_scheduling
-        # the step's cost: from its launch, or from the previous step's results when it was queued behind them
-        seconds = ready - max(launched.t_launch, self._last_ready)
+        # the step's cost: from its launch, or from the previous step's results when it was queued behind them;
+        # under asynchronous scheduling a step that could not run ahead also pays its scheduling (the device
+        # idles meanwhile): from this call's start (the switch into and out of trees, BudgetController)
+        ahead = launched.scheduling == "ahead"
+        start = self._call_start if self.overlap and not ahead else launched.t_launch
+        seconds = ready - max(start, self._last_ready)
         self._last_ready = ready
         result.timings["schedule"] = launched.schedule_time
         # (request, output tokens before the step) of those not finished while the step ran: nothing to emit
@@ -347,7 +353,7 @@ class EngineCore:
             self.last_stats = None
             return []
         if self.speculator is not None:
-            self._observe_budgets(plan, result, seconds)
+            self._observe_budgets(plan, result, seconds, synchronous=self.overlap and not ahead)
         self.scheduler.update(plan, result, in_flight=self.inflight.plan if self.inflight is not None else None)
         for req in plan.preempted:
             self.runner.release(req.request_id)
@@ -376,7 +382,7 @@ class EngineCore:
             self._release(req.request_id)
         return delta
 
-    def _observe_budgets(self, plan: StepPlan, result, seconds: float) -> None:
+    def _observe_budgets(self, plan: StepPlan, result, seconds: float, synchronous: bool = False) -> None:
         """What the adaptive budget learns from a step: its rows and time, and each tree's acceptance."""
         width = max(s.spec_budget for s in plan.seqs) + 1  # verify rows per tree request (padded)
         # the cost fit prices one more verify row of a decoding step; a step with a prefill chunk would flatten it
@@ -390,7 +396,7 @@ class EngineCore:
         draft_seconds = result.draft_seconds
         if self.tp is not None and self.budgets.enabled:  # budgets follow the leader's clock on every rank
             seconds, draft_seconds = self.tp.broadcast_object((seconds, draft_seconds))
-        self.budgets.observe_step(rows, seconds, tokens, fit=decoding, tree=width > 1)
+        self.budgets.observe_step(rows, seconds, tokens, fit=decoding, tree=width > 1, synchronous=synchronous)
         self.budgets.observe_draft(result.num_drafted, draft_seconds)
         for s in plan.seqs:
             rid = s.request.request_id

@@ -44,13 +44,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from itertools import accumulate
 
-from engine.speculative.cost_fit import DECAY, CostFit  # DECAY: also a request's acceptance, the engine-wide record
+from engine.speculative.cost_fit import DECAY, CostFit, SwitchCost  # DECAY: also a request's acceptance, the engine-wide record
 from engine.speculative.reliability import ReliabilityBins
 from engine.speculative.step_width import common_width, uniform_width
 
 PROBE_EVERY = 16  # steps a request stays at budget 0 before a probe
 PROBE_BUDGET = 4
 PRIOR_WEIGHT = 4.0  # pseudo-observations behind the cost prior
+PRIOR_MIN_ROWS = 256  # the prior prices a row as if the first step had at least this many
 MIN_GAIN = 0.02  # a row is never free: below this many expected accepted tokens a node is not verified
 CHEAP_DRAFT = 0.02  # tokens of throughput a curve-only draft may cost to run every step at budget 0
 MAX_PROBE_INTERVAL = 256
@@ -102,6 +103,8 @@ class BudgetController:
         self._costs: tuple[float, float] | None = None  # (threshold, draft_tokens) until the next observation
         self.latest: _RequestStats | None = None  # the last request whose tree was verified: a new one's guess
         self.clock = 0  # engine steps observed: probes and interval drafts wait for a multiple of PROBE_EVERY
+        self.switch = SwitchCost()  # under asynchronous scheduling: what a step that cannot run ahead costs more
+        self.last_tree = False  # the last observed step verified a tree
         self.version = 0  # observations so far: a dry budget() answer stands until the next one
 
     def release(self, request_id: str) -> None:
@@ -109,10 +112,12 @@ class BudgetController:
 
     # -------------------------------------------------------------------------------------------- observing
 
-    def observe_step(self, rows: int, seconds: float, tokens: int, fit: bool = True, tree: bool = False) -> None:
+    def observe_step(self, rows: int, seconds: float, tokens: int, fit: bool = True, tree: bool = False,
+                     synchronous: bool = False) -> None:
         """One engine step: rows through the target, its wall time, tokens it produced. fit=False: the step is
         counted (probes follow the step count) and may seed the prior, but does not price rows (the engine's steps
-        with a prefill chunk)."""
+        with a prefill chunk). synchronous: under asynchronous scheduling, the step could not run ahead of its
+        predecessor's results (its time includes its scheduling)."""
         self.clock += 1
         self.version += 1
         self._costs = None
@@ -124,13 +129,21 @@ class BudgetController:
         if rows <= 0 or seconds <= 0:
             return
         if self.fit.n == 0:  # the prior, from the first step whatever it is: t_row = share * T / rows
-            # (a prompt's step makes it optimistic, so the first trees get verified and the fit learns from them;
-            # seeded by a one-row decoding step it would price a row at half a step and no tree would ever run)
-            t_row = self.prior_row_share * seconds / rows
-            for r in (max(1, rows // 2), rows * 2):
-                self.fit.add(r, seconds + t_row * (r - rows), PRIOR_WEIGHT / 2)
+            # (optimistic, so the first trees get verified and the fit learns from them. Seeded by a decoding step's
+            # few rows it priced a row at half that step, and no tree ever ran: plain steps of one width never
+            # move the slope. A prompt found in the prefix cache makes the first step such a one, hence at least
+            # PRIOR_MIN_ROWS: on the H200 batch 16's 16 rows gave a threshold of 1.9 tokens a row, none verified)
+            t_row = self.prior_row_share * seconds / max(rows, PRIOR_MIN_ROWS)
+            # two pseudo-steps on either side of this one, as far: while the steps that follow have its width, they
+            # give the prior's slope whatever their time (asymmetric, a first step slower than the next ones
+            # read as a steep slope)
+            spread = max(1, rows // 2)
+            self.fit.seed([(r, seconds + t_row * (r - rows)) for r in (rows - spread, rows + spread)], PRIOR_WEIGHT / 2)
         if not fit:
             return
+        if self.pipelined:
+            self.switch.observe(seconds - self.fit.predict(rows, tree and self.price_tree_steps), synchronous)
+        self.last_tree = tree
         self.fit.add(rows, seconds, tree=tree and self.price_tree_steps)
         self.last_rows, self.last_seconds = rows, seconds
         self.tokens, self.seconds = DECAY * self.tokens + tokens, DECAY * self.seconds + seconds
@@ -337,7 +350,15 @@ class BudgetController:
             return budgets
         caps = [max(0, c) for c in caps]
         gains, probes = self._step_gains(request_ids, budgets, caps)
-        return uniform_width(gains, caps, self.threshold(), self.draft_tokens(), probes)
+        return uniform_width(gains, caps, self.threshold(), self.draft_tokens(), probes, self.switch_tokens())
+
+    def switch_tokens(self) -> float:
+        """Tokens of throughput a tree step after a plain one costs beyond its rows under asynchronous scheduling:
+        it cannot run ahead of its predecessor's results (its scheduling and drafting leave the device idle),
+        and the plain step after the trees cannot either. Priced once, at the switch into trees (SwitchCost)."""
+        if not self.pipelined or self.last_tree:
+            return 0.0
+        return self._in_tokens(self.switch.seconds())
 
     def _step_gains(self, request_ids: list[str], budgets: list[int], lengths: list[int]
                     ) -> tuple[list[list[float]], list[int]]:

@@ -32,8 +32,8 @@ class _Sums:
     sxx: float = 0.0
     sxy: float = 0.0
 
-    def add(self, x: float, y: float, weight: float) -> None:
-        self.scale(DECAY)
+    def add(self, x: float, y: float, weight: float, decay: float = DECAY) -> None:
+        self.scale(decay)
         self.n, self.sx, self.sy = self.n + weight, self.sx + weight * x, self.sy + weight * y
         self.sxx, self.sxy = self.sxx + weight * x * x, self.sxy + weight * x * y
 
@@ -66,6 +66,11 @@ class CostFit:
             self.plain.add(rows, seconds, weight)
             self.tree.scale(STALE_DECAY)
 
+    def seed(self, points: list[tuple[float, float]], weight: float) -> None:
+        """Pseudo-steps of plain decoding, each of this weight (none decays the others): a prior."""
+        for rows, seconds in points:
+            self.plain.add(rows, seconds, weight, decay=1.0)
+
     def slope(self) -> float | None:
         """t_row (seconds a verify row), or None before rows have varied."""
         fit = self._with_tree()
@@ -76,6 +81,17 @@ class CostFit:
         if var <= 1e-9 * max(pooled.n, 1e-9):
             return None
         return max(0.0, pooled.cov_xy() / var)
+
+    def predict(self, rows: float, tree: bool = False) -> float:
+        """Seconds the fit expects a step of these rows to take (0 before any step)."""
+        pooled = self._pooled()
+        if pooled.n <= 0:
+            return 0.0
+        fit = self._with_tree()
+        if fit is not None and self.plain.n > 0:
+            return self.plain.intercept(fit[0]) + fit[0] * rows + (fit[1] if tree else 0.0)
+        slope = self.slope() or 0.0
+        return pooled.intercept(slope) + slope * rows
 
     def tree_cost(self) -> float:
         """t_tree (seconds a step pays for verifying any tree, beyond its rows), 0 while not identifiable."""
@@ -98,3 +114,25 @@ class CostFit:
         if t_row < 0:
             return None
         return t_row, max(0.0, tree.intercept(t_row) - plain.intercept(t_row))
+
+
+class SwitchCost:
+    """Under asynchronous scheduling, what a decoding step that could not run ahead of its predecessor's results
+    costs beyond the fit's prediction (its scheduling and drafting leave the device idle): the decayed mean residual
+    of such steps minus that of the steps that ran ahead, each kind decayed by its own steps (synchronous steps
+    are rare once steps run ahead). On the H200 with the embedded model: ~1.1 ms at batch 1, ~1.8 ms at batch 16
+    (bench/step_kinds.py), against 0.8 ms steps."""
+
+    def __init__(self):
+        self.synchronous, self.ahead = [0.0, 0.0], [0.0, 0.0]  # decayed [weight, sum of residuals]
+
+    def observe(self, residual: float, synchronous: bool) -> None:
+        kind = self.synchronous if synchronous else self.ahead
+        kind[0], kind[1] = DECAY * kind[0] + 1.0, DECAY * kind[1] + residual
+
+    def seconds(self) -> float:
+        """The extra time of a synchronous step (0 until both kinds were seen)."""
+        (ws, ss), (wa, sa) = self.synchronous, self.ahead
+        if ws < 1.0 or wa < 1.0:
+            return 0.0
+        return max(0.0, ss / ws - sa / wa)

@@ -20,6 +20,7 @@ import torch
 
 from engine.speculative.drafter import DraftRequest, proposal_width
 from engine.speculative.ngram import _CHECK, CAL_PRIOR, Calibration
+from engine.staging import Staging
 from ext import ops
 
 MIN_WIDTH = 2048  # tokens a row holds at first; doubled as needed
@@ -47,6 +48,7 @@ class DeviceNgramDrafter:
         self.max_matches, self.backoff, self.recency = max_matches, backoff, recency
         self.calibration = Calibration() if calibrate else None
         self.device = torch.device(device)
+        self.stage = Staging(self.device)  # the runner's, once the speculator shares it (use_staging)
         self.table = torch.zeros((0, MIN_WIDTH), dtype=torch.int32, device=self.device)  # [rows, width]
         self._slots: dict[str, _Slot] = {}
         self._free: list[int] = []
@@ -83,9 +85,9 @@ class DeviceNgramDrafter:
             self._take_readbacks()
             for slot in slots:
                 cal.check(slot)
-        table = torch.tensor(cal.table if cal is not None else [[0.0], [0.0]], dtype=torch.float64)
+        table = self.stage(cal.table if cal is not None else [[0.0], [0.0]], torch.float64)
         logprobs, token_ids, tops = ops.ngram_propose(
-            self.table, rows, roots, emitted_ids, num_new, table.to(self.device, non_blocking=True), self.horizon,
+            self.table, rows, roots, emitted_ids, num_new, table, self.horizon,
             proposal_width(top_k, self.vocab_size), self.vocab_size, self.max_ngram, self.max_matches, self.backoff,
             self.recency, CAL_PRIOR, cal is not None)
         if cal is not None:
@@ -162,4 +164,4 @@ class DeviceNgramDrafter:
         self.table = table
 
     def _to_device(self, values: list[int], dtype: torch.dtype = torch.int64) -> torch.Tensor:
-        return torch.tensor(values, dtype=dtype).to(self.device, non_blocking=True)
+        return self.stage(values, dtype)

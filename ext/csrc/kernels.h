@@ -98,6 +98,7 @@ constexpr int kNgramMaxK = 256;
 constexpr int kNgramShareBins = 10;
 constexpr int kNgramDepthGroups = 3;
 constexpr int kNgramBuckets = kNgramShareBins * kNgramDepthGroups;
+constexpr float kNgramBucketEps = 1e-4f;  // a share on a decile's edge goes up whatever its rounding
 struct NgramParams {
   int* history;                 // [R, history_stride] int32, one request per row (written: the emitted tokens)
   int64_t history_stride;

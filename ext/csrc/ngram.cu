@@ -77,7 +77,7 @@ __device__ __forceinline__ float block_sum(float v, Shared& s) {
 
 __device__ __forceinline__ int bucket_of(int depth, float share) {
   const int group = (depth < kNgramDepthGroups ? depth : kNgramDepthGroups) - 1;
-  int bin = static_cast<int>(share * kNgramShareBins);
+  int bin = static_cast<int>(share * kNgramShareBins + kNgramBucketEps);  // edges: ext/reference/ngram.py bucket_of
   bin = bin < kNgramShareBins - 1 ? bin : kNgramShareBins - 1;
   return group * kNgramShareBins + bin;
 }

@@ -32,12 +32,15 @@ from ext.reference.candidates import pack_candidates
 NUM_SHARE_BINS = 10  # calibration buckets per depth group: share deciles
 NUM_DEPTH_GROUPS = 3  # depth 1, depth 2, deeper
 NUM_BUCKETS = NUM_SHARE_BINS * NUM_DEPTH_GROUPS
+BUCKET_EPS = 1e-4  # in deciles (ext/csrc/kernels.h kNgramBucketEps)
 
 
 def bucket_of(depth: int, share: float) -> int:
-    """The calibration bucket of a top candidate at this depth (1-based) with this share."""
+    """The calibration bucket of a top candidate at this depth (1-based) with this share. Shares on a decile's edge
+    are common (m/(m+1) for m matches: 1/2, 4/5, 9/10) and land in the upper decile however they were rounded
+    (BUCKET_EPS), so the fp32 kernel buckets them as the host does."""
     group = min(depth, NUM_DEPTH_GROUPS) - 1
-    return group * NUM_SHARE_BINS + min(NUM_SHARE_BINS - 1, int(share * NUM_SHARE_BINS))
+    return group * NUM_SHARE_BINS + min(NUM_SHARE_BINS - 1, int(share * NUM_SHARE_BINS + BUCKET_EPS))
 
 
 def write_emitted(history: torch.Tensor, rows: torch.Tensor, root_positions: torch.Tensor, emitted: torch.Tensor,

@@ -151,9 +151,9 @@ def test_engine_prices_rows_only_on_decoding_steps(tiny_checkpoints, monkeypatch
     seen = []
     observe = BudgetController.observe_step
 
-    def spy(self, rows, seconds, tokens, fit=True, tree=False):
+    def spy(self, rows, seconds, tokens, fit=True, tree=False, synchronous=False):
         seen.append((rows, fit, tree))
-        observe(self, rows, seconds, tokens, fit, tree)
+        observe(self, rows, seconds, tokens, fit, tree, synchronous)
 
     monkeypatch.setattr(BudgetController, "observe_step", spy)
     ref = greedy(LLM(folder, dtype="fp32"))
@@ -287,7 +287,9 @@ def test_one_padded_width_for_the_step():
 
 def test_harmonize_uses_each_requests_gains_and_keeps_probes():
     controller = BudgetController(max_budget=8, prior_row_share=0.2)
-    controller.observe_step(8, 0.08, tokens=8)
+    for _ in range(30):  # a row costs 2 ms beside a 64 ms fixed part; 100 tokens a second: theta ~0.2
+        controller.observe_step(8, 0.08, tokens=8)
+        controller.observe_step(16, 0.096, tokens=8)
     strong = [0.9 ** (j + 1) for j in range(8)]
     for rid, qs, accepted in (("strong", strong, list(range(1, 9))), ("weak", [0.5] + [0.01] * 7, [1])):
         curve = [sum(qs[:j + 1]) for j in range(8)]
@@ -645,3 +647,44 @@ def test_the_budget_learns_only_from_the_nodes_it_chose():
     EngineCore._observe_budgets(SimpleNamespace(budgets=budgets, tp=None, runner=SimpleNamespace(uniform_trees=False)),
                                 plan, result, 0.01)
     assert seen == [("filled", 2, [1, 2], [0.5]), ("own", 6, [1, 3], [0.5])]
+
+
+def test_a_first_step_of_few_rows_seeds_an_optimistic_prior():
+    """Plain steps of one width never move the fitted slope, so the prior decides whether a first tree is ever
+    verified. Seeded by a decoding step's 16 rows (prompts found in the prefix cache: the H200 at batch 16), it
+    priced a row at half that step, a threshold of ~1.9 tokens a row, and no tree ran; seeded as if that step had
+    PRIOR_MIN_ROWS rows, a confident request verifies its tree."""
+    from engine.speculative.adaptive import PRIOR_MIN_ROWS
+
+    controller = BudgetController(max_budget=16)
+    controller.observe_step(16, 0.0025, tokens=16)  # the first step: the prompts came from the prefix cache
+    for _ in range(50):
+        controller.observe_step(16, 0.0008, tokens=16)
+    qs = [0.8 ** (j + 1) for j in range(16)]
+    controller.observe_curve("r", confidence([sum(qs[:j + 1]) for j in range(16)]))
+    assert controller.threshold() < 0.2 and controller.budget("r") >= 4
+    assert 0.5 * 0.0025 / 16 * 16 / 0.0008 > 1.5 > 0.5 * 0.0025 / PRIOR_MIN_ROWS * 16 / 0.0008  # (what it was)
+
+
+def test_under_asynchronous_scheduling_a_switch_into_trees_pays_its_synchronous_step():
+    """A tree step after a plain one cannot run ahead of its predecessor's results (nor can the plain step after the
+    trees): on the H200 at batch 1 such a step took ~1.9 ms against 0.83 ms run ahead, and sporadic trees of ~0.7
+    accepted drafts each lost to plain decoding (T = 1: 0.93x). Measured as the synchronous steps' time beyond
+    the fit's prediction, that switch is priced when entering trees: a mild tree stays plain after a plain step, a
+    strong one does not, and once a tree step ran (the next can run ahead) the mild one is verified too."""
+    controller = BudgetController(max_budget=8)
+    controller.pipelined = True
+    controller.observe_step(64, 0.002, tokens=1, fit=False)  # (the prompt: seeds the prior)
+    for i in range(60):  # batch 1: ahead steps 0.83 ms; every 6th a synchronous one, 1.1 ms more
+        synchronous = i % 6 == 0
+        controller.observe_step(1, 0.00083 + 0.0011 * synchronous, tokens=1, synchronous=synchronous)
+    assert controller.switch.seconds() == pytest.approx(0.0011, rel=0.15)
+    assert controller.switch_tokens() == pytest.approx(1.3, rel=0.2)  # 1.1 ms at ~1,000 tokens a second
+    mild = [0.6, 0.3, 0.15] + [0.01] * 5  # ~1 token beyond its rows
+    strong = [0.95 ** (j + 1) for j in range(8)]
+    for rid, qs in (("mild", mild), ("strong", strong)):
+        controller.observe_curve(rid, confidence([sum(qs[:j + 1]) for j in range(8)]))
+    assert controller.uniform(["mild"], [3], [8]) == [0]
+    assert controller.uniform(["strong"], [8], [8]) != [0]
+    controller.observe_step(9, 0.0012, tokens=4, tree=True)  # a tree step: the next one runs ahead
+    assert controller.switch_tokens() == 0.0 and controller.uniform(["mild"], [3], [8]) != [0]

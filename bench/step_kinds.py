@@ -60,10 +60,12 @@ def main() -> None:
     p.add_argument("--drafter", default="ngram")
     p.add_argument("--runs", nargs="+", default=["16:0", "1:1", "1:0"], help="batch:temperature pairs")
     p.add_argument("--max-tokens", type=int, default=256)
+    p.add_argument("--scheduling", choices=["both", "async", "sync"], default="both",
+                   help="asynchronous scheduling on, off, or each in turn")
     args = p.parse_args()
     for pair in args.runs:
         batch, temperature = int(pair.split(":")[0]), float(pair.split(":")[1])
-        for overlap in (True, False):
+        for overlap in {"both": (True, False), "async": (True,), "sync": (False,)}[args.scheduling]:
             for drafter in ("none", args.drafter):
                 run(args.model, args.device, args.dtype, drafter, overlap, batch, temperature, args.max_tokens)
 

@@ -45,13 +45,20 @@ class AheadLauncher:
         return self.trees(current) if current.step.is_tree_step else self.plain(current)
 
     def plain(self, current: Launched) -> Launched | None:
-        """Plain decoding of the same requests, when none wants a draft and the step would verify no tree."""
+        """Plain decoding of the same requests, when the step would verify no tree and no request wants a draft
+        that needs its newest token on the host (a drafter that drafts from the device drafts those ahead)."""
         budgets = self.budgets if self.speculator is not None and self.budgets.enabled else None
+        if budgets is None:
+            return self._plain(current, None, False)
+        with budgets.planning_after(False):
+            return self._plain(current, budgets, self.speculator.cannot_draft_ahead() is None)
+
+    def _plain(self, current: Launched, budgets, watch_ahead: bool) -> Launched | None:
         self.why_not = "a tree or a draft wanted"
         if budgets is not None:
             requests = [s.request for s in current.plan.seqs if not s.request.finished]
-            if any(budgets.should_draft(r.request_id, dry=True, ahead=True) for r in requests) or \
-                    self.scheduler.wants_trees(requests, lambda r: budgets.budget(r.request_id, dry=True, ahead=True)):
+            if (not watch_ahead and any(budgets.should_draft(r.request_id, dry=True, ahead=True) for r in requests)) \
+                    or self.scheduler.wants_trees(requests, lambda r: budgets.budget(r.request_id, dry=True, ahead=True)):
                 return None
         t0 = time.perf_counter()
         plan = self.scheduler.schedule_ahead(current.plan)
@@ -61,7 +68,7 @@ class AheadLauncher:
         if budgets is not None:
             for s in plan.seqs:  # this step counts for the adaptive budget as a plain one at budget 0
                 budgets.budget(s.request.request_id, ahead=True)
-                budgets.should_draft(s.request.request_id, ahead=True)
+                s.watched = budgets.should_draft(s.request.request_id, ahead=True) and watch_ahead
         return self._launch(plan, current, t0)
 
     def trees(self, current: Launched) -> Launched | None:
@@ -73,6 +80,12 @@ class AheadLauncher:
             self.why_not = why
             return None
         budgets = self.budgets if self.budgets.enabled else None
+        if budgets is None:
+            return self._trees(current, None)
+        with budgets.planning_after(True):
+            return self._trees(current, budgets)
+
+    def _trees(self, current: Launched, budgets) -> Launched | None:
         t0 = time.perf_counter()
         dry = (lambda r: budgets.budget(r.request_id, dry=True, ahead=True)) if budgets else (lambda r: 10 ** 9)
         plan = self.scheduler.schedule_ahead_trees(current.plan, dry)

@@ -17,6 +17,9 @@ class ScheduledSeq:
     # asynchronous scheduling: tokens this step runs past the request's committed state (1 for a decoding
     # request scheduled before the previous step's token reached the host; that token is fed from the device)
     num_ahead: int = 0
+    # a decoding request at budget 0 scheduled ahead that drafts this step for its curve only, from the token
+    # fed from the device (a drafter that drafts from the device: Speculator.cannot_draft_ahead)
+    watched: bool = False
     # asynchronous scheduling after a tree step: the request's root, its position and its output index come
     # from that step's accepted length, still on the device (the request's host state lags by that step)
     after_tree: bool = False

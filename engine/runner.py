@@ -105,11 +105,22 @@ class ModelRunner:
                     return self._launch_round(proposal, variant)
             batch = spec.build(proposal)
         # decoding requests at budget 0 still draft (no verify rows): their curves tell the adaptive budget
-        # when a tree would pay again (never for requests scheduled ahead: their last token is not known)
-        watch = [s for s in plain if _decoding(s) and not s.num_ahead and self.watch(s.request.request_id)] \
-            if spec is not None and self.watch is not None else []
-        watched = (watch, *spec.curves(watch)) if watch else None
+        # when a tree would pay again (requests scheduled ahead: when planned so, from the token fed from the
+        # device, s.watched)
+        watched = None
+        if spec is not None and self.watch is not None:
+            watch = [s for s in plain if _decoding(s) and (s.watched if s.num_ahead else self.watch(s.request.request_id))]
+            ahead = self._watch_ahead(watch, plain, input_ids) if input_ids is not None and watch else None
+            watched = (watch, *spec.curves(watch, ahead)) if watch else None
         return self._launch(plain, batch, watched, input_ids, why)
+
+    def _watch_ahead(self, watch: list[ScheduledSeq], plain: list[ScheduledSeq], input_ids: torch.Tensor) -> tuple:
+        """What a drafter drafting from the device needs for watched requests of a plain step scheduled ahead:
+        their roots (the tokens fed, [M]), root positions (one past their host tokens), one new token each."""
+        where = {id(s): i for i, s in enumerate(plain)}
+        roots = input_ids[self.staging([where[id(s)] for s in watch])]
+        positions = self.staging([s.request.num_tokens for s in watch])
+        return roots, positions, torch.ones_like(positions), None, roots[:, None]
 
     def _round_plan(self, proposal: Proposal) -> tuple[str | None, str]:
         """A step of only trees as a whole-round graph (engine/round_graphs.py): (its epilogue variant, "") or

@@ -41,6 +41,7 @@ into a tree step, while aligned they cost one step in PROBE_EVERY.
 """
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from itertools import accumulate
 
@@ -55,6 +56,10 @@ PRIOR_MIN_ROWS = 256  # the prior prices a row as if the first step had at least
 MIN_GAIN = 0.02  # a row is never free: below this many expected accepted tokens a node is not verified
 CHEAP_DRAFT = 0.02  # tokens of throughput a curve-only draft may cost to run every step at budget 0
 MAX_PROBE_INTERVAL = 256
+# the longest wait between probes of a request whose probes keep failing: a probe costs more than its rows under
+# asynchronous scheduling (its step and the one after cannot run ahead: on the H200 at batch 16, T = 1, probes
+# every 16 steps cost ~15%), yet a drafter that turns right must not wait long to be believed
+MAX_PROBE_BACKOFF = 4 * PROBE_EVERY
 SPIKE_CLIP = 4.0  # a drafter call counts at most this many times the running per-request average
 MIN_DRAFT_CALLS = 1  # drafter calls measured before their cost counts (the first is discarded)
 
@@ -72,6 +77,7 @@ class _RequestStats:
     steps_at_zero: int = 0
     steps_undrafted: int = 0  # steps at budget 0 since the drafter last ran for this request
     draft_interval: int = PROBE_EVERY  # when drafting is not cheap: steps between curve-only drafts
+    probe_interval: int = PROBE_EVERY  # steps at zero between probes: doubled by a probe that accepted nothing
     pending: tuple | None = None  # a dry budget() answer: ((version, ahead), budget, effect) for the counted call
     probing: bool = False  # the last counted budget was a probe
     verified: bool = False  # a tree of the request's own was verified (else its record is the engine's prior)
@@ -105,6 +111,7 @@ class BudgetController:
         self.clock = 0  # engine steps observed: probes and interval drafts wait for a multiple of PROBE_EVERY
         self.switch = SwitchCost()  # under asynchronous scheduling: what a step that cannot run ahead costs more
         self.last_tree = False  # the last observed step verified a tree
+        self._after: bool | None = None  # planning ahead: whether the step in flight verifies a tree
         self.version = 0  # observations so far: a dry budget() answer stands until the next one
 
     def release(self, request_id: str) -> None:
@@ -195,6 +202,10 @@ class BudgetController:
         predicted = sum(stats.node_q[:budget]) if budget > 0 else 0.0
         stats.accepted = DECAY * stats.accepted + accepted
         stats.predicted = DECAY * stats.predicted + predicted
+        if accepted:
+            stats.probe_interval = PROBE_EVERY
+        elif 0 < budget <= PROBE_BUDGET:  # a probe's size (or as small), and nothing accepted: probe less often
+            stats.probe_interval = min(2 * stats.probe_interval, MAX_PROBE_BACKOFF)
         if predicted > 0:
             stats.verified = True
             self.accepted += accepted  # decayed by the step (observe_step)
@@ -262,7 +273,7 @@ class BudgetController:
             stats.steps_at_zero += 1
         elif effect == _CHOSEN:
             stats.steps_at_zero = 0
-            stats.draft_interval = PROBE_EVERY
+            stats.draft_interval = stats.probe_interval = PROBE_EVERY
         return chosen
 
     def _choose(self, stats: _RequestStats, ahead: bool) -> tuple[int, str | None]:
@@ -273,7 +284,7 @@ class BudgetController:
             # the drafter is confident but this request's record says it is wrong: verify a small tree now
             # and then, in case it has become right; at once when that record is only the engine's prior (a
             # new request after a run of failing ones would otherwise wait up to two probe intervals)
-            if not stats.verified or (stats.steps_at_zero + 1 >= PROBE_EVERY and self._aligned(ahead)):
+            if not stats.verified or (stats.steps_at_zero + 1 >= stats.probe_interval and self._aligned(ahead)):
                 return min(PROBE_BUDGET, self.max_budget), _PROBED
             return 0, _AT_ZERO
         return chosen, _CHOSEN if chosen else None
@@ -356,9 +367,22 @@ class BudgetController:
         """Tokens of throughput a tree step after a plain one costs beyond its rows under asynchronous scheduling:
         it cannot run ahead of its predecessor's results (its scheduling and drafting leave the device idle),
         and the plain step after the trees cannot either. Priced once, at the switch into trees (SwitchCost)."""
-        if not self.pipelined or self.last_tree:
+        after_tree = self.last_tree if self._after is None else self._after
+        if not self.pipelined or after_tree:
             return 0.0
         return self._in_tokens(self.switch.seconds())
+
+    @contextmanager
+    def planning_after(self, tree: bool):
+        """Answers asked while a step is planned ahead of its predecessor's results: that predecessor (in flight,
+        not yet observed) decides whether a tree would switch into trees (switch_tokens), not the last observed
+        step. Without it the dry plan (after a tree step) and the counted one (after the step before) disagreed,
+        and steps that could have run ahead ran synchronously."""
+        saved, self._after = self._after, tree
+        try:
+            yield
+        finally:
+            self._after = saved
 
     def _step_gains(self, request_ids: list[str], budgets: list[int], lengths: list[int]
                     ) -> tuple[list[list[float]], list[int]]:

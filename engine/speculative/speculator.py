@@ -216,11 +216,11 @@ class Speculator:
                          num_pruned=sum(c.num_pruned for c in constrained.values()),
                          starts=proposal.starts, depth_offsets=proposal.depth_offsets)
 
-    def curves(self, seqs: list[ScheduledSeq]) -> tuple[torch.Tensor, DraftClock]:
+    def curves(self, seqs: list[ScheduledSeq], ahead: tuple | None = None) -> tuple[torch.Tensor, DraftClock]:
         """[M, 2B] node confidence of these requests' full-budget trees, verified by nobody this step (what the
         adaptive budget reads to decide whether a request at budget 0 should verify a tree next step), and the
-        drafter's clock."""
-        proposal = self.propose(seqs)
+        drafter's clock. ahead: as propose()'s, for requests scheduled ahead of their newest token."""
+        proposal = self.propose(seqs, ahead=ahead)
         _, curve, _ = self._full_trees(proposal)
         return curve, proposal.clock
 

@@ -686,5 +686,39 @@ def test_under_asynchronous_scheduling_a_switch_into_trees_pays_its_synchronous_
         controller.observe_curve(rid, confidence([sum(qs[:j + 1]) for j in range(8)]))
     assert controller.uniform(["mild"], [3], [8]) == [0]
     assert controller.uniform(["strong"], [8], [8]) != [0]
+    with controller.planning_after(tree=True):  # planned ahead after a tree step in flight: no switch
+        assert controller.switch_tokens() == 0.0 and controller.uniform(["mild"], [3], [8]) != [0]
+    assert controller.switch_tokens() > 1.0
     controller.observe_step(9, 0.0012, tokens=4, tree=True)  # a tree step: the next one runs ahead
     assert controller.switch_tokens() == 0.0 and controller.uniform(["mild"], [3], [8]) != [0]
+
+
+def test_failing_probes_back_off_and_an_accepted_one_restores_them():
+    """A request whose drafter is confident and whose record says it is wrong verifies a small probe tree now and
+    then; under asynchronous scheduling a probe's step and the one after cannot run ahead (on the H200 at batch 16,
+    T = 1, probes every 16 steps cost ~15%), so each probe that accepted nothing doubles the wait, up to
+    MAX_PROBE_BACKOFF steps, and one that accepted a draft brings it back to PROBE_EVERY."""
+    from engine.speculative.adaptive import MAX_PROBE_BACKOFF, PROBE_BUDGET, PROBE_EVERY
+
+    controller = BudgetController(max_budget=8)
+    for _ in range(5):
+        controller.observe_step(8, 0.01, tokens=8)
+    qs = [0.9 ** (j + 1) for j in range(8)]
+    curve = confidence([sum(qs[:j + 1]) for j in range(8)])
+
+    def probes_in(num_steps: int) -> list[int]:
+        """The steps (of the next num_steps) at which the request probed; every probe accepts nothing."""
+        seen = []
+        for i in range(num_steps):
+            budget = controller.budget("r")
+            if budget:
+                seen.append(i)
+                controller.observe_request("r", budget, [], curve)
+            controller.observe_step(8, 0.01, tokens=8)
+        return seen
+
+    controller.observe_request("r", 8, [], curve)  # its own tree, verified: nothing accepted
+    gaps = [b - a for a, b in zip(*(lambda p: (p, p[1:]))(probes_in(400)))]
+    assert gaps[:3] == [2 * PROBE_EVERY, MAX_PROBE_BACKOFF, MAX_PROBE_BACKOFF], gaps
+    controller.observe_request("r", PROBE_BUDGET, [1], curve)  # a probe accepted a draft
+    assert controller.requests["r"].probe_interval == PROBE_EVERY

@@ -147,3 +147,28 @@ def test_tree_steps_drafted_ahead_on_the_device_equal_plain_decoding(tiny_checkp
     assert out == ref
     assert ahead >= 3, ahead
     assert sum(accepted) > 0  # the drafts were right now and then (the tiny model repeats itself)
+
+
+def test_plain_steps_ahead_draft_their_curves_from_the_device(tiny_checkpoints, monkeypatch):
+    """With a drafter that drafts from the device, a plain step scheduled ahead of its predecessor's results still
+    drafts the curves the adaptive budget asks for (its roots are the tokens fed from the device), so those drafts
+    do not make the step synchronous; greedy output equals plain decoding."""
+    from engine.runner import ModelRunner
+
+    folder, _ = tiny_checkpoints("llama")
+    ps = prompts(5)
+    params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    ref = plain_greedy(folder, ps, params)
+    calls, watch_ahead = [], ModelRunner._watch_ahead
+
+    def spy(self, watch, plain, input_ids):
+        calls.append(len(watch))
+        return watch_ahead(self, watch, plain, input_ids)
+
+    monkeypatch.setattr(ModelRunner, "_watch_ahead", spy)
+    llm = LLM(folder, dtype="fp32", drafter=DeviceNgramDrafter(1000, horizon=6), spec_budget=6, max_num_seqs=8)
+    llm.engine.enable_graphs(emulate=True)
+    llm.engine.overlap = True
+    out, _, _ = tree_steps_ahead(llm.engine, ps, params)
+    assert out == ref
+    assert sum(calls) > 0, calls

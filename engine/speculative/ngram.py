@@ -79,7 +79,8 @@ class Calibration:
         index.pending = still
 
 
-class NgramDrafter:
+class NgramRule:
+    """The rule's settings and calibration, shared by the host drafter and the device one (ngram_device.py)."""
     target_layer_ids: tuple[int, ...] = ()
 
     def __init__(
@@ -91,7 +92,6 @@ class NgramDrafter:
         backoff: float = 0.1,
         recency: float = 1.0,
         calibrate: bool = True,  # False: a top candidate's probability is its share (no learning from history)
-        device: torch.device | str = "cpu",
     ):
         if horizon < 1 or max_ngram < 1 or max_matches < 1:
             raise ValueError("ngram drafter: horizon, max_ngram and max_matches must be >= 1")
@@ -100,6 +100,13 @@ class NgramDrafter:
         self.vocab_size, self.horizon, self.max_ngram = vocab_size, horizon, max_ngram
         self.max_matches, self.backoff, self.recency = max_matches, backoff, recency
         self.calibration = Calibration() if calibrate else None
+
+
+class NgramDrafter(NgramRule):
+    def __init__(self, vocab_size: int, horizon: int = 8, max_ngram: int = 4, max_matches: int = 32,
+                 backoff: float = 0.1, recency: float = 1.0, calibrate: bool = True,
+                 device: torch.device | str = "cpu"):
+        super().__init__(vocab_size, horizon, max_ngram, max_matches, backoff, recency, calibrate)
         self.device = device
         self._state: dict[str, _Index] = {}
 

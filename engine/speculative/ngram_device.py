@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import torch
 
 from engine.speculative.drafter import DraftRequest, proposal_width
-from engine.speculative.ngram import _CHECK, CAL_PRIOR, Calibration
+from engine.speculative.ngram import _CHECK, CAL_PRIOR, NgramRule
 from engine.staging import Staging
 from ext import ops
 
@@ -34,19 +34,11 @@ class _Slot:
     pending: list[list] = field(default_factory=list)  # the calibration's unchecked tops (Calibration.check)
 
 
-class DeviceNgramDrafter:
-    target_layer_ids: tuple[int, ...] = ()
-
+class DeviceNgramDrafter(NgramRule):
     def __init__(self, vocab_size: int, horizon: int = 8, max_ngram: int = 4, max_matches: int = 32,
                  backoff: float = 0.1, recency: float = 1.0, calibrate: bool = True,
                  device: torch.device | str = "cpu"):
-        if horizon < 1 or max_ngram < 1 or max_matches < 1:
-            raise ValueError("ngram drafter: horizon, max_ngram and max_matches must be >= 1")
-        if not 0 < backoff <= 1:
-            raise ValueError(f"ngram drafter: backoff must be in (0, 1], got {backoff}")
-        self.vocab_size, self.horizon, self.max_ngram = vocab_size, horizon, max_ngram
-        self.max_matches, self.backoff, self.recency = max_matches, backoff, recency
-        self.calibration = Calibration() if calibrate else None
+        super().__init__(vocab_size, horizon, max_ngram, max_matches, backoff, recency, calibrate)
         self.device = torch.device(device)
         self.stage = Staging(self.device)  # the runner's, once the speculator shares it (use_staging)
         self.table = torch.zeros((0, MIN_WIDTH), dtype=torch.int32, device=self.device)  # [rows, width]

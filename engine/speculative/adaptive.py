@@ -41,13 +41,12 @@ into a tree step, while aligned they cost one step in PROBE_EVERY.
 """
 from __future__ import annotations
 
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from itertools import accumulate
 
 from engine.speculative.cost_fit import DECAY, CostFit, SwitchCost  # DECAY: also a request's acceptance, the engine-wide record
 from engine.speculative.reliability import ReliabilityBins
-from engine.speculative.step_width import common_width, uniform_width
+from engine.speculative.step_budgets import StepBudgets
 
 PROBE_EVERY = 16  # steps a request stays at budget 0 before a probe
 PROBE_BUDGET = 4
@@ -84,7 +83,7 @@ class _RequestStats:
     gains: tuple | None = None  # (version, its nodes' expected accepted drafts): _gains until the next observation
 
 
-class BudgetController:
+class BudgetController(StepBudgets):
     def __init__(self, max_budget: int, enabled: bool = True, prior_row_share: float = 0.5):
         """prior_row_share: before measurements, the share of a plain step's time one row is assumed to cost
         relative to the average row (1 = fully compute-bound, 0 = rows are free)."""
@@ -324,79 +323,6 @@ class BudgetController:
         if own:
             stats.gains = (self.version, gains)
         return gains[:num_nodes]
-
-    def harmonize(self, request_ids: list[str], budgets: list[int]) -> list[int]:
-        """The counted budgets of one step's decoding requests, at one padded width (step_width.common_width),
-        for a step that pads only its trees (without CUDA graphs): a request whose nodes do not pay for the width
-        the others want falls to 0; probes keep theirs; and when the trees together do not beat the fixed cost of
-        a tree step (fitted: CostFit.tree_cost), every budget falls to 0 (~0.18 ms for 64 requests of 16 nodes on
-        the 2-core CPU). Also for the dry answers of a step planned ahead (their counted calls follow the plan)."""
-        if not self.enabled:
-            return budgets
-        gains, probes = self._step_gains(request_ids, budgets, budgets)
-        fixed = [bool(p) for p in probes]
-        out = common_width(gains, budgets, self.threshold(), fixed)
-        if any(fixed) or not any(out) or self._trees_pay(gains, out):
-            return out
-        return [0] * len(out)
-
-    def _trees_pay(self, gains: list[list[float]], budgets: list[int]) -> bool:
-        """The step's trees (at one padded width) bring more expected tokens, net of their rows and drafting, than
-        the fixed cost of a tree step (CostFit.tree_cost, in tokens of throughput)."""
-        fixed = self._in_tokens(self.fit.tree_cost())
-        if fixed <= 0:
-            return True
-        theta, draft, width = self.threshold(), self.draft_tokens(), max(budgets)
-        net = sum(sum(g[:b]) - theta * width - draft for g, b in zip(gains, budgets) if b)
-        return net > fixed
-
-    def uniform(self, request_ids: list[str], budgets: list[int], caps: list[int]) -> list[int]:
-        """The nodes each of one step's decoding requests verifies when the step is laid out uniformly (CUDA
-        graphs: a step with any tree lays every request out at its width, so the width is priced for all of them
-        and every request whose nodes beat its drafting cost fills it: step_width.uniform_width). budgets: the
-        counted (or dry, for a step planned ahead) answers of budget(); caps: each request's most nodes. A step
-        in which no request wants a tree stays plain: each request's own choice priced its rows alone, and a
-        uniform step's width costs every request at least that."""
-        if not self.enabled or not any(budgets):
-            return budgets
-        caps = [max(0, c) for c in caps]
-        gains, probes = self._step_gains(request_ids, budgets, caps)
-        return uniform_width(gains, caps, self.threshold(), self.draft_tokens(), probes, self.switch_tokens())
-
-    def switch_tokens(self) -> float:
-        """Tokens of throughput a tree step after a plain one costs beyond its rows under asynchronous scheduling:
-        it cannot run ahead of its predecessor's results (its scheduling and drafting leave the device idle),
-        and the plain step after the trees cannot either. Priced once, at the switch into trees (SwitchCost)."""
-        after_tree = self.last_tree if self._after is None else self._after
-        if not self.pipelined or after_tree:
-            return 0.0
-        return self._in_tokens(self.switch.seconds())
-
-    @contextmanager
-    def planning_after(self, tree: bool):
-        """Answers asked while a step is planned ahead of its predecessor's results: that predecessor (in flight,
-        not yet observed) decides whether a tree would switch into trees (switch_tokens), not the last observed
-        step. Without it the dry plan (after a tree step) and the counted one (after the step before) disagreed,
-        and steps that could have run ahead ran synchronously."""
-        saved, self._after = self._after, tree
-        try:
-            yield
-        finally:
-            self._after = saved
-
-    def _step_gains(self, request_ids: list[str], budgets: list[int], lengths: list[int]
-                    ) -> tuple[list[list[float]], list[int]]:
-        """Per request, the expected accepted tokens of its first `lengths` nodes (its own latest tree, else the
-        one the drafter last drew for another request at the engine-wide record), and its budget if that is a
-        probe (else 0)."""
-        gains, probes = [], []
-        for rid, budget, length in zip(request_ids, budgets, lengths):
-            stats = self.requests.get(rid)
-            own = stats is not None and bool(stats.node_q)
-            source, standing = (stats, None) if own else (self.latest, 1.0)
-            gains.append(self._gains(source, standing, length) if length > 0 and source is not None else [])
-            probes.append(budget if budget and own and self._is_probe(stats) else 0)
-        return gains, probes
 
     @staticmethod
     def _is_probe(stats: _RequestStats) -> bool:

@@ -697,13 +697,15 @@ def test_failing_probes_back_off_and_an_accepted_one_restores_them():
     """A request whose drafter is confident and whose record says it is wrong verifies a small probe tree now and
     then; under asynchronous scheduling a probe's step and the one after cannot run ahead (on the H200 at batch 16,
     T = 1, probes every 16 steps cost ~15%), so each probe that accepted nothing doubles the wait, up to
-    MAX_PROBE_BACKOFF steps, and one that accepted a draft brings it back to PROBE_EVERY."""
+    MAX_PROBE_BACKOFF steps; one that accepted a draft brings it back to PROBE_EVERY, and so does a drafter grown
+    surer than at the failed probe (a reply that turns to copying: on the CPU at batch 1, T = 0, the back-off alone
+    took 79 steps for 128 tokens, none 66, with the reset 55)."""
     from engine.speculative.adaptive import MAX_PROBE_BACKOFF, PROBE_BUDGET, PROBE_EVERY
 
     controller = BudgetController(max_budget=8)
     for _ in range(5):
         controller.observe_step(8, 0.01, tokens=8)
-    qs = [0.9 ** (j + 1) for j in range(8)]
+    qs = [0.6 ** (j + 1) for j in range(8)]
     curve = confidence([sum(qs[:j + 1]) for j in range(8)])
 
     def probes_in(num_steps: int) -> list[int]:
@@ -721,4 +723,11 @@ def test_failing_probes_back_off_and_an_accepted_one_restores_them():
     gaps = [b - a for a, b in zip(*(lambda p: (p, p[1:]))(probes_in(400)))]
     assert gaps[:3] == [2 * PROBE_EVERY, MAX_PROBE_BACKOFF, MAX_PROBE_BACKOFF], gaps
     controller.observe_request("r", PROBE_BUDGET, [1], curve)  # a probe accepted a draft
+    assert controller.requests["r"].probe_interval == PROBE_EVERY
+    probes_in(200)
+    assert controller.requests["r"].probe_interval == MAX_PROBE_BACKOFF
+    controller.observe_curve("r", curve)  # as sure as when its probes failed: still backing off
+    assert controller.requests["r"].probe_interval == MAX_PROBE_BACKOFF
+    surer = [0.95 ** (j + 1) for j in range(8)]
+    controller.observe_curve("r", confidence([sum(surer[:j + 1]) for j in range(8)]))
     assert controller.requests["r"].probe_interval == PROBE_EVERY

@@ -172,3 +172,31 @@ def test_plain_steps_ahead_draft_their_curves_from_the_device(tiny_checkpoints, 
     out, _, _ = tree_steps_ahead(llm.engine, ps, params)
     assert out == ref
     assert sum(calls) > 0, calls
+
+
+def test_abort_and_arrival_while_a_tree_step_drafted_on_the_device_runs_ahead(tiny_checkpoints):
+    """A request aborted while the tree step after it is in flight frees its row of the token table; a request
+    arriving then takes that row (its history written in full) and decodes exactly as plain decoding, as does the
+    request that ran throughout."""
+    folder, _ = tiny_checkpoints("llama")
+    ps = prompts(3)
+    sp = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    ref = plain_greedy(folder, ps, sp)
+    drafter = DeviceNgramDrafter(1000, horizon=6)
+    llm = LLM(folder, dtype="fp32", drafter=drafter, spec_budget=6, adaptive=False, max_num_seqs=8)
+    llm.engine.enable_graphs(emulate=True)
+    core = llm.engine
+    core.overlap = core.budgets.pipelined = True
+    ids = [core.add_request(p, sp) for p in ps[:2]]
+    out = {i: [] for i in ids}
+    while not (core.inflight is not None and core.inflight.step.is_tree_step):
+        for d in core.step():
+            out[d.request_id].extend(d.new_token_ids)
+    assert core.abort(ids[1])
+    late = core.add_request(ps[2], sp)
+    out[late] = []
+    while core.has_unfinished():
+        for d in core.step():
+            out[d.request_id].extend(d.new_token_ids)
+    assert out[ids[0]] == ref[0] and out[late] == ref[2]
+    assert drafter.table.shape[0] == 2  # the late request took the aborted one's row (a third would double it)

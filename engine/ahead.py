@@ -57,8 +57,9 @@ class AheadLauncher:
         self.why_not = "a tree or a draft wanted"
         if budgets is not None:
             requests = [s.request for s in current.plan.seqs if not s.request.finished]
-            if (not watch_ahead and any(budgets.should_draft(r.request_id, dry=True, ahead=True) for r in requests)) \
-                    or self.scheduler.wants_trees(requests, lambda r: budgets.budget(r.request_id, dry=True, ahead=True)):
+            drafts = not watch_ahead and any(budgets.should_draft(r.request_id, dry=True, ahead=True) for r in requests)
+            dry = lambda r: budgets.budget(r.request_id, dry=True, ahead=True)  # noqa: E731
+            if drafts or self.scheduler.wants_trees(requests, dry):
                 return None
         t0 = time.perf_counter()
         plan = self.scheduler.schedule_ahead(current.plan)

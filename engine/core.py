@@ -342,9 +342,8 @@ class EngineCore:
         # the step's cost: from its launch, or from the previous step's results when it was queued behind them;
         # under asynchronous scheduling a step that could not run ahead also pays its scheduling (the device
         # idles meanwhile): from this call's start (the switch into and out of trees, BudgetController)
-        ahead = launched.scheduling == "ahead"
-        start = self._call_start if self.overlap and not ahead else launched.t_launch
-        seconds = ready - max(start, self._last_ready)
+        synchronous = self.overlap and launched.scheduling != "ahead"
+        seconds = ready - max(self._call_start if synchronous else launched.t_launch, self._last_ready)
         self._last_ready = ready
         result.timings["schedule"] = launched.schedule_time
         # (request, output tokens before the step) of those not finished while the step ran: nothing to emit
@@ -353,7 +352,7 @@ class EngineCore:
             self.last_stats = None
             return []
         if self.speculator is not None:
-            self._observe_budgets(plan, result, seconds, synchronous=self.overlap and not ahead)
+            self._observe_budgets(plan, result, seconds, synchronous)
         self.scheduler.update(plan, result, in_flight=self.inflight.plan if self.inflight is not None else None)
         for req in plan.preempted:
             self.runner.release(req.request_id)

@@ -109,7 +109,8 @@ class ModelRunner:
         # device, s.watched)
         watched = None
         if spec is not None and self.watch is not None:
-            watch = [s for s in plain if _decoding(s) and (s.watched if s.num_ahead else self.watch(s.request.request_id))]
+            watch = [s for s in plain if _decoding(s)
+                     and (s.watched if s.num_ahead else self.watch(s.request.request_id))]
             ahead = self._watch_ahead(watch, plain, input_ids) if input_ids is not None and watch else None
             watched = (watch, *spec.curves(watch, ahead)) if watch else None
         return self._launch(plain, batch, watched, input_ids, why)

@@ -172,8 +172,7 @@ NGRAM_MAX_NGRAM, NGRAM_MAX_LIST, NGRAM_MAX_K = 8, 256, 256  # kernels.h kNgramMa
 
 
 def ngram_propose(history, rows, root_positions, emitted, num_new, calibration, horizon: int, top_k: int,
-                  vocab_size: int, max_ngram: int, max_matches: int, backoff: float, recency: float, cal_prior: float,
-                  calibrate: bool):
+                  vocab_size: int, max_ngram: int, max_matches: int, backoff: float, recency: float, cal_prior: float):
     """Suffix-match drafting from a table of token histories, writing the previous step's emitted tokens first;
     see ext.reference.ngram.ngram_propose. Runs where the table lives."""
     ops = _cuda_ops(history)
@@ -182,12 +181,12 @@ def ngram_propose(history, rows, root_positions, emitted, num_new, calibration, 
         _served("ngram_propose", ops)
         device = history.device
         return ops.ngram_propose(history, rows.to(device), root_positions.to(device), emitted, num_new,
-                                 calibration.to(device) if calibrate else None, int(horizon), int(top_k),
+                                 calibration.to(device) if calibration is not None else None, int(horizon), int(top_k),
                                  int(vocab_size), int(max_ngram), int(max_matches), float(backoff), float(recency),
                                  float(cal_prior))
     _fallback("ngram_propose", history, ops)
     return reference.ngram_propose(history, rows, root_positions, emitted, num_new, calibration, horizon, top_k,
-                                   vocab_size, max_ngram, max_matches, backoff, recency, cal_prior, calibrate)
+                                   vocab_size, max_ngram, max_matches, backoff, recency, cal_prior)
 
 
 def _cache_views_ok(caches: list[torch.Tensor], device: torch.device) -> bool:

@@ -44,7 +44,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from itertools import accumulate
 
-from engine.speculative.cost_fit import DECAY, CostFit, SwitchCost  # DECAY: also a request's acceptance, the engine-wide record
+# DECAY: also a request's acceptance, the engine-wide record
+from engine.speculative.cost_fit import DECAY, CostFit, SwitchCost
 from engine.speculative.reliability import ReliabilityBins
 from engine.speculative.step_budgets import StepBudgets
 

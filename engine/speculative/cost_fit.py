@@ -87,8 +87,8 @@ class CostFit:
         pooled = self._pooled()
         if pooled.n <= 0:
             return 0.0
-        fit = self._with_tree()
-        if fit is not None and self.plain.n > 0:
+        fit = self._with_tree()  # (only with plain steps observed)
+        if fit is not None:
             return self.plain.intercept(fit[0]) + fit[0] * rows + (fit[1] if tree else 0.0)
         slope = self.slope() or 0.0
         return pooled.intercept(slope) + slope * rows

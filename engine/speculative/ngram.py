@@ -40,6 +40,13 @@ CAL_PRIOR = 2.0  # pseudo-observations at the share itself behind each bucket's 
 CAL_DECAY = 0.995  # per observation of a bucket
 
 
+def rewritten(known: list[int], toks: list[int]) -> bool:
+    """Whether a request's committed tokens `toks` no longer extend what a drafter saw of them (`known`), judged by
+    the last _CHECK known tokens (a request id reused, or its history otherwise rewritten)."""
+    m = len(known)
+    return m > len(toks) or toks[max(0, m - _CHECK):m] != known[max(0, m - _CHECK):]
+
+
 @dataclass
 class _Index:
     tokens: list[int] = field(default_factory=list)
@@ -150,10 +157,8 @@ class NgramDrafter(NgramRule):
         """Brings the request's index up to its committed tokens; rebuilds it if the history changed."""
         toks = req.token_ids
         index = self._state.get(req.request_id)
-        if index is not None:
-            m = len(index.tokens)
-            if m > len(toks) or toks[max(0, m - _CHECK) : m] != index.tokens[max(0, m - _CHECK) :]:
-                index = None
+        if index is not None and rewritten(index.tokens, toks):
+            index = None
         if index is None:
             index = self._state[req.request_id] = _Index()
         index.tokens.extend(toks[len(index.tokens) :])

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import torch
 
 from engine.speculative.drafter import DraftRequest, proposal_width
-from engine.speculative.ngram import _CHECK, CAL_PRIOR, NgramRule
+from engine.speculative.ngram import CAL_PRIOR, NgramRule, rewritten
 from engine.staging import Staging
 from ext import ops
 
@@ -77,11 +77,11 @@ class DeviceNgramDrafter(NgramRule):
             self._take_readbacks()
             for slot in slots:
                 cal.check(slot)
-        table = self.stage(cal.table if cal is not None else [[0.0], [0.0]], torch.float64)
+        table = self.stage(cal.table, torch.float64) if cal is not None else None
         logprobs, token_ids, tops = ops.ngram_propose(
             self.table, rows, roots, emitted_ids, num_new, table, self.horizon,
             proposal_width(top_k, self.vocab_size), self.vocab_size, self.max_ngram, self.max_matches, self.backoff,
-            self.recency, CAL_PRIOR, cal is not None)
+            self.recency, CAL_PRIOR)
         if cal is not None:
             self._send_back(tops, slots)
         return logprobs, token_ids
@@ -119,9 +119,9 @@ class DeviceNgramDrafter(NgramRule):
         width, positions, values = self.table.shape[1], [], []
         for slot, req in zip(slots, batch):
             toks = req.token_ids
+            if rewritten(slot.tokens, toks):
+                slot.tokens, slot.pending = [], []  # write it all again
             done = len(slot.tokens)
-            if done > len(toks) or toks[max(0, done - _CHECK):done] != slot.tokens[max(0, done - _CHECK):]:
-                slot.tokens, slot.pending, done = [], [], 0  # the history was rewritten: write it all again
             if done < len(toks):
                 positions.extend(range(slot.row * width + done, slot.row * width + len(toks)))
                 values.extend(toks[done:])
@@ -142,7 +142,7 @@ class DeviceNgramDrafter(NgramRule):
 
     def _grow(self, width: int) -> None:
         """Room for every slot's row and `width` tokens a row (sizes doubled; the tokens kept)."""
-        rows = max((s.row for s in self._slots.values()), default=-1) + 1
+        rows = len(self._slots) + len(self._free)  # rows in use or freed: 0 .. rows - 1
         old_rows, old_width = self.table.shape
         if rows <= old_rows and width <= old_width:
             return

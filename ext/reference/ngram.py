@@ -11,7 +11,7 @@ the table, on the device: emitted[i, :num_new[i]] go to positions root - num_new
 be drafted before its predecessor's results reach the host.
 
 Per request and depth 1..L the result holds the K best candidates (shares ranked descending, ties by token id),
-the top's probability calibrated from (hits, seen) per bucket when `calibrate`, padded as the drafter protocol
+the top's probability calibrated from (hits, seen) per bucket when they are given, padded as the drafter protocol
 asks (engine.speculative.drafter.pack_candidates); `tops` gives what the host checks the calibration with: the
 history length the draft was made at (-1: no match, nothing drafted), the top token of every depth and its
 calibration bucket.
@@ -137,18 +137,19 @@ def draft_depths(t: Sequence[int], matches: list[tuple[int, float]], mass: float
 
 
 def ngram_propose(history: torch.Tensor, rows: torch.Tensor, root_positions: torch.Tensor,
-                  emitted: torch.Tensor | None, num_new: torch.Tensor | None, calibration: torch.Tensor,
+                  emitted: torch.Tensor | None, num_new: torch.Tensor | None, calibration: torch.Tensor | None,
                   horizon: int, top_k: int, vocab_size: int, max_ngram: int, max_matches: int, backoff: float,
-                  recency: float, cal_prior: float, calibrate: bool
+                  recency: float, cal_prior: float
                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """history [R, W] int32 (every request's tokens, one row each; written in place when emitted is given), rows
     [N] int64 (each request's row), root_positions [N] int64, emitted [N, A] int64 and num_new [N] int64 (or
-    None), calibration [2, NUM_BUCKETS] (hits, seen) -> (log-probs [N, L, K] f32, token ids [N, L, K] int64, tops
-    [N, 1 + 2L] int64: history length drafted at or -1, top token per depth, bucket per depth)."""
+    None), calibration [2, NUM_BUCKETS] (hits, seen; None: shares as probabilities) -> (log-probs [N, L, K] f32,
+    token ids [N, L, K] int64, tops [N, 1 + 2L] int64: history length drafted at or -1, top token per depth,
+    bucket per depth)."""
     if emitted is not None:
         write_emitted(history, rows, root_positions, emitted, num_new)
     table = history.cpu().numpy()
-    cal = calibration.double().cpu().tolist() if calibrate else None
+    cal = calibration.double().cpu().tolist() if calibration is not None else None
     all_rows, tops = [], torch.full((len(rows), 1 + 2 * horizon), -1, dtype=torch.int64)
     for i, (row, root) in enumerate(zip(rows.tolist(), root_positions.tolist())):
         t = table[row, :root + 1].astype(np.int64)

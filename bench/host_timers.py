@@ -15,7 +15,7 @@ METHODS = {
     "engine.ahead:AheadLauncher": "plain trees _launch",
     "engine.scheduler:Scheduler": "schedule schedule_ahead schedule_ahead_trees update",
     "engine.runner:ModelRunner": "launch _launch_tree_ahead _launch_round _launch collect _tree_results",
-    "engine.runner:PendingStep": "tree_successors accepted_features sampled_tokens",
+    "engine.pending:PendingStep": "successors accepted_features sampled_tokens",
     "engine.speculative.speculator:Speculator": "propose build confirm_ahead",
     "engine.round_graphs:RoundGraphs": "run _stage_inputs",
     "engine.step_results:RoundCopy": "wait",

@@ -1,12 +1,14 @@
 """Asynchronous scheduling: the step after a launched one, planned and launched before that step's results are
 read (EngineCore.step), so the host's bookkeeping of step k runs while the device computes step k+1. Two kinds:
-  - a plain decoding step after a plain decoding step: each request feeds the token the previous step samples
-    for it, gathered on the device (engine.scheduler.schedule_ahead);
-  - a tree step after a tree step, with a drafter that drafts from the device (Speculator.cannot_draft_ahead):
-    each request's root, root position and sampling offset come from the previous step's accepted length on the
-    device, its KV is reserved for the longest case (engine.scheduler.schedule_ahead_trees), the drafter is
-    fed the accepted rows from the device; under CUDA graphs only (an eager step plans attention from exact
-    host lengths).
+  - a plain decoding step after a plain (or root-only tree) decoding step: each request feeds the token the
+    previous step samples for it, gathered on the device (engine.scheduler.schedule_ahead);
+  - a tree step after any decoding step, with a drafter that drafts from the device (Speculator.cannot_draft_ahead)
+    and under CUDA graphs (an eager step plans attention from exact host lengths): each request's root, root
+    position and sampling offset come from the previous step's results on the device, its KV is reserved for
+    the longest case (engine.scheduler.schedule_ahead_trees), the drafter is fed the emitted tokens (or
+    accepted rows) from the device. When no request wants a tree after a step that verified one, the step is
+    made of root-only trees: plain decoding whose positions come from the device. So neither entering trees nor
+    leaving them waits for the host.
 Requests whose sampling needs the newest token on the host (a grammar, penalties) never run ahead; when the
 next step cannot run ahead, `why_not` says why (StepStats.scheduling)."""
 from __future__ import annotations
@@ -15,8 +17,18 @@ import time
 from dataclasses import dataclass
 
 from engine.plan import StepPlan
-from engine.runner import PendingStep
+from engine.pending import PendingStep
 from engine.sampler import RequestFault, needs_penalty
+
+
+def trees_blocked(speculator, runner) -> str | None:
+    """Why no tree step can be launched ahead of its predecessor's results in this engine, or None."""
+    if speculator is None:
+        return "no speculation"
+    why = speculator.cannot_draft_ahead()
+    if why is None and runner.rounds is None:
+        why = "no CUDA graphs"
+    return why
 
 
 @dataclass
@@ -42,11 +54,16 @@ class AheadLauncher:
         self.why_not = "grammar or penalties"
         if any(s.request.constraint is not None or needs_penalty(s.request) for s in current.plan.seqs):
             return None
-        return self.trees(current) if current.step.is_tree_step else self.plain(current)
+        return self.trees(current) if current.step.verifies_trees else self.plain(current)
+
+    def trees_blocked(self) -> str | None:
+        return trees_blocked(self.speculator, self.runner)
 
     def plain(self, current: Launched) -> Launched | None:
-        """Plain decoding of the same requests, when the step would verify no tree and no request wants a draft
-        that needs its newest token on the host (a drafter that drafts from the device drafts those ahead)."""
+        """After a step that left every request one token past its host state: plain decoding of the same
+        requests, or the tree step when one is wanted (and trees run ahead: trees_blocked). A request at budget 0
+        that wants a draft needs its newest token on the host unless the drafter drafts from the device (then it
+        drafts in the plain step, from the token fed from the device)."""
         budgets = self.budgets if self.speculator is not None and self.budgets.enabled else None
         if budgets is None:
             return self._plain(current, None, False)
@@ -54,13 +71,17 @@ class AheadLauncher:
             return self._plain(current, budgets, self.speculator.cannot_draft_ahead() is None)
 
     def _plain(self, current: Launched, budgets, watch_ahead: bool) -> Launched | None:
-        self.why_not = "a tree or a draft wanted"
         if budgets is not None:
             requests = [s.request for s in current.plan.seqs if not s.request.finished]
-            drafts = not watch_ahead and any(budgets.should_draft(r.request_id, dry=True, ahead=True) for r in requests)
-            dry = lambda r: budgets.budget(r.request_id, dry=True, ahead=True)  # noqa: E731
-            if drafts or self.scheduler.wants_trees(requests, dry):
+            if not watch_ahead and any(budgets.should_draft(r.request_id, dry=True, ahead=True) for r in requests):
+                self.why_not = "a draft wanted"
                 return None
+            if self.scheduler.wants_trees(requests, lambda r: budgets.budget(r.request_id, dry=True, ahead=True)):
+                blocked = self.trees_blocked()
+                if blocked is not None:
+                    self.why_not = f"a tree wanted: {blocked}"
+                    return None
+                return self._trees(current, budgets)
         t0 = time.perf_counter()
         plan = self.scheduler.schedule_ahead(current.plan)
         if isinstance(plan, str):
@@ -73,10 +94,8 @@ class AheadLauncher:
         return self._launch(plan, current, t0)
 
     def trees(self, current: Launched) -> Launched | None:
-        """The tree step after `current` (a tree step), drafted from the device."""
-        why = self.speculator.cannot_draft_ahead()
-        if why is None and self.runner.graphs is None:
-            why = "no CUDA graphs"
+        """The step after `current` (a step that verified trees): a tree step, root-only when no tree is wanted."""
+        why = self.trees_blocked()
         if why is not None:
             self.why_not = why
             return None

@@ -11,7 +11,7 @@ from dataclasses import replace
 
 import torch
 
-from engine.ahead import AheadLauncher, Launched
+from engine.ahead import AheadLauncher, Launched, trees_blocked
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
 from engine.cuda_graphs import BATCH_SIZES, CudaGraphs, buckets_up_to, scratch_blocks_needed, supports_graphs
@@ -131,6 +131,7 @@ class EngineCore:
         whether trees are drafted before their budgets are chosen (engine/draft_first.py) or curve-only after
         each step (the runner's watch)."""
         self._overlap = self.budgets.pipelined = on
+        self._price_switches()
         first = DraftFirst.applies(self.speculator, self.budgets.enabled, on, self.tp is not None)
         self.draft_first = DraftFirst(self.speculator, self.budgets) if first else None
         self.runner.watch = None if not self.budgets.enabled else \
@@ -190,6 +191,13 @@ class EngineCore:
                                       emulate=emulate)
         self.runner.uniform_trees = self.scheduler.uniform_trees = self.speculator is not None
         self.budgets.price_tree_steps = False  # the uniform width prices a graph step (BudgetController.uniform)
+        self._price_switches()
+
+    def _price_switches(self) -> None:
+        """Whether the adaptive budget charges a switch into trees for the synchronous steps it costs: not when
+        tree steps run ahead of any decoding step (engine/ahead.py)."""
+        self.budgets.switches_ahead = getattr(self, "_overlap", False) and \
+            trees_blocked(self.speculator, self.runner) is None
 
     @property
     def vocab_size(self) -> int:

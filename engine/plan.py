@@ -20,9 +20,10 @@ class ScheduledSeq:
     # a decoding request at budget 0 scheduled ahead that drafts this step for its curve only, from the token
     # fed from the device (a drafter that drafts from the device: Speculator.cannot_draft_ahead)
     watched: bool = False
-    # asynchronous scheduling after a tree step: the request's root, its position and its output index come
-    # from that step's accepted length, still on the device (the request's host state lags by that step)
-    after_tree: bool = False
+    # asynchronous scheduling: a tree step (root-only ones included) launched before its predecessor's results;
+    # the request's root, its position and its output index come from that step's results, still on the device
+    # (the request's host state lags by that step)
+    root_on_device: bool = False
 
 
 @dataclass

@@ -1,5 +1,6 @@
 """Whole-round CUDA graphs for tree steps. A tree step is, besides the drafter's call, three graph replays per
-bucket (N requests x W rows, the forward graphs' buckets with W > 1) and a few copies:
+bucket (N requests x W rows: the forward graphs' buckets with W > 1, and root-only trees, W = 1, over the
+full-context plain-decoding forward) and a few copies:
 
   prologue  the best-first trees built from the drafter's proposal (full budget, then cut to each request's
             budget), their node confidence, and the verify rows written into the forward graph's static buffers:
@@ -80,7 +81,9 @@ class RoundGraphs:
         self.token_ids = torch.zeros(most, horizon, top_k, dtype=torch.int64, device=device)
         self.small = torch.zeros(5, most, dtype=torch.int64, device=device)  # BUDGET .. START
         self.sampling = GraphSampling(most, device)
-        self.keys = [b for b in graphs.buckets if b[1] > 1]
+        # tree buckets, and root-only trees at the full context (a step leaving trees while its predecessor's
+        # accepted lengths are still on the device: engine.scheduler.schedule_ahead_trees)
+        self.keys = [b for b in graphs.buckets if b[1] > 1 or b[2] == graphs.max_model_len]
         self.columns = torch.arange(max(graphs.widths), device=device)  # a row's index inside its request
         self.rounds: dict[tuple[int, int, int], _Round] = {}
         # a pool of their own: a prologue's outputs must survive the forward graph's replay, and in the forward
@@ -105,7 +108,7 @@ class RoundGraphs:
         if variant is None:
             return None, why
         key = self.graphs.bucket(len(seqs), width)
-        if key is None or key[1] == 1 or not (self.graphs.emulate or variant in self.rounds.get(key, _NONE).epilogues):
+        if key is None or not (self.graphs.emulate or variant in self.rounds.get(key, _NONE).epilogues):
             return None, f"shape {len(seqs)}x{width} has no round graph ({variant})"
         return variant, ""
 
@@ -222,7 +225,8 @@ class RoundGraphs:
                             g.scratch_slots[:w])
         g.slot_mapping[:n * w].copy_(slots.reshape(-1))
         g.seq_lens[:n].copy_(starts + w)
-        g.tree_masks[w][:n * w].copy_(tree.flat_tree_mask())
+        if w > 1:  # a root-only bucket is causal: the plain-decoding forward's
+            g.tree_masks[w][:n * w].copy_(tree.flat_tree_mask())
         return tree, curve, slots
 
     def _epilogue(self, n: int, w: int, hidden: torch.Tensor, tree: DraftTree, curve: torch.Tensor,

@@ -7,14 +7,13 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
-
 import torch
 
 from engine.inputs import StepInputs, prepare_inputs, prepare_tree_inputs_ahead
 from engine.plan import ScheduledSeq, StepPlan, StepResult
 from engine.sampler import SampleOutput, Sampler, SamplingBatch
 from engine.speculative.speculator import Proposal, Speculator, TreeBatch, Walk
+from engine.pending import PendingStep
 from engine.staging import Staging
 from engine.step_results import HostResults, ResultCopy, RoundCopy
 
@@ -78,12 +77,12 @@ class ModelRunner:
         return self.collect(self.launch(plan))
 
     @torch.inference_mode()
-    def launch(self, plan: StepPlan, after: "PendingStep | None" = None) -> "PendingStep":
+    def launch(self, plan: StepPlan, after: PendingStep | None = None) -> PendingStep:
         """Queues the step's device work and the copy of its results to the host, without waiting for them.
         after: the launched step whose results this plan's requests feed (a plan scheduled ahead: each request
         decodes the token `after` samples for it, still on the device)."""
         self.staging.reset()  # the buffers of the step before the previous one: its results came back
-        if plan.seqs and plan.seqs[0].after_tree:
+        if plan.seqs and plan.seqs[0].root_on_device:
             return self._launch_tree_ahead(plan, after)
         input_ids = after.sampled_tokens([s.request for s in plan.seqs], self.staging) if after else None
         spec = self.speculator
@@ -132,7 +131,7 @@ class ModelRunner:
         why = why or self.rounds.fits(proposal) or ""
         return (variant, "") if not why else (None, why)
 
-    def _launch_round(self, proposal: Proposal, variant: str) -> "PendingStep":
+    def _launch_round(self, proposal: Proposal, variant: str) -> PendingStep:
         """A tree step as three graph replays (engine/round_graphs.py); its results come back in one copy."""
         t1 = time.perf_counter()
         step = self.rounds.run(proposal, variant, self.block_size, self.staging)
@@ -146,13 +145,14 @@ class ModelRunner:
         return PendingStep([], batch, None, inputs, [], none, step.walk, features, "replay: whole round", copy,
                            t1, t2)
 
-    def _launch_tree_ahead(self, plan: StepPlan, after: "PendingStep") -> "PendingStep":
-        """A tree step for every request of `plan`, launched before `after` (a tree step) has reported: each
-        request's root is the bonus token `after` emits for it and its root position is `after`'s plus that
-        step's accepted length, all on the device (engine.inputs.prepare_tree_inputs_ahead)."""
+    def _launch_tree_ahead(self, plan: StepPlan, after: PendingStep) -> PendingStep:
+        """A tree step for every request of `plan` (root-only trees included), launched before `after` (a
+        decoding step, tree or plain) has reported: each request's root is the token `after` emits last for it
+        and its root position is past `after`'s tokens, all on the device
+        (engine.inputs.prepare_tree_inputs_ahead)."""
         seqs = plan.seqs
         requests = [s.request for s in seqs]
-        roots, starts, num_new, emitted_ids = after.tree_successors(requests, self.staging)
+        roots, starts, num_new, emitted_ids = after.successors(requests, self.staging)
         # a drafter fed by target features takes the accepted rows' from the device
         feats = after.accepted_features(requests, self.staging) if self.speculator.capture_layer_ids else None
         drafted = [s.spec_budget > 0 or self.watch is None or self.watch(s.request.request_id, ahead=True)
@@ -162,15 +162,16 @@ class ModelRunner:
         if variant is not None:
             return self._launch_round(proposal, variant)
         batch = self.speculator.build(proposal)
-        # positions reached in the longest case: the request's root, past its previous tree's most tokens
+        # positions reached in the longest case: the request's root, past its previous step's most tokens
         most_emitted = after.most_emitted()
         max_starts = [s.request.num_computed_tokens + most_emitted[id(s.request)] for s in seqs]
         t1 = time.perf_counter()
-        inputs = prepare_tree_inputs_ahead(batch, max_starts, self.block_size, self.staging, self.dense_prefill_min_tokens)
+        inputs = prepare_tree_inputs_ahead(batch, max_starts, self.block_size, self.staging,
+                                           self.dense_prefill_min_tokens)
         return self._run(plain=[], batch=batch, watched=None, inputs=inputs, t1=t1, round_why=why)
 
     def _launch(self, plain: list[ScheduledSeq], batch: TreeBatch | None, watched: tuple | None,
-                ahead_ids: torch.Tensor | None, round_why: str | None = None) -> "PendingStep":
+                ahead_ids: torch.Tensor | None, round_why: str | None = None) -> PendingStep:
         t1 = time.perf_counter()
         shape = _uniform_shape(plain, batch)  # None: a mixed step, never a graph replay
         pad_to = self.eager_pad_to if (self.graphs is None or shape is None) and ahead_ids is None else 0
@@ -181,7 +182,7 @@ class ModelRunner:
         return self._run(plain, batch, watched, inputs, t1, round_why)
 
     def _run(self, plain: list[ScheduledSeq], batch: TreeBatch | None, watched: tuple | None, inputs: StepInputs,
-             t1: float, round_why: str | None = None) -> "PendingStep":
+             t1: float, round_why: str | None = None) -> PendingStep:
         """The target forward, sampling, walk and compaction of a prepared step, and its results' copy. round_why:
         why a step of only trees is not a whole-round graph (said in the step's graph mode when it replays)."""
         shape = _uniform_shape(plain, batch)
@@ -204,7 +205,7 @@ class ModelRunner:
         copy = ResultCopy(out, walk, len(sampling), torch.cat(curves) if curves else None)
         return PendingStep(plain, batch, watched, inputs, sampling, out, walk, features, graph_mode, copy, t1, t2)
 
-    def collect(self, step: "PendingStep") -> StepResult:
+    def collect(self, step: PendingStep) -> StepResult:
         """Waits for a launched step's results and turns them into the StepResult."""
         plain, batch, watched, inputs, sampling, features = (step.plain, step.batch, step.watched, step.inputs,
                                                              step.sampling, step.features)
@@ -344,66 +345,3 @@ def _uniform_shape(plain: list[ScheduledSeq], batch: TreeBatch | None) -> tuple[
     if batch is not None:
         return (batch.num_requests, batch.width) if not plain else None
     return (len(plain), 1) if plain and all(_decoding(s) for s in plain) else None
-
-
-@dataclass
-class PendingStep:
-    """A launched step: what collect() needs once its results reach the host."""
-
-    plain: list[ScheduledSeq]
-    batch: TreeBatch | None
-    watched: tuple | None
-    inputs: StepInputs
-    sampling: list  # (request, row) per sampled plain row
-    out: SampleOutput
-    walk: Walk | None
-    features: torch.Tensor | None
-    graph_mode: str
-    copy: ResultCopy
-    t1: float
-    t2: float
-
-    @property
-    def is_tree_step(self) -> bool:
-        """Every request of the step verified a tree (root-only ones included)."""
-        return self.batch is not None and not self.plain
-
-    def most_emitted(self) -> dict[int, int]:
-        """id(request) -> the most tokens this tree step can emit for it (its budget + 1)."""
-        return {id(s.request): b + 1 for s, b in zip(self.batch.seqs, self.batch.budgets)}
-
-    def tree_successors(self, requests: list, stage: Staging
-                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """For a tree step launched ahead of this one's results, per request (all in this step's trees), on the
-        device: the next root (this step's bonus token), its position (this step's root position + accepted
-        length) and the accepted length itself, each [len(requests)] int64, and the emitted tokens [len(requests),
-        A] (accepted drafts then the bonus, -1 past the accepted length)."""
-        walk, starts = self.walk, self.inputs.tree_starts
-        accept_len = walk.accept_len
-        roots = walk.emitted.gather(1, (accept_len - 1)[:, None])[:, 0]
-        return self._per_request(requests, stage, roots, starts + accept_len, accept_len, walk.emitted)
-
-    def accepted_features(self, requests: list, stage: Staging) -> torch.Tensor:
-        """[len(requests), A, F] the captured target features of each request's accepted rows (root first; rows
-        past its accepted length are filler), for a drafter fed by them drafting ahead of this step's results."""
-        nodes = self.walk.accepted_nodes.clamp(min=0)  # [N, A]
-        num, width = nodes.shape[0], self.batch.width
-        rows = self.inputs.tree_row0 + torch.arange(num, device=nodes.device)[:, None] * width + nodes
-        return self._per_request(requests, stage, self.features[rows])[0]
-
-    def _per_request(self, requests: list, stage: Staging, *values: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """Rows of per-tree `values` (this step's tree order) in the order of `requests`."""
-        seqs = self.batch.seqs
-        if len(requests) == len(seqs) and all(r is s.request for r, s in zip(requests, seqs)):
-            return values
-        where = {id(s.request): i for i, s in enumerate(seqs)}
-        index = stage([where[id(r)] for r in requests])
-        return tuple(v[index] for v in values)
-
-    def sampled_tokens(self, requests: list, stage: Staging) -> torch.Tensor:
-        """[len(requests)] int64 on the device: the token this step samples for each of these requests (plain
-        rows only), for a step scheduled ahead of this one's results."""
-        if len(requests) <= len(self.sampling) and all(r is q for r, (q, _) in zip(requests, self.sampling)):
-            return self.out.tokens[:len(requests)]  # the same requests in the same order (the usual case): a view
-        where = {id(req): i for i, (req, _) in enumerate(self.sampling)}
-        return self.out.tokens.index_select(0, stage([where[id(r)] for r in requests]))

@@ -204,18 +204,21 @@ class Scheduler:
         return plan if plan.seqs else "every request finishes"
 
     def schedule_ahead_trees(self, previous: StepPlan, budget_of: Callable[[Request], int]) -> StepPlan | str:
-        """Asynchronous scheduling after a tree step: the next tree step, planned before `previous`'s accepted
-        lengths reach the host. Only when `previous` laid out every running request as a tree and nothing waits
-        for admission. A request then lies up to its previous budget + 1 tokens past its host state, so its KV is
-        reserved for the longest case, its budget (budget_of) is capped as if it had advanced that far, and a
-        request that may reach max_tokens or the context with `previous`'s tokens is left out; budgets that
-        differ are harmonized and filled to one width (one_width) as in schedule(). Why not, when this does not
-        apply, blocks run out or no request wants a tree."""
+        """Asynchronous scheduling of a tree step: the next step, planned before `previous`'s results reach the
+        host, when `previous` decoded every running request (a tree step, root-only trees included, or a plain
+        decoding step) and nothing waits for admission. A request then lies up to its previous budget + 1
+        tokens past its host state, so its KV is reserved for the longest case, its budget (budget_of) is capped
+        as if it had advanced that far, and a request that may reach max_tokens or the context with `previous`'s
+        tokens is left out; budgets that differ are harmonized and filled to one width (one_width) as in
+        schedule(). When no request wants a tree after a step that verified one, every request gets a root-only
+        tree: a plain decoding step whose roots and positions come from the device (so leaving trees never
+        waits for the host); after a step of known lengths the plain step (schedule_ahead) serves instead. Why
+        not, when this does not apply, blocks run out or no request wants a tree."""
         if self.waiting:
             return "waiting requests"
-        trees = {id(s.request) for s in previous.seqs if s.sample and s.num_new_tokens == 1}
-        if any(id(r) not in trees for r in self.running):
-            return "a request outside the previous tree step"
+        decoding = {id(s.request) for s in previous.seqs if s.sample and s.num_new_tokens == 1}
+        if any(id(r) not in decoding for r in self.running):
+            return "a request not decoding in the previous step"
         step_budget = self.step_budget(len(self.running))
         budgets: list[tuple[Request, int, int]] = []  # (request, budget, most tokens `previous` emits for it)
         for s in previous.seqs:
@@ -234,13 +237,13 @@ class Scheduler:
         chosen, wanted = self.one_width([r for r, _, _, _ in budgets], [b for _, b, _, _ in budgets],
                                         lambda: [cap for _, _, _, cap in budgets], self.uniform_trees)
         width = max(wanted) + 1
-        if width == 1:
+        if width == 1 and not any(s.spec_budget for s in previous.seqs):
             return "no tree wanted"
         plan = StepPlan()
         for (req, _, most, _), budget, own in zip(budgets, wanted, chosen):
             if not self.blocks.allocate(req, req.num_computed_tokens + most + width):
                 return "KV blocks"
-            plan.seqs.append(ScheduledSeq(req, 1, True, budget, after_tree=True, chosen_budget=own))
+            plan.seqs.append(ScheduledSeq(req, 1, True, budget, root_on_device=True, chosen_budget=own))
         plan.spec_budgets = wanted
         return plan
 

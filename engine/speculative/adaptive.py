@@ -35,9 +35,9 @@ fraction of a step. When the drafter is confident but the request's record says 
 verified every PROBE_EVERY steps, so the record can recover.
 
 Probes and interval drafts fall on engine-wide steps (the step count a multiple of PROBE_EVERY), not on each
-request's own phase: a step with any tree in it is a tree step for the whole batch (one padded width, no step
-run ahead of its predecessor's results), so 64 requests probing at 64 different phases would turn every step
-into a tree step, while aligned they cost one step in PROBE_EVERY.
+request's own phase: a step with any tree in it is a tree step for the whole batch (one padded width; with a
+drafter that needs the host, no step run ahead of its predecessor's results), so 64 requests probing at 64
+different phases would turn every step into a tree step, while aligned they cost one step in PROBE_EVERY.
 """
 from __future__ import annotations
 
@@ -57,8 +57,9 @@ MIN_GAIN = 0.02  # a row is never free: below this many expected accepted tokens
 CHEAP_DRAFT = 0.02  # tokens of throughput a curve-only draft may cost to run every step at budget 0
 MAX_PROBE_INTERVAL = 256
 # the longest wait between probes of a request whose probes keep failing: a probe costs more than its rows under
-# asynchronous scheduling (its step and the one after cannot run ahead: on the H200 at batch 16, T = 1, probes
-# every 16 steps cost ~15%), yet a drafter that turns right must not wait long to be believed
+# asynchronous scheduling when the drafter needs the host (its step and the one after cannot run ahead: on the
+# H200 at batch 16, T = 1, probes every 16 steps cost ~15% before tree steps ran ahead of plain ones), yet a
+# drafter that turns right must not wait long to be believed
 MAX_PROBE_BACKOFF = 4 * PROBE_EVERY
 # ... unless the drafter grows surer: a tree whose first PROBE_BUDGET nodes expect this many more accepted drafts
 # than the failed probe's restores the interval (without it, a reply that turned to copying waited up to 64 steps:
@@ -95,6 +96,7 @@ class BudgetController(StepBudgets):
         relative to the average row (1 = fully compute-bound, 0 = rows are free)."""
         self.max_budget, self.enabled, self.prior_row_share = max_budget, enabled, prior_row_share
         self.pipelined = False  # the engine schedules steps ahead of their predecessors' results
+        self.switches_ahead = False  # ... tree steps too, after any decoding step (no switch is synchronous)
         # a step with any tree pays a fitted fixed cost beyond its rows (without CUDA graphs; under graphs the
         # uniform width prices the whole batch, and tree steps are not fitted apart)
         self.price_tree_steps = True

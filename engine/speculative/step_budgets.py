@@ -49,11 +49,13 @@ class StepBudgets:
         return uniform_width(gains, caps, self.threshold(), self.draft_tokens(), probes, self.switch_tokens())
 
     def switch_tokens(self) -> float:
-        """Tokens of throughput a tree step after a plain one costs beyond its rows under asynchronous scheduling:
-        it cannot run ahead of its predecessor's results (its scheduling and drafting leave the device idle),
-        and the plain step after the trees cannot either. Priced once, at the switch into trees (SwitchCost)."""
+        """Tokens of throughput a tree step after a plain one costs beyond its rows under asynchronous scheduling
+        when it cannot run ahead of its predecessor's results (its scheduling and drafting leave the device
+        idle), nor the plain step after the trees. Priced once, at the switch into trees (SwitchCost). Nothing
+        when the engine launches tree steps ahead of any decoding step (`switches_ahead`: a drafter that drafts
+        from the device, under CUDA graphs)."""
         after_tree = self.last_tree if self._after is None else self._after
-        if not self.pipelined or after_tree:
+        if not self.pipelined or after_tree or self.switches_ahead:
             return 0.0
         return self._in_tokens(self.switch.seconds())
 

@@ -234,7 +234,8 @@ def test_dflash_drafts_ahead_from_the_device_like_it_drafts_from_the_host(tiny_c
     dflash_ahead_against_synchronous(tiny_checkpoints, tmp_path, "cpu")
 
 
-def dflash_ahead_against_synchronous(tiny_checkpoints, tmp_path, device: str) -> None:
+def dflash_ahead_against_synchronous(tiny_checkpoints, tmp_path, device: str, budgets=None) -> None:
+    """budgets: called with each engine to set the budgets it asks for (None: the full budget, adaptive off)."""
     import json
     import os
 
@@ -251,11 +252,13 @@ def dflash_ahead_against_synchronous(tiny_checkpoints, tmp_path, device: str) ->
     golden = corrupted({tuple(p[:3]): p + r for p, r in zip(ps, ref)}, {tuple(p[:3]): len(p) for p in ps})
     raw, outs, ahead = {}, {}, {}
     for overlap in (False, True):
-        llm = LLM(folder, dtype="fp32", drafter="dflash", draft_model=str(tmp_path), spec_budget=6, adaptive=False,
-                  max_num_seqs=8, device=device, async_scheduling=overlap)
+        llm = LLM(folder, dtype="fp32", drafter="dflash", draft_model=str(tmp_path), spec_budget=6,
+                  adaptive=budgets is not None, max_num_seqs=8, device=device, async_scheduling=overlap)
         if device == "cpu":
             llm.engine.enable_graphs(emulate=True)
             llm.engine.overlap = llm.engine.budgets.pipelined = overlap
+        if budgets is not None:
+            budgets(llm.engine)
         assert llm.engine.overlap == overlap and llm.engine.speculator.drafter.graphs is not None
         drafter, oracle = llm.engine.speculator.drafter, DeviceOracle(golden, 3, VOCAB, horizon=7, device=device)
         calls = raw[overlap] = []

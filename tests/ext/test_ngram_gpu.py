@@ -120,3 +120,32 @@ def test_the_engine_drafts_on_the_device_ahead_of_results(tiny_checkpoints):
     outs = llm.generate(prompts() * 2, [greedy] * len(ref) + sampled)
     assert [o.token_ids for o in outs[:len(ref)]] == ref
     assert all(len(o.token_ids) == 40 for o in outs[len(ref):])
+
+
+def test_switches_into_and_out_of_trees_run_ahead_on_cuda(tiny_checkpoints):
+    """Captured graphs, the root-only round graphs among them: with the adaptive budget's answers alternating
+    (tests/engine/test_async_switches.py), every decoding step runs ahead (switches included), root-only steps
+    replay a whole round, greedy output equals plain decoding, and seeded sampling equals the same engine stepping
+    synchronously."""
+    from tests.engine.test_async_switches import ENDINGS, alternating, step_kinds
+
+    assert build.load_ops() is not None, build.load_error()
+    folder, _ = tiny_checkpoints("llama")
+    ps = prompts()
+    greedy = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    ref = [o.token_ids for o in LLM(folder, dtype="fp32", device="cuda").generate(ps, greedy)]
+    sampled = [SamplingParams(max_tokens=40, temperature=0.8, top_p=0.9, seed=i, ignore_eos=True)
+               for i in range(len(ps))]
+    outs = {}
+    for overlap in (True, False):
+        core = LLM(folder, dtype="fp32", device="cuda", drafter="ngram", spec_budget=6,
+                   async_scheduling=overlap).engine
+        assert core.runner.rounds is not None and core.overlap == overlap
+        alternating(core)
+        got, kinds = step_kinds(core, ps, [greedy] * len(ps))
+        assert got == ref
+        if overlap:
+            assert all(mode == "ahead" or mode in ENDINGS for _, mode in kinds[2:]), kinds
+            assert "root-only" in {k for k, _ in kinds} and "tree" in {k for k, _ in kinds}, kinds
+        outs[overlap] = step_kinds(core, ps, sampled)[0]
+    assert outs[True] == outs[False]

@@ -691,6 +691,10 @@ def test_under_asynchronous_scheduling_a_switch_into_trees_pays_its_synchronous_
     assert controller.switch_tokens() > 1.0
     controller.observe_step(9, 0.0012, tokens=4, tree=True)  # a tree step: the next one runs ahead
     assert controller.switch_tokens() == 0.0 and controller.uniform(["mild"], [3], [8]) != [0]
+    controller.observe_step(1, 0.00083, tokens=1)
+    assert controller.switch_tokens() > 1.0
+    controller.switches_ahead = True  # an engine whose tree steps run ahead of plain ones: no switch to pay
+    assert controller.switch_tokens() == 0.0 and controller.uniform(["mild"], [3], [8]) != [0]
 
 
 def test_failing_probes_back_off_and_an_accepted_one_restores_them():

@@ -1,0 +1,128 @@
+"""Switching into and out of trees under asynchronous scheduling (engine/ahead.py): with a drafter that drafts from
+the device and the CUDA-graph layout (emulated on the CPU), a tree step is launched ahead of a plain step's
+results, and when no request wants a tree after a tree step the next step is made of root-only trees (plain
+decoding whose positions come from the device), followed by plain steps ahead. So once the engine decodes, no
+step waits for the host. The adaptive budget's answers are replaced by a fixed alternation so that the engine
+switches every few steps; output must stay plain decoding's (greedy) or the synchronous engine's (seeded)."""
+from __future__ import annotations
+
+import pytest
+
+from engine import SamplingParams
+from tests.engine.test_async_scheduling import run
+from tests.engine.test_async_trees import MAX_TOKENS, dflash_ahead_against_synchronous, plain_greedy, tree_engine
+from tests.engine.test_cuda_graphs import prompts
+
+PERIOD = 3  # steps wanting trees, then as many wanting none
+ENDINGS = {"synchronous: a request not decoding in the previous step", "synchronous: every request may finish",
+           "synchronous: every request finishes"}
+
+
+def alternating(core, budget: int = 4):
+    """Makes every request want `budget` nodes for PERIOD steps, then none for PERIOD steps, and so on (by the
+    controller's step clock; `ahead`: asked for the step after the one in flight, as the controller's own
+    probes are). The step's width is what they want, within each request's cap."""
+    b = core.budgets
+
+    def wanted(request_id, dry=False, ahead=False):
+        return budget if ((b.clock + ahead) // PERIOD) % 2 == 0 else 0
+
+    b.budget = wanted
+    b.uniform = lambda request_ids, budgets, caps: [min(x, c) for x, c in zip(budgets, caps)]
+    b.should_draft = lambda request_id, dry=False, ahead=False: False
+
+
+def step_kinds(core, ps, params) -> tuple[list[list[int]], list[tuple[str, str]]]:
+    """run(), recording each step's kind ("tree", "root-only", "plain") and how it was scheduled."""
+    kinds, step = [], core.step
+
+    def spy():
+        deltas = step()
+        st = core.last_stats
+        if st is not None:
+            root_only = not any(st.spec_budgets) and st.cuda_graph == "replay: whole round"
+            kinds.append(("tree" if any(st.spec_budgets) else "root-only" if root_only else "plain", st.scheduling))
+        return deltas
+
+    core.step = spy
+    return run(core, ps, params)[0], kinds
+
+
+def switching_engine(tiny_checkpoints, ps, ref, overlap: bool):
+    folder, _ = tiny_checkpoints("llama")
+    core = tree_engine(folder, ps, ref, overlap, budget=6, adaptive=True).engine
+    alternating(core)
+    return core
+
+
+@pytest.mark.parametrize("batch", [1, 3, 17])
+def test_switches_into_and_out_of_trees_run_ahead(tiny_checkpoints, batch):
+    folder, _ = tiny_checkpoints("llama")
+    ps = prompts(batch)
+    params = [SamplingParams(max_tokens=MAX_TOKENS + 8 - i % 5, temperature=0, ignore_eos=True) for i in range(batch)]
+    ref = plain_greedy(folder, ps, params)
+    out, kinds = step_kinds(switching_engine(tiny_checkpoints, ps, ref, True), ps, params)
+    assert out == ref
+    decoding = kinds[2:]  # (the prompts' step, then the first decoding step, scheduled after its results)
+    # the only synchronous steps left: after a step that may have finished some request (left out of the step
+    # ahead, whose next step must then wait for the host to know)
+    assert all(mode == "ahead" or mode in ENDINGS for _, mode in decoding), str(kinds)
+    pairs = list(zip(decoding, decoding[1:]))
+    entered = sum(a == "plain" and b == "tree" for (a, _), (b, _) in pairs)
+    left = sum(a == "tree" and b == "root-only" for (a, _), (b, _) in pairs)
+    assert entered >= 2 and left >= 2, kinds
+    # a root-only step is followed by plain decoding (its lengths are known), not by more root-only trees
+    assert all(b != "root-only" for (a, _), (b, _) in pairs if a == "root-only"), kinds
+
+
+def test_seeded_sampling_across_switches_equals_synchronous_steps(tiny_checkpoints):
+    """At temperature > 0 (seeded, top-p, logprobs off so the rounds run whole): the root-only steps draw their
+    tokens inside the round graph at the requests' output offsets from the device, the same draws as the plain
+    steps the synchronous engine runs there."""
+    folder, _ = tiny_checkpoints("llama")
+    ps = prompts(4)
+    ref = plain_greedy(folder, ps, SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True))
+    params = [SamplingParams(max_tokens=MAX_TOKENS, temperature=0.8, top_p=0.9, seed=s, ignore_eos=True)
+              for s in range(4)]
+    want, sync_kinds = step_kinds(switching_engine(tiny_checkpoints, ps, ref, False), ps, params)
+    got, kinds = step_kinds(switching_engine(tiny_checkpoints, ps, ref, True), ps, params)
+    assert got == want
+    assert "root-only" in {k for k, _ in kinds} and "tree" in {k for k, _ in sync_kinds}
+
+
+def test_dflash_enters_trees_ahead_fed_by_the_plain_steps_features(tiny_checkpoints, tmp_path, monkeypatch):
+    """A DFlash drafter entering trees ahead of a plain step's results takes that step's one row of target
+    features from the device (and drops it once the step reports): its raw proposals equal, call by call, those
+    of the same engine switching synchronously, and greedy output equals plain decoding."""
+    from engine.pending import PendingStep
+
+    after_plain, features = [], PendingStep.accepted_features
+
+    def spy(self, requests, stage):
+        out = features(self, requests, stage)
+        if not self.is_tree_step:
+            after_plain.append(tuple(out.shape[:2]))
+        return out
+
+    monkeypatch.setattr(PendingStep, "accepted_features", spy)
+    dflash_ahead_against_synchronous(tiny_checkpoints, tmp_path, "cpu", budgets=alternating)
+    assert after_plain and all(a == 1 for _, a in after_plain), after_plain
+
+
+def test_the_budget_prices_switches_only_where_they_wait_for_the_host(tiny_checkpoints):
+    """Under asynchronous scheduling the adaptive budget charges entering trees for a synchronous step
+    (SwitchCost) only where a tree step cannot run ahead of a plain step's results: a drafter that drafts on the
+    host. (Without asynchronous scheduling no step runs ahead and none is charged.)"""
+    from engine import LLM
+    from engine.speculative.ngram import NgramDrafter
+    from engine.speculative.ngram_device import DeviceNgramDrafter
+
+    folder, _ = tiny_checkpoints("llama")
+    for drafter, overlap, ahead in ((DeviceNgramDrafter(1000, horizon=6), True, True),
+                                    (NgramDrafter(1000, horizon=6), True, False),
+                                    (DeviceNgramDrafter(1000, horizon=6), False, False)):
+        core = LLM(folder, dtype="fp32", drafter=drafter, spec_budget=6).engine
+        core.enable_graphs(emulate=True)
+        core.overlap = overlap
+        assert core.budgets.switches_ahead is ahead, (drafter, overlap)
+        assert core.budgets.pipelined is overlap

@@ -208,9 +208,9 @@ class Scheduler:
         host, when `previous` decoded every running request (a tree step, root-only trees included, or a plain
         decoding step) and nothing waits for admission. A request then lies up to its previous budget + 1
         tokens past its host state, so its KV is reserved for the longest case, its budget (budget_of) is capped
-        as if it had advanced that far, and a request that may reach max_tokens or the context with `previous`'s
-        tokens is left out; budgets that differ are harmonized and filled to one width (one_width) as in
-        schedule(). When no request wants a tree after a step that verified one, every request gets a root-only
+        as if it had advanced that far (0 when it may reach max_tokens with `previous`'s tokens), and a request
+        that may reach the context's end is left out; budgets that differ are harmonized and filled to one width
+        (one_width) as in schedule(). When no request wants a tree after a step that verified one, every request gets a root-only
         tree: a plain decoding step whose roots and positions come from the device (so leaving trees never
         waits for the host); after a step of known lengths the plain step (schedule_ahead) serves instead. Why
         not, when this does not apply, blocks run out or no request wants a tree."""
@@ -226,12 +226,12 @@ class Scheduler:
             if req.finished:
                 continue
             most = s.spec_budget + 1
-            remaining = req.sampling.max_tokens - len(req.output_token_ids) - most
-            room = self.max_model_len - req.num_tokens - most
-            if remaining <= 0 or room <= 0:
-                continue  # it may finish with previous's tokens
-            cap = self.budget_cap(req, step_budget, ahead=most)
-            budgets.append((req, max(0, min(budget_of(req), cap)), most, cap))
+            if self.max_model_len - req.num_tokens - most <= 0:
+                continue  # it may reach the context's end with previous's tokens: no row may go past it
+            # one that may reach max_tokens rides at budget 0: if it did, the host drops what this step makes for
+            # it (as for a stop token), and if not, the step after this one need not wait for the host
+            cap = max(0, self.budget_cap(req, step_budget, ahead=most))
+            budgets.append((req, min(budget_of(req), cap), most, cap))
         if not budgets:
             return "every request may finish"
         chosen, wanted = self.one_width([r for r, _, _, _ in budgets], [b for _, b, _, _ in budgets],

@@ -247,6 +247,7 @@ def test_harmonized_trees_fill_the_width_within_each_requests_caps():
     assert plan.spec_budgets == [6, 6, 3, 6]  # c: 4 tokens left, so at most 3 drafts
     assert [s.chosen_budget for s in plan.seqs] == [2, 6, 3, 4]  # what the adaptive budget learns from
     ahead = sched.schedule_ahead_trees(plan, lambda r: own[r.request_id])
-    # each request up to its budget + 1 tokens further on: c may finish (left out), d has 4 tokens left at most
-    assert [s.request.request_id for s in ahead.seqs] == ["a", "b", "d"] and ahead.spec_budgets == [6, 6, 3]
-    assert [s.chosen_budget for s in ahead.seqs] == [2, 6, 3]
+    # each request up to its budget + 1 tokens further on: c may have reached max_tokens (it rides at budget 0:
+    # a root-only tree), d has 4 tokens left at most
+    assert [s.request.request_id for s in ahead.seqs] == ["a", "b", "c", "d"] and ahead.spec_budgets == [6, 6, 0, 3]
+    assert [s.chosen_budget for s in ahead.seqs] == [2, 6, 0, 3]

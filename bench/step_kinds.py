@@ -21,9 +21,17 @@ from bench.gpu_serving import COPY_PROMPT  # noqa: E402
 from engine import LLM, SamplingParams  # noqa: E402
 
 
-def run(model, device, dtype, drafter, overlap, batch, temperature, max_tokens) -> None:
+def run(model, device, dtype, drafter, overlap, batch, temperature, max_tokens, emulate=False) -> None:
     llm = LLM(model, device=device, dtype=dtype, drafter=drafter, async_scheduling=overlap)
     core = llm.engine
+    if emulate:  # the CUDA-graph layout run eagerly, and asynchronous scheduling's bookkeeping (launches block)
+        if drafter == "ngram":  # the drafter CUDA would use (same settings), through its PyTorch reference
+            from engine.speculative.ngram_device import DeviceNgramDrafter
+
+            core.speculator.drafter = DeviceNgramDrafter(core.vocab_size, horizon=core.speculator.horizon)
+            core.speculator.use_staging(core.runner.staging)
+        core.enable_graphs(emulate=True)
+        core.overlap = overlap
     prompt = llm.encode(COPY_PROMPT, chat=True)
     llm.generate([prompt] * batch, SamplingParams(max_tokens=16, temperature=temperature))  # warm-up
     core.budgets.reset()
@@ -62,12 +70,17 @@ def main() -> None:
     p.add_argument("--max-tokens", type=int, default=256)
     p.add_argument("--scheduling", choices=["both", "async", "sync"], default="both",
                    help="asynchronous scheduling on, off, or each in turn")
+    p.add_argument("--emulate", action="store_true",
+                   help="on the CPU: the CUDA-graph layout emulated and asynchronous scheduling's bookkeeping on, "
+                        "with the device n-gram drafter's reference (step kinds and counts are CUDA's; the times "
+                        "are not: every launch blocks)")
     args = p.parse_args()
     for pair in args.runs:
         batch, temperature = int(pair.split(":")[0]), float(pair.split(":")[1])
         for overlap in {"both": (True, False), "async": (True,), "sync": (False,)}[args.scheduling]:
             for drafter in ("none", args.drafter):
-                run(args.model, args.device, args.dtype, drafter, overlap, batch, temperature, args.max_tokens)
+                run(args.model, args.device, args.dtype, drafter, overlap, batch, temperature, args.max_tokens,
+                    args.emulate)
 
 
 if __name__ == "__main__":

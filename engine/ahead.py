@@ -26,7 +26,7 @@ def trees_blocked(speculator, runner) -> str | None:
     if speculator is None:
         return "no speculation"
     why = speculator.cannot_draft_ahead()
-    if why is None and runner.rounds is None:
+    if why is None and runner.graphs is None:
         why = "no CUDA graphs"
     return why
 

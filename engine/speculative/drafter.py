@@ -26,9 +26,9 @@ from ext.reference.candidates import PAD_GAP, pack_candidates, proposal_width  #
 @dataclass
 class DraftRequest:
     request_id: str
-    # all committed tokens (prompt + output); the LAST one is the root/bonus token, which the target has not
-    # processed yet; its position is len(token_ids) - 1
-    token_ids: list[int]
+    # all committed tokens (prompt + output: a list, or the request's TokenView); the LAST one is the root/bonus
+    # token, which the target has not processed yet; its position is len(token_ids) - 1
+    token_ids: Sequence[int]
     # [num_new, len(target_layer_ids) * hidden] target features (outputs of decoder layers target_layer_ids,
     # concatenated in that order) of the committed tokens the drafter has not seen yet, i.e. positions
     # drafter_context_len .. len(token_ids) - 2; None for drafters that need no features

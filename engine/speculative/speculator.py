@@ -235,7 +235,7 @@ class Speculator:
             rows = self.pending_hidden.pop(s.request.request_id, None)
             if rows:
                 consumed[s.request.request_id] = rows
-            batch.append(DraftRequest(s.request.request_id, s.request.all_token_ids,
+            batch.append(DraftRequest(s.request.request_id, s.request.committed,
                                       torch.cat(rows) if rows else None))
         top_k = self.draft_top_k
         # the drafted requests' rows, when some are not drafted

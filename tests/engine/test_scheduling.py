@@ -142,6 +142,15 @@ def test_request_token_slices_equal_all_token_ids():
     whole = req.all_token_ids
     assert all(req.token_ids(a, b) == whole[a:b] for a in range(6) for b in range(a, 7))
     assert req.last_token_id == 9 and Request([4], SamplingParams()).last_token_id == 4
+    view = req.committed  # what drafters read: the same sequence, without the copy
+    assert len(view) == 5 and list(view) == whole and tuple(view[:2]) == (5, 6)
+    assert [view[i] for i in range(-5, 5)] == whole + whole
+    assert all(view[a:b] == whole[a:b] for a in range(-6, 7) for b in range(-6, 8))
+    assert view[::2] == whole[::2] and view[4:1:-1] == whole[4:1:-1]
+    with pytest.raises(IndexError):
+        view[5]
+    req.output_token_ids.append(10)  # live: a token committed later is seen
+    assert len(view) == 6 and view[-1] == 10 and view[3:] == [8, 9, 10]
 
 
 def test_slot_range_equals_slots_token_by_token():

@@ -129,3 +129,33 @@ def test_the_budget_prices_switches_only_where_they_wait_for_the_host(tiny_check
         core.overlap = overlap
         assert core.budgets.switches_ahead is ahead, (drafter, overlap)
         assert core.budgets.pipelined is overlap
+
+
+def test_abort_and_arrival_while_a_root_only_step_runs_ahead(tiny_checkpoints):
+    """A request aborted while a root-only step (leaving trees) is in flight for it gets nothing more; one arriving
+    then waits for a synchronous step and decodes as plain decoding does, as does the request that ran throughout;
+    every KV block comes back."""
+    folder, _ = tiny_checkpoints("llama")
+    ps = prompts(3)
+    sp = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
+    ref = plain_greedy(folder, ps, sp)
+    core = switching_engine(tiny_checkpoints, ps, ref, True)
+    ids = [core.add_request(p, sp) for p in ps[:2]]
+    out = {i: [] for i in ids}
+
+    def root_only_in_flight() -> bool:
+        step = core.inflight.step if core.inflight is not None else None
+        return step is not None and step.is_tree_step and not step.verifies_trees
+
+    while not root_only_in_flight():
+        for d in core.step():
+            out[d.request_id].extend(d.new_token_ids)
+    assert core.abort(ids[1])
+    late = core.add_request(ps[2], sp)
+    out[late], aborted_after = [], len(out[ids[1]])
+    while core.has_unfinished():
+        for d in core.step():
+            out[d.request_id].extend(d.new_token_ids)
+    assert out[ids[0]] == ref[0] and out[late] == ref[2]
+    assert len(out[ids[1]]) == aborted_after and out[ids[1]] == ref[1][:aborted_after]
+    assert core.blocks.num_free_blocks == core.blocks.num_blocks

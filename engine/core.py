@@ -390,29 +390,11 @@ class EngineCore:
         return delta
 
     def _observe_budgets(self, plan: StepPlan, result, seconds: float, synchronous: bool = False) -> None:
-        """What the adaptive budget learns from a step: its rows and time, and each tree's acceptance."""
-        width = max(s.spec_budget for s in plan.seqs) + 1  # verify rows per tree request (padded)
-        # the cost fit prices one more verify row of a decoding step; a step with a prefill chunk would flatten it
-        # (a chunk's rows share one weight read, so each costs a fraction of a decoding row)
-        decoding = all(s.num_new_tokens == 1 for s in plan.seqs)
-        if decoding and width > 1 and self.runner.uniform_trees:  # every request laid out at the width (graphs)
-            rows = width * len(plan.seqs)
-        else:
-            rows = sum(width if s.spec_budget else s.num_new_tokens for s in plan.seqs)
-        tokens = sum(len(t) for t in result.new_token_ids.values())
+        """What the adaptive budget learns from a step (StepBudgets.observe_engine_step)."""
         draft_seconds = result.draft_seconds
         if self.tp is not None and self.budgets.enabled:  # budgets follow the leader's clock on every rank
             seconds, draft_seconds = self.tp.broadcast_object((seconds, draft_seconds))
-        self.budgets.observe_step(rows, seconds, tokens, fit=decoding, tree=width > 1, synchronous=synchronous)
-        self.budgets.observe_draft(result.num_drafted, draft_seconds)
-        for s in plan.seqs:
-            rid = s.request.request_id
-            if rid in result.curves and not s.request.finished:  # (finished while a step ran ahead: released)
-                # only the nodes it chose: the rest filled the step's width (the accepted path's prefix among
-                # them is what the chosen tree alone would have accepted)
-                chosen = s.spec_budget if s.chosen_budget is None else s.chosen_budget
-                accepted = [r for r in result.accepted_rows.get(rid, []) if r <= chosen]
-                self.budgets.observe_request(rid, chosen, accepted, result.curves[rid])
+        self.budgets.observe_engine_step(plan, result, seconds, draft_seconds, synchronous, self.runner.uniform_trees)
 
     def _stats(self, plan, result, preemptions_before: int) -> StepStats:
         from ext import ops

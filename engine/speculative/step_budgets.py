@@ -1,7 +1,7 @@
-"""The step-level half of the adaptive budget (engine/speculative/adaptive.py's BudgetController inherits it): one
-step's requests' budgets put to the width the step lays out (harmonized trees without CUDA graphs, one uniform
-width under them), the fixed cost of a tree step, and under asynchronous scheduling the switch into trees.
-Everything per request (gains, probes, thresholds, costs) is the controller's."""
+"""The step-level half of the adaptive budget (engine/speculative/adaptive.py's BudgetController inherits it): what
+an engine step teaches it, one step's requests' budgets put to the width the step lays out (harmonized trees
+without CUDA graphs, one uniform width under them), the fixed cost of a tree step, and under asynchronous
+scheduling the switch into trees. Everything per request (gains, probes, thresholds, costs) is the controller's."""
 from __future__ import annotations
 
 from contextlib import contextmanager
@@ -10,6 +10,31 @@ from engine.speculative.step_width import common_width, uniform_width
 
 
 class StepBudgets:
+    def observe_engine_step(self, plan, result, seconds: float, draft_seconds: float, synchronous: bool,
+                            uniform_layout: bool) -> None:
+        """What the budget learns from one engine step (an engine.plan StepPlan and its StepResult): its rows and
+        time, its drafting, and each tree's acceptance. uniform_layout: a tree step lays every decoding request
+        out at the step's width (CUDA graphs). synchronous: as observe_step's."""
+        width = max(s.spec_budget for s in plan.seqs) + 1  # verify rows per tree request (padded)
+        # the cost fit prices one more verify row of a decoding step; a step with a prefill chunk would flatten it
+        # (a chunk's rows share one weight read, so each costs a fraction of a decoding row)
+        decoding = all(s.num_new_tokens == 1 for s in plan.seqs)
+        if decoding and width > 1 and uniform_layout:
+            rows = width * len(plan.seqs)
+        else:
+            rows = sum(width if s.spec_budget else s.num_new_tokens for s in plan.seqs)
+        tokens = sum(len(t) for t in result.new_token_ids.values())
+        self.observe_step(rows, seconds, tokens, fit=decoding, tree=width > 1, synchronous=synchronous)
+        self.observe_draft(result.num_drafted, draft_seconds)
+        for s in plan.seqs:
+            rid = s.request.request_id
+            if rid in result.curves and not s.request.finished:  # (finished while a step ran ahead: released)
+                # only the nodes it chose: the rest filled the step's width (the accepted path's prefix among
+                # them is what the chosen tree alone would have accepted)
+                chosen = s.spec_budget if s.chosen_budget is None else s.chosen_budget
+                accepted = [r for r in result.accepted_rows.get(rid, []) if r <= chosen]
+                self.observe_request(rid, chosen, accepted, result.curves[rid])
+
     def harmonize(self, request_ids: list[str], budgets: list[int]) -> list[int]:
         """The counted budgets of one step's decoding requests, at one padded width (step_width.common_width),
         for a step that pads only its trees (without CUDA graphs): a request whose nodes do not pay for the width

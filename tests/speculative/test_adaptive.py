@@ -633,9 +633,9 @@ def test_the_budget_learns_only_from_the_nodes_it_chose():
     have accepted), so filling never moves what the controller learns."""
     from types import SimpleNamespace
 
-    from engine.core import EngineCore
     from engine.plan import ScheduledSeq, StepPlan, StepResult
     from engine.request import Request
+    from engine.speculative.step_budgets import StepBudgets
 
     seen = []
     budgets = SimpleNamespace(observe_step=lambda *a, **k: None, observe_draft=lambda *a: None, enabled=True,
@@ -644,8 +644,7 @@ def test_the_budget_learns_only_from_the_nodes_it_chose():
     plan = StepPlan([ScheduledSeq(requests[0], 1, True, 6, chosen_budget=2), ScheduledSeq(requests[1], 1, True, 6)])
     result = StepResult(new_token_ids={"filled": [7] * 5, "own": [7] * 3}, curves={"filled": [0.5], "own": [0.5]},
                         accepted_rows={"filled": [1, 2, 4, 6], "own": [1, 3]})
-    EngineCore._observe_budgets(SimpleNamespace(budgets=budgets, tp=None, runner=SimpleNamespace(uniform_trees=False)),
-                                plan, result, 0.01)
+    StepBudgets.observe_engine_step(budgets, plan, result, 0.01, 0.0, synchronous=False, uniform_layout=False)
     assert seen == [("filled", 2, [1, 2], [0.5]), ("own", 6, [1, 3], [0.5])]
 
 

@@ -31,8 +31,9 @@ def alternating(core, budget: int = 4):
     b.should_draft = lambda request_id, dry=False, ahead=False: False
 
 
-def step_kinds(core, ps, params) -> tuple[list[list[int]], list[tuple[str, str]]]:
-    """run(), recording each step's kind ("tree", "root-only", "plain") and how it was scheduled."""
+def step_kinds(core, ps, params, modes: list | None = None) -> tuple[list[list[int]], list[tuple[str, str]]]:
+    """run(), recording each step's kind ("tree", "root-only", "plain") and how it was scheduled (and into
+    `modes`, when given, its kind and CUDA-graph mode)."""
     kinds, step = [], core.step
 
     def spy():
@@ -40,7 +41,10 @@ def step_kinds(core, ps, params) -> tuple[list[list[int]], list[tuple[str, str]]
         st = core.last_stats
         if st is not None:
             root_only = not any(st.spec_budgets) and "verify" in st.timings  # a tree step's phases
-            kinds.append(("tree" if any(st.spec_budgets) else "root-only" if root_only else "plain", st.scheduling))
+            kind = "tree" if any(st.spec_budgets) else "root-only" if root_only else "plain"
+            kinds.append((kind, st.scheduling))
+            if modes is not None:
+                modes.append((kind, st.cuda_graph))
         return deltas
 
     core.step = spy
@@ -64,8 +68,11 @@ def test_switches_into_and_out_of_trees_run_ahead(tiny_checkpoints, batch, round
     core = switching_engine(tiny_checkpoints, ps, ref, True)
     if not rounds:
         core.runner.rounds = None
-    out, kinds = step_kinds(core, ps, params)
+    modes = []
+    out, kinds = step_kinds(core, ps, params, modes)
     assert out == ref
+    root_only = "replay: whole round" if rounds else "replay: forward only (no round graphs)"
+    assert {m for k, m in modes if k == "root-only"} == {root_only}, modes
     decoding = kinds[2:]  # (the prompts' step, then the first decoding step, scheduled after its results)
     # none waits for the host: requests that may reach max_tokens in a tree step ride in the step ahead at budget
     # 0 (else the step after would have to wait to learn whether they finished: their lengths differ)

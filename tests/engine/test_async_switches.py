@@ -166,3 +166,43 @@ def test_abort_and_arrival_while_a_root_only_step_runs_ahead(tiny_checkpoints):
     assert out[ids[0]] == ref[0] and out[late] == ref[2]
     assert len(out[ids[1]]) == aborted_after and out[ids[1]] == ref[1][:aborted_after]
     assert core.blocks.num_free_blocks == core.blocks.num_blocks
+
+
+@pytest.mark.parametrize("seed,temperature", [(0, 0.0), (1, 0.0), (2, 0.0), (3, 0.8), (4, 0.8), (5, 0.8)])
+def test_random_budgets_arrivals_and_aborts_keep_plain_decodings_output(tiny_checkpoints, seed, temperature):
+    """Random budgets per request and step (0-6 nodes, mostly 0), random curve drafts, requests arriving every
+    third step and one aborted midway, lengths 3-29: every step that can runs ahead (switching into and out of
+    trees, root-only steps, requests reaching max_tokens at different steps), and each request's output is plain
+    decoding's (greedy, or seeded sampling: the row deciding output position i draws plain decoding's uniform)
+    up to where it was aborted; every KV block comes back."""
+    import random
+
+    folder, _ = tiny_checkpoints("llama")
+    rng = random.Random(seed)
+    num = rng.choice([3, 5, 8, 12])
+    ps = prompts(num)
+    params = [SamplingParams(max_tokens=rng.randrange(3, 30), temperature=temperature, top_p=0.9 if temperature else 1.0,
+                             seed=k, ignore_eos=True) for k in range(num)]
+    ref = plain_greedy(folder, ps, params)  # (seeded sampling when temperature > 0)
+    core = switching_engine(tiny_checkpoints, ps, ref, True)
+    b, wanted = core.budgets, {}
+    b.budget = lambda rid, dry=False, ahead=False: wanted.setdefault((rid, b.clock + ahead),
+                                                                     rng.choice([0, 0, 0, 1, 2, 4, 6]))
+    b.should_draft = lambda rid, dry=False, ahead=False: rng.random() < 0.3
+    index, out, aborted = {}, {i: [] for i in range(num)}, None
+    waiting = list(range(num))
+    for i in waiting[:num // 2]:
+        index[core.add_request(ps[i], params[i])] = i
+    waiting, steps = waiting[num // 2:], 0
+    while core.has_unfinished() or waiting:
+        if waiting and steps % 3 == 2:
+            i = waiting.pop(0)
+            index[core.add_request(ps[i], params[i])] = i
+        if steps == 7 and core.abort(next(iter(index))):
+            aborted = index[next(iter(index))]
+        for d in core.step():
+            out[index[d.request_id]].extend(d.new_token_ids)
+        steps += 1
+    for i in range(num):
+        assert out[i] == (ref[i][:len(out[i])] if i == aborted else ref[i]), (i, out[i], ref[i])
+    assert core.blocks.num_free_blocks == core.blocks.num_blocks

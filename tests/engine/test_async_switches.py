@@ -181,8 +181,9 @@ def test_random_budgets_arrivals_and_aborts_keep_plain_decodings_output(tiny_che
     rng = random.Random(seed)
     num = rng.choice([3, 5, 8, 12])
     ps = prompts(num)
-    params = [SamplingParams(max_tokens=rng.randrange(3, 30), temperature=temperature, top_p=0.9 if temperature else 1.0,
-                             seed=k, ignore_eos=True) for k in range(num)]
+    top_p = 0.9 if temperature else 1.0
+    params = [SamplingParams(max_tokens=rng.randrange(3, 30), temperature=temperature, top_p=top_p, seed=k,
+                             ignore_eos=True) for k in range(num)]
     ref = plain_greedy(folder, ps, params)  # (seeded sampling when temperature > 0)
     core = switching_engine(tiny_checkpoints, ps, ref, True)
     b, wanted = core.budgets, {}

@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from ext import reference
+from ext.cpu_linear import split_linear
 from ext.dispatch import _FLOATS, _cuda_ops, _fallback, _on_cuda, _rows, _served
 
 
@@ -197,8 +198,16 @@ def _gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, silu
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [..., K] @ weight [N, K]^T (+ bias) -> [..., N]: the few-row kernels for up to SKINNY_MAX_ROWS rows on
-    CUDA (weight-read-bound shapes), cuBLAS through F.linear for more rows and off CUDA."""
+    CUDA (weight-read-bound shapes), the thread-split matmul for a few fp32 rows on the CPU (ext/cpu_linear.py),
+    F.linear (cuBLAS, MKL) otherwise."""
     out = _gemv(x, weight, bias, False)
+    return out if out is not None else dense(x, weight, bias)
+
+
+def dense(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """linear() without the CUDA few-row kernels: F.linear, or the CPU's thread-split matmul for a few rows (the
+    vocabulary projection: cuBLAS is as fast as the GEMV there)."""
+    out = split_linear(x, weight, bias)
     return out if out is not None else F.linear(x, weight, bias)
 
 
@@ -206,7 +215,7 @@ def linear_silu_mul(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """silu_and_mul(linear(x, weight)) for a fused [gate; up] weight [2I, K] -> [..., I]: one few-row launch for
     up to SKINNY_MAX_ROWS rows on CUDA (bit-identical to the two ops), else the two ops."""
     out = _gemv(x, weight, None, True)
-    return out if out is not None else silu_and_mul(F.linear(x, weight))
+    return out if out is not None else silu_and_mul(dense(x, weight))
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:

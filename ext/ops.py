@@ -12,7 +12,7 @@ import torch
 from ext import prefill, reference
 from ext.dispatch import (_FLOATS, _calls, _cuda_ops, _fallback, _rows, _served, cuda_calls,  # noqa: F401
                           reference_fallbacks, take_reference_fallbacks)
-from ext.layer_ops import (GEMV_MAX_ROWS, SKINNY_MAX_ROWS, fused_add_rmsnorm, linear, linear_silu_mul,  # noqa: F401
+from ext.layer_ops import (GEMV_MAX_ROWS, SKINNY_MAX_ROWS, dense, fused_add_rmsnorm, linear, linear_silu_mul,  # noqa: F401
                            qk_norm_rope_write_kv, rope_inplace, rope_write_kv, silu_and_mul, write_kv, write_kv_pair)
 from ext.metadata import AttentionMetadata
 

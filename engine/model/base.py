@@ -13,6 +13,7 @@ from torch import nn
 
 from engine.model.layers import RMSNorm
 from engine.model.tensor_parallel import vocab_parallel_embed, vocab_parallel_logits
+from ext import ops
 from ext.metadata import AttentionMetadata
 
 
@@ -78,5 +79,5 @@ class CausalLM(nn.Module):
         if self.tp is not None:
             return vocab_parallel_logits(hidden, weight, self.tp)
         # cuBLAS, not the GEMV: on the vocab projection it is as fast or faster (bench/kernels.py --only gemv)
-        logits = torch.nn.functional.linear(hidden, weight)
+        logits = ops.dense(hidden, weight)
         return logits.float() if fp32 else logits

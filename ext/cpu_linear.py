@@ -1,9 +1,11 @@
-"""Few-row matmuls on the CPU. PyTorch's x @ W^T for 1-8 rows (MKL's gemv, and its gemm at small M) keeps one of
-the 2-core machine's cores busy: ~12 GB/s of weights where a plain sum streams 32. The same product as a batched
-matmul over one slice of the output features per thread runs every core (30-35 GB/s): on the embedded model in
-fp32, a decoding step's matmuls (30 layers and the vocabulary projection) took 43 ms at 1 row against 19, 80
-against 19 at 2 rows, 64 against 26 at 4, 58 against 41 at 8; from ~10 rows on the two are even (bench/decode.py,
-docs/BENCHMARKS.md 2026-12-05). Values equal F.linear's up to the summation order (~1e-7 relative)."""
+"""Few-row matmuls on the CPU. PyTorch's x @ W^T for a few rows (MKL's gemv at one row, its gemm at small M) keeps
+one of the 2-core machine's cores busy: ~12 GB/s of weights where a plain sum streams 32. The same product as a
+batched matmul over one slice of the output features per thread runs every core (30-35 GB/s). On the embedded
+model in fp32, a decoding step's matmuls (30 layers and the vocabulary projection, weights streamed from memory)
+took 43 ms at 1 row against 19, 80 against 19 at 2 rows, 64 against 26 at 4, 88 against 42 at 6; from 9 to 128
+rows the split is 0-20% faster (compute-bound from ~4 rows on two cores), from 256 rows F.linear is (prefill
+chunks keep it). Values equal F.linear's up to the summation order (~1e-7 relative). docs/BENCHMARKS.md,
+2026-12-05."""
 from __future__ import annotations
 
 import torch

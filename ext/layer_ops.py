@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from ext import reference
-from ext.cpu_linear import split_linear
+from ext.cpu_linear import cpu_linear
 from ext.dispatch import _FLOATS, _cuda_ops, _fallback, _on_cuda, _rows, _served
 
 
@@ -198,16 +198,16 @@ def _gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, silu
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [..., K] @ weight [N, K]^T (+ bias) -> [..., N]: the few-row kernels for up to SKINNY_MAX_ROWS rows on
-    CUDA (weight-read-bound shapes), the thread-split matmul for a few fp32 rows on the CPU (ext/cpu_linear.py),
-    F.linear (cuBLAS, MKL) otherwise."""
+    CUDA (weight-read-bound shapes), ext/cpu_linear.py's routes on the CPU in fp32, F.linear (cuBLAS, MKL)
+    otherwise."""
     out = _gemv(x, weight, bias, False)
     return out if out is not None else dense(x, weight, bias)
 
 
 def dense(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """linear() without the CUDA few-row kernels: F.linear, or the CPU's thread-split matmul for a few rows (the
-    vocabulary projection: cuBLAS is as fast as the GEMV there)."""
-    out = split_linear(x, weight, bias)
+    """linear() without the CUDA few-row kernels (the vocabulary projection: cuBLAS is as fast as the GEMV there):
+    F.linear, or on the CPU in fp32 ext/cpu_linear.py's routes."""
+    out = cpu_linear(x, weight, bias)
     return out if out is not None else F.linear(x, weight, bias)
 
 

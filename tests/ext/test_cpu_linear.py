@@ -1,6 +1,7 @@
-"""The CPU's few-row matmul (ext/cpu_linear.py): the product of x and W^T with the output features split across
-the intra-op threads equals F.linear's (summation order aside) for 1-64 rows, with a bias and with leading
-dimensions; other calls are left to F.linear; ops.linear, linear_silu_mul and the vocabulary projection take it."""
+"""The CPU's matmul routes (ext/cpu_linear.py): the product of x and W^T with the output features split across the
+intra-op threads, and oneDNN's packed inner product, equal F.linear's (summation order aside), with a bias and
+with leading dimensions; the packed copy is made once, made again after the weight changes, and never used under
+autograd; other calls are left to F.linear; ops.linear, linear_silu_mul and the vocabulary projection take them."""
 from __future__ import annotations
 
 import pytest
@@ -8,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from ext import ops
-from ext.cpu_linear import CPU_SPLIT_MAX_ROWS, split_linear
+from ext.cpu_linear import CPU_SPLIT_MAX_ROWS, cpu_linear, split_linear
 
 
 @pytest.fixture
@@ -56,3 +57,36 @@ def test_the_model_paths_take_it(two_threads, monkeypatch):
     torch.testing.assert_close(ops.dense(x, w), F.linear(x, w), rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(ops.linear_silu_mul(x, w), ops.silu_and_mul(F.linear(x, w)), rtol=1e-5, atol=1e-5)
     assert calls == [(2, 20, 64)] * 3
+
+
+needs_onednn = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="this torch has no oneDNN")
+
+
+@needs_onednn
+@pytest.mark.parametrize("rows", [2, 17, 300])
+def test_packed_route_at_inference(two_threads, rows):
+    w, b = torch.nn.Parameter(torch.randn(130, 96)), torch.randn(130)
+    x = torch.randn(rows, 96)
+    with torch.inference_mode():
+        out = cpu_linear(x, w, b)
+        torch.testing.assert_close(out, F.linear(x, w, b), rtol=1e-4, atol=1e-4)
+        packed = w._ddtree_onednn[1]
+        cpu_linear(torch.randn(2, 3, 96), w)  # leading dimensions, the same packed copy
+        assert w._ddtree_onednn[1] is packed
+    with torch.no_grad():
+        w.mul_(2)  # the weight changed in place: packed again
+    with torch.inference_mode():
+        torch.testing.assert_close(cpu_linear(x, w, b), F.linear(x, w, b), rtol=1e-4, atol=1e-4)
+        assert w._ddtree_onednn[1] is not packed
+
+
+@needs_onednn
+def test_autograd_and_one_row_do_not_pack(two_threads):
+    w = torch.nn.Parameter(torch.randn(40, 64))
+    x = torch.randn(4, 64)
+    out = cpu_linear(x, w)  # grad enabled, a weight that wants one: the split, which has a backward
+    out.sum().backward()
+    torch.testing.assert_close(w.grad, x.sum(0).expand(40, 64), rtol=1e-5, atol=1e-5)
+    with torch.inference_mode():
+        cpu_linear(torch.randn(1, 64), w)  # one row: the split, no packed copy
+    assert not hasattr(w, "_ddtree_onednn")

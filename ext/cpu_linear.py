@@ -1,11 +1,13 @@
-"""Few-row matmuls on the CPU. PyTorch's x @ W^T for a few rows (MKL's gemv at one row, its gemm at small M) keeps
-one of the 2-core machine's cores busy: ~12 GB/s of weights where a plain sum streams 32. The same product as a
-batched matmul over one slice of the output features per thread runs every core (30-35 GB/s). On the embedded
-model in fp32, a decoding step's matmuls (30 layers and the vocabulary projection, weights streamed from memory)
-took 43 ms at 1 row against 19, 80 against 19 at 2 rows, 64 against 26 at 4, 88 against 42 at 6; from 9 to 128
-rows the split is 0-20% faster (compute-bound from ~4 rows on two cores), from 256 rows F.linear is (prefill
-chunks keep it). Values equal F.linear's up to the summation order (~1e-7 relative). docs/BENCHMARKS.md,
-2026-12-05."""
+"""Matmuls on the CPU in fp32. PyTorch's x @ W^T for a few rows (MKL's gemv at one row, its gemm at small M) keeps
+one of the 2-core machine's cores busy: ~12 GB/s of weights where a plain sum streams 32. Two routes instead:
+  - one row: the product as a batched matmul over one slice of the output features per thread (split_linear),
+    every core streaming (30-35 GB/s);
+  - more rows at inference: oneDNN's packed inner product over a reordered copy of the weight (cpu_linear),
+    near the weight-streaming floor up to ~16 rows, and ahead of MKL's gemm at prefill sizes too.
+On the embedded model, a decoding step's matmuls (30 layers and the vocabulary projection, weights streamed from
+memory), ms: 1 row F.linear 43, split 15-19, oneDNN 22; 8 rows 57 / 45 / 24.5; 16 rows 67 / 66 / 32; 512 rows
+760 / 890 / 649. The cost: the packed copy doubles the weights' memory. Values equal F.linear's up to the summation
+order (~1e-6 relative). docs/BENCHMARKS.md, 2026-12-05."""
 from __future__ import annotations
 
 import torch

@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.model.loader import build_model
+from ext import ops
 from ext.metadata import build_metadata
 from ext.reference import paged_attention, write_kv
 
@@ -32,8 +33,9 @@ def old_silu_and_mul(x):
 
 
 def old_linear(module, x):
-    """The projection as cuBLAS computes it (F.linear), whatever kernel the module routes through."""
-    return F.linear(x, module.weight, module.bias)
+    """The projection as cuBLAS computes it (F.linear) on CUDA, whatever few-row kernel the module routes through;
+    on the CPU as the model computes it (ext/cpu_linear.py's routes: only the layer's structure is compared)."""
+    return (ops.dense if x.device.type == "cpu" else F.linear)(x, module.weight, module.bias)
 
 
 def old_attention(attn, x, cos, sin, meta, kv_cache):

@@ -10,7 +10,12 @@ memory), ms: 1 row F.linear 43, split 15-19, oneDNN 22; 8 rows 57 / 45 / 24.5; 1
 order (~1e-6 relative). docs/BENCHMARKS.md, 2026-12-05."""
 from __future__ import annotations
 
+import functools
+import logging
+
 import torch
+
+logger = logging.getLogger("ddtree.ext")
 
 CPU_SPLIT_MAX_ROWS = 64
 # oneDNN's packed inner product serves 2+ rows at inference: its weights reordered once, for this batch size (the
@@ -41,7 +46,7 @@ def _cpu_fp32(x: torch.Tensor, weight: torch.Tensor) -> bool:
 def _packed(weight: torch.Tensor) -> torch.Tensor | None:
     """oneDNN's reordered copy of the weight, made on first use and again after the weight changes in place (kept
     on the weight itself); None under autograd (the packed op has no backward) or without oneDNN."""
-    if (weight.requires_grad and torch.is_grad_enabled()) or not torch.backends.mkldnn.is_available():
+    if (weight.requires_grad and torch.is_grad_enabled()) or not _onednn_linear():
         return None
     version = _version(weight)
     cached = getattr(weight, "_ddtree_onednn", None)
@@ -50,6 +55,20 @@ def _packed(weight: torch.Tensor) -> torch.Tensor | None:
                   weight.data_ptr())
         weight._ddtree_onednn = cached
     return cached[1]
+
+
+@functools.cache
+def _onednn_linear() -> bool:
+    """Whether this torch has oneDNN's packed inner product (said once when not: the split serves instead)."""
+    try:
+        ok = torch.backends.mkldnn.is_available() and all(
+            callable(getattr(torch.ops.mkldnn, name)) for name in ("_reorder_linear_weight", "_linear_pointwise"))
+    except (AttributeError, RuntimeError):
+        ok = False
+    if not ok:
+        logger.warning("this torch has no oneDNN packed linear: CPU matmuls of 2-%d rows split across threads, more "
+                       "through F.linear", CPU_SPLIT_MAX_ROWS)
+    return ok
 
 
 def _version(t: torch.Tensor) -> int:

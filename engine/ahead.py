@@ -56,14 +56,11 @@ class AheadLauncher:
             return None
         return self.trees(current) if current.step.verifies_trees else self.plain(current)
 
-    def trees_blocked(self) -> str | None:
-        return trees_blocked(self.speculator, self.runner)
-
     def plain(self, current: Launched) -> Launched | None:
         """After a step that left every request one token past its host state: plain decoding of the same
-        requests, or the tree step when one is wanted (and trees run ahead: trees_blocked). A request at budget 0
-        that wants a draft needs its newest token on the host unless the drafter drafts from the device (then it
-        drafts in the plain step, from the token fed from the device)."""
+        requests, or the tree step when one is wanted (and trees can run ahead: trees_blocked). A request at
+        budget 0 that wants a draft needs its newest token on the host unless the drafter drafts from the device
+        (then it drafts in the plain step, from the token fed from the device)."""
         budgets = self.budgets if self.speculator is not None and self.budgets.enabled else None
         if budgets is None:
             return self._plain(current, None, False)
@@ -77,7 +74,7 @@ class AheadLauncher:
                 self.why_not = "a draft wanted"
                 return None
             if self.scheduler.wants_trees(requests, lambda r: budgets.budget(r.request_id, dry=True, ahead=True)):
-                blocked = self.trees_blocked()
+                blocked = trees_blocked(self.speculator, self.runner)
                 if blocked is not None:
                     self.why_not = f"a tree wanted: {blocked}"
                     return None
@@ -95,7 +92,7 @@ class AheadLauncher:
 
     def trees(self, current: Launched) -> Launched | None:
         """The step after `current` (a step that verified trees): a tree step, root-only when no tree is wanted."""
-        why = self.trees_blocked()
+        why = trees_blocked(self.speculator, self.runner)
         if why is not None:
             self.why_not = why
             return None

@@ -89,21 +89,25 @@ class TokenView(Sequence):
         return itertools.chain(self.prompt, self.output)
 
     def __getitem__(self, index):
-        num_prompt = len(self.prompt)
         if isinstance(index, slice):
             start, stop, step = index.indices(len(self))
-            if step != 1:
-                return list(self)[index]
-            if stop <= num_prompt:
-                return self.prompt[start:stop]
-            if start >= num_prompt:
-                return self.output[start - num_prompt:stop - num_prompt]
-            return self.prompt[start:] + self.output[:stop - num_prompt]
+            return joined_slice(self.prompt, self.output, start, stop) if step == 1 else list(self)[index]
         if index < 0:
             index += len(self)
         if not 0 <= index < len(self):
             raise IndexError("token index out of range")
+        num_prompt = len(self.prompt)
         return self.prompt[index] if index < num_prompt else self.output[index - num_prompt]
+
+
+def joined_slice(prompt: list[int], output: list[int], start: int, stop: int) -> list[int]:
+    """(prompt + output)[start:stop] for 0 <= start <= stop, without building the whole list."""
+    num_prompt = len(prompt)
+    if stop <= num_prompt:
+        return prompt[start:stop]
+    if start >= num_prompt:
+        return output[start - num_prompt:stop - num_prompt]
+    return prompt[start:] + output[:stop - num_prompt]
 
 
 _ids = itertools.count()
@@ -161,7 +165,7 @@ class Request:
 
     def token_ids(self, start: int, end: int) -> list[int]:
         """all_token_ids[start:end] without building the whole list (the step path calls this per request)."""
-        return self.committed[start:end]
+        return joined_slice(self.prompt_token_ids, self.output_token_ids, start, end)
 
     @property
     def last_token_id(self) -> int:

@@ -210,17 +210,17 @@ class Scheduler:
         tokens past its host state, so its KV is reserved for the longest case, its budget (budget_of) is capped
         as if it had advanced that far (0 when it may reach max_tokens with `previous`'s tokens), and a request
         that may reach the context's end is left out; budgets that differ are harmonized and filled to one width
-        (one_width) as in schedule(). When no request wants a tree after a step that verified one, every request gets a root-only
-        tree: a plain decoding step whose roots and positions come from the device (so leaving trees never
-        waits for the host); after a step of known lengths the plain step (schedule_ahead) serves instead. Why
-        not, when this does not apply, blocks run out or no request wants a tree."""
+        (one_width) as in schedule(). When no request wants a tree after a step that verified one, every request
+        gets a root-only tree: a plain decoding step whose roots and positions come from the device (so leaving
+        trees never waits for the host); after a step of known lengths the plain step (schedule_ahead) serves
+        instead. Why not, when this does not apply, blocks run out or no request wants a tree."""
         if self.waiting:
             return "waiting requests"
         decoding = {id(s.request) for s in previous.seqs if s.sample and s.num_new_tokens == 1}
         if any(id(r) not in decoding for r in self.running):
             return "a request not decoding in the previous step"
         step_budget = self.step_budget(len(self.running))
-        budgets: list[tuple[Request, int, int]] = []  # (request, budget, most tokens `previous` emits for it)
+        budgets: list[tuple[Request, int, int, int]] = []  # (request, budget, most tokens `previous` emits, cap)
         for s in previous.seqs:
             req = s.request
             if req.finished:

@@ -39,7 +39,7 @@ def cpu_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
 
 
 def _cpu_fp32(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    return (x.device.type == "cpu" and x.dtype == torch.float32 and weight.dtype == torch.float32
+    return (x.is_cpu and x.dtype == torch.float32 and weight.dtype == torch.float32
             and weight.dim() == 2 and weight.is_contiguous() and x.shape[-1] == weight.shape[1])
 
 
@@ -48,12 +48,11 @@ def _packed(weight: torch.Tensor) -> torch.Tensor | None:
     on the weight itself); None under autograd (the packed op has no backward) or without oneDNN."""
     if (weight.requires_grad and torch.is_grad_enabled()) or not _onednn_linear():
         return None
-    version = _version(weight)
+    key = (_version(weight), weight.data_ptr())  # an inference tensor has no version: its storage tells
     cached = getattr(weight, "_ddtree_onednn", None)
-    if cached is None or cached[0] != version or version < 0 and cached[2] != weight.data_ptr():
-        cached = (version, torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACK_BATCH_HINT),
-                  weight.data_ptr())
-        weight._ddtree_onednn = cached
+    if cached is None or cached[0] != key:
+        cached = weight._ddtree_onednn = (key, torch.ops.mkldnn._reorder_linear_weight(weight.detach(),
+                                                                                      PACK_BATCH_HINT))
     return cached[1]
 
 

@@ -9,7 +9,10 @@ throughput as a table. Not a test.
 
 TTFT is measured from sending the request to the first content chunk; ITL is the gap between content
 chunks divided by the tokens they carry (from per-chunk usage, so a speculative burst of k tokens counts as
-k gaps); TPOT = (e2e - TTFT) / (output tokens - 1). Output lengths are forced with ignore_eos.
+k gaps); TPOT = (e2e - TTFT) / (output tokens - 1). Output lengths are forced with ignore_eos: all equal by
+default, or drawn uniformly from [L(1-r), L(1+r)] with --output-len-range r (the same lengths for a given seed,
+like vLLM's --random-range-ratio). Equal lengths started together keep a closed loop in lockstep: requests
+admitted in one step finish in one step, so the next prompts arrive together and are prefilled in one batch.
 """
 from __future__ import annotations
 
@@ -86,6 +89,7 @@ async def one_request(client: openai.AsyncOpenAI, model: str, prompt: str, outpu
 async def run_load(args, base_url: str) -> tuple[list[Result], float]:
     rng = random.Random(args.seed)
     prompts = [make_prompt(rng, args.input_len) for _ in range(args.num_requests)]
+    output_lens = output_lengths(args)
     limits = httpx.Limits(max_connections=max(args.concurrency, 1) + 8)
     async with openai.AsyncOpenAI(base_url=base_url + "/v1", api_key=args.api_key or "unused", max_retries=0,
                                   timeout=args.timeout, http_client=httpx.AsyncClient(limits=limits)) as client:
@@ -93,18 +97,28 @@ async def run_load(args, base_url: str) -> tuple[list[Result], float]:
         await one_request(client, model, "Hello", 4)  # warm-up
         sem = asyncio.Semaphore(args.concurrency if args.concurrency > 0 else len(prompts))
 
-        async def gated(prompt: str) -> Result:
+        async def gated(prompt: str, output_len: int) -> Result:
             async with sem:
-                return await one_request(client, model, prompt, args.output_len)
+                return await one_request(client, model, prompt, output_len)
 
         t0 = time.perf_counter()
         tasks = []
-        for prompt in prompts:
-            tasks.append(asyncio.create_task(gated(prompt)))
+        for prompt, output_len in zip(prompts, output_lens):
+            tasks.append(asyncio.create_task(gated(prompt, output_len)))
             if args.request_rate > 0:
                 await asyncio.sleep(rng.expovariate(args.request_rate))
         results = await asyncio.gather(*tasks)
         return results, time.perf_counter() - t0
+
+
+def output_lengths(args) -> list[int]:
+    """Each request's forced output length: --output-len, or uniform in [L(1-r), L(1+r)] (at least 1)."""
+    if args.output_len_range <= 0:
+        return [args.output_len] * args.num_requests
+    rng = random.Random(args.seed + 1)
+    low = max(1, round(args.output_len * (1 - args.output_len_range)))
+    high = max(low, round(args.output_len * (1 + args.output_len_range)))
+    return [rng.randint(low, high) for _ in range(args.num_requests)]
 
 
 def pct(values: list[float], q: float) -> float:
@@ -120,7 +134,7 @@ def print_table(results: list[Result], elapsed: float, args) -> None:
     ok = [r for r in results if r.ok]
     failed = [r for r in results if not r.ok]
     print(f"\nrequests {len(ok)}/{len(results)} ok in {elapsed:.2f} s  (concurrency {args.concurrency or 'inf'}, "
-          f"rate {args.request_rate or 'inf'} req/s, input ~{args.input_len} tok, output {args.output_len} tok)")
+          f"rate {args.request_rate or 'inf'} req/s, input ~{args.input_len} tok, output {output_desc(args)} tok)")
     if failed:
         print(f"first error: {failed[0].error}")
     if not ok:
@@ -136,6 +150,12 @@ def print_table(results: list[Result], elapsed: float, args) -> None:
                   f"{1e3 * pct(values, 90):>10.1f}{1e3 * pct(values, 99):>10.1f}{1e3 * max(values):>10.1f}")
     print(f"output tokens/s {out_tokens / elapsed:.1f}   requests/s {len(ok) / elapsed:.2f}   "
           f"prompt tokens {sum(r.prompt_tokens for r in ok)}   output tokens {out_tokens}")
+
+
+def output_desc(args) -> str:
+    if args.output_len_range <= 0:
+        return str(args.output_len)
+    return f"{args.output_len} +-{100 * args.output_len_range:.0f}%"
 
 
 def start_server(server_args: list[str]) -> tuple[subprocess.Popen, str]:
@@ -170,11 +190,15 @@ def main() -> None:
     ap.add_argument("--request-rate", type=float, default=0.0, help="Poisson arrivals per second (0 = all at once)")
     ap.add_argument("--input-len", type=int, default=64, help="approximate prompt tokens")
     ap.add_argument("--output-len", type=int, default=64, help="output tokens per request (ignore_eos)")
+    ap.add_argument("--output-len-range", type=float, default=0.0,
+                    help="r in [0, 1): output lengths uniform in [L(1-r), L(1+r)] (0 = all equal)")
     ap.add_argument("--timeout", type=float, default=600.0)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--server-args", nargs=argparse.REMAINDER, default=[],
                     help="flags for `python -m server serve` when the bench starts the server")
     args = ap.parse_args()
+    if not 0 <= args.output_len_range < 1:
+        ap.error("--output-len-range must be in [0, 1)")
     proc = None
     base_url = args.base_url
     if base_url is None:

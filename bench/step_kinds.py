@@ -2,14 +2,18 @@
 their median wall time, tokens a step and phase timings, beside speculation off, with and without asynchronous
 scheduling, on the self-repeating chat prompt of bench/gpu_serving.py. Also the adaptive budget's view at the end
 (drafting cost and row threshold in tokens of throughput, whether drafts count as cheap, whether the engine
-drafts first).
+drafts first). --trace FILE writes every step as a JSON line (the run, its budgets, width, tokens, wall time,
+scheduling and graph, and the budget's threshold and fitted row and tree costs at that point), and --repeat N runs
+each configuration N times: for runs whose speed swings from one to the next.
 
     python bench/step_kinds.py --model SmolLM2-135M-Instruct.Q4_1.gguf --device cuda --runs 16:0 1:1 1:0
+    python bench/step_kinds.py --model ... --runs 16:0 --scheduling async --repeat 3 --trace steps.jsonl
 """
 from __future__ import annotations
 
 import argparse
 import collections
+import json
 import os
 import statistics
 import sys
@@ -21,7 +25,19 @@ from bench.gpu_serving import COPY_PROMPT  # noqa: E402
 from engine import LLM, SamplingParams  # noqa: E402
 
 
-def run(model, device, dtype, drafter, overlap, batch, temperature, max_tokens, emulate=False) -> None:
+def step_record(label: str, index: int, stats, seconds: float, emitted: int, budgets) -> dict:
+    """One step of a run as --trace writes it."""
+    slope = budgets.fit.slope()
+    return {"run": label, "step": index, "budgets": stats.spec_budgets, "width": max(stats.spec_budgets, default=0) + 1,
+            "tokens": emitted, "ms": round(seconds * 1e3, 3), "scheduling": stats.scheduling,
+            "cuda_graph": stats.cuda_graph, "threshold": round(budgets.threshold(), 4),
+            "row_ms": round(slope * 1e3, 4) if slope is not None else None,
+            "tree_ms": round(budgets.fit.tree_cost() * 1e3, 4), "batch": stats.batch_size}
+
+
+def run(model, device, dtype, drafter, overlap, batch, temperature, max_tokens, emulate=False, trace=None,
+        rep=0) -> None:
+    label = f"batch {batch} T {temperature} async {overlap} {drafter}" + (f" #{rep}" if rep else "")
     llm = LLM(model, device=device, dtype=dtype, drafter=drafter, async_scheduling=overlap)
     core = llm.engine
     if emulate:  # the CUDA-graph layout run eagerly, and asynchronous scheduling's bookkeeping (launches block)
@@ -38,7 +54,7 @@ def run(model, device, dtype, drafter, overlap, batch, temperature, max_tokens, 
     for i in range(batch):
         core.add_request(prompt, SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=0.9, seed=i,
                                                 ignore_eos=True))
-    kinds, tokens, t0 = collections.defaultdict(list), 0, time.perf_counter()
+    kinds, tokens, t0, index = collections.defaultdict(list), 0, time.perf_counter(), 0
     while core.has_unfinished():
         start = time.perf_counter()
         deltas = core.step()
@@ -48,10 +64,13 @@ def run(model, device, dtype, drafter, overlap, batch, temperature, max_tokens, 
         stats = core.last_stats
         if stats is None:
             continue
+        if trace is not None:
+            trace.write(json.dumps(step_record(label, index, stats, seconds, emitted, core.budgets)) + "\n")
+        index += 1
         kind = f"{'tree' if any(stats.spec_budgets) else 'plain'} | {stats.scheduling[:28]} | {stats.cuda_graph[:22]}"
         kinds[kind].append((seconds * 1e3, emitted, {k: v * 1e3 for k, v in stats.timings.items()}))
     elapsed, b = time.perf_counter() - t0, core.budgets
-    print(f"== batch {batch} T {temperature} async {overlap} {drafter}: {tokens / elapsed:.0f} tok/s, "
+    print(f"== {label}: {tokens / elapsed:.0f} tok/s, "
           f"{sum(len(v) for v in kinds.values())} steps; draft_tokens {b.draft_tokens():.3f} threshold "
           f"{b.threshold():.3f} cheap {b.cheap_draft()} draft first {core.draft_first is not None}", flush=True)
     for kind, steps in sorted(kinds.items(), key=lambda kv: -len(kv[1])):
@@ -74,13 +93,21 @@ def main() -> None:
                    help="on the CPU: the CUDA-graph layout emulated and asynchronous scheduling's bookkeeping on, "
                         "with the device n-gram drafter's reference (step kinds and counts are CUDA's; the times "
                         "are not: every launch blocks)")
+    p.add_argument("--repeat", type=int, default=1, help="runs of each configuration")
+    p.add_argument("--trace", default=None, help="write every step here as a JSON line")
     args = p.parse_args()
-    for pair in args.runs:
-        batch, temperature = int(pair.split(":")[0]), float(pair.split(":")[1])
-        for overlap in {"both": (True, False), "async": (True,), "sync": (False,)}[args.scheduling]:
-            for drafter in ("none", args.drafter):
-                run(args.model, args.device, args.dtype, drafter, overlap, batch, temperature, args.max_tokens,
-                    args.emulate)
+    trace = open(args.trace, "w") if args.trace else None
+    try:
+        for pair in args.runs:
+            batch, temperature = int(pair.split(":")[0]), float(pair.split(":")[1])
+            for overlap in {"both": (True, False), "async": (True,), "sync": (False,)}[args.scheduling]:
+                for drafter in ("none", args.drafter):
+                    for rep in range(1, args.repeat + 1):
+                        run(args.model, args.device, args.dtype, drafter, overlap, batch, temperature,
+                            args.max_tokens, args.emulate, trace, rep if args.repeat > 1 else 0)
+    finally:
+        if trace is not None:
+            trace.close()
 
 
 if __name__ == "__main__":

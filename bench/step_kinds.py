@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import json
 import os
 import statistics
@@ -96,8 +97,7 @@ def main() -> None:
     p.add_argument("--repeat", type=int, default=1, help="runs of each configuration")
     p.add_argument("--trace", default=None, help="write every step here as a JSON line")
     args = p.parse_args()
-    trace = open(args.trace, "w") if args.trace else None
-    try:
+    with open(args.trace, "w") if args.trace else contextlib.nullcontext() as trace:
         for pair in args.runs:
             batch, temperature = int(pair.split(":")[0]), float(pair.split(":")[1])
             for overlap in {"both": (True, False), "async": (True,), "sync": (False,)}[args.scheduling]:
@@ -105,9 +105,6 @@ def main() -> None:
                     for rep in range(1, args.repeat + 1):
                         run(args.model, args.device, args.dtype, drafter, overlap, batch, temperature,
                             args.max_tokens, args.emulate, trace, rep if args.repeat > 1 else 0)
-    finally:
-        if trace is not None:
-            trace.close()
 
 
 if __name__ == "__main__":

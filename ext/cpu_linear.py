@@ -34,7 +34,7 @@ def cpu_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
     num_rows = x.numel() // max(x.shape[-1], 1)
     packed = _packed(weight) if num_rows > 1 else None
     if packed is None:
-        return split_linear(x, weight, bias)
+        return _split(x, weight, bias, num_rows)
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
@@ -84,7 +84,12 @@ def split_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     multiple of the thread count, a weight that is not a contiguous matrix)."""
     if not _cpu_fp32(x, weight):
         return None
-    num_rows, (num_out, k) = x.numel() // max(x.shape[-1], 1), weight.shape
+    return _split(x, weight, bias, x.numel() // max(x.shape[-1], 1))
+
+
+def _split(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, num_rows: int) -> torch.Tensor | None:
+    """split_linear past its input check (cpu_linear has made it)."""
+    num_out, k = weight.shape
     chunks = torch.get_num_threads()
     if not (1 <= num_rows <= CPU_SPLIT_MAX_ROWS and chunks > 1 and num_out % chunks == 0):
         return None

@@ -12,8 +12,9 @@ import torch
 from ext import prefill, reference
 from ext.dispatch import (_FLOATS, _calls, _cuda_ops, _fallback, _rows, _served, cuda_calls,  # noqa: F401
                           reference_fallbacks, take_reference_fallbacks)
-from ext.layer_ops import (GEMV_MAX_ROWS, SKINNY_MAX_ROWS, dense, fused_add_rmsnorm, linear, linear_silu_mul,  # noqa: F401
-                           qk_norm_rope_write_kv, rope_inplace, rope_write_kv, silu_and_mul, write_kv, write_kv_pair)
+from ext.layer_ops import (GEMV_MAX_ROWS, SKINNY_MAX_ROWS, dense, fused_add_rmsnorm, linear,  # noqa: F401
+                           linear_silu_mul, qk_norm_rope_write_kv, rope_inplace, rope_write_kv, silu_and_mul, write_kv,
+                           write_kv_pair)
 from ext.metadata import AttentionMetadata
 
 _TOPK_MAX_K = 1024  # ext/csrc kernels.h kTopkMaxK

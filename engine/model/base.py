@@ -78,6 +78,7 @@ class CausalLM(nn.Module):
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         if self.tp is not None:
             return vocab_parallel_logits(hidden, weight, self.tp)
-        # cuBLAS, not the GEMV: on the vocab projection it is as fast or faster (bench/kernels.py --only gemv)
+        # ops.dense: cuBLAS, not the GEMV (on the vocab projection it is as fast or faster: bench/kernels.py --only
+        # gemv); on the CPU in fp32, ext/cpu_linear.py's routes
         logits = ops.dense(hidden, weight)
         return logits.float() if fp32 else logits

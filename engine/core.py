@@ -93,7 +93,7 @@ class EngineCore:
         self.runner = ModelRunner(self.model, self.kv_plan.num_blocks, config.block_size, config.device, self.dtype,
                                   self.sampler, self.speculator, config.dense_prefill_min_tokens)
         adaptive = self.speculator is not None and config.spec.adaptive and not config.spec.chain
-        self.budgets = BudgetController(max_budget, enabled=adaptive)
+        self.budgets = BudgetController(max_budget, enabled=adaptive, guard=config.spec.guard)
         budgets = self.budgets  # not self: a closure over the engine would keep it alive after its last user
         self.scheduler = Scheduler(config, self.blocks, self.max_model_len, max_budget,
                                    budget_of=lambda request: budgets.budget(request.request_id),
@@ -352,6 +352,7 @@ class EngineCore:
         # idles meanwhile): from this call's start (the switch into and out of trees, BudgetController)
         synchronous = self.overlap and launched.scheduling != "ahead"
         seconds = ready - max(self._call_start if synchronous else launched.t_launch, self._last_ready)
+        cycle = ready - self._last_ready if self._last_ready else seconds  # everything since the last results
         self._last_ready = ready
         result.timings["schedule"] = launched.schedule_time
         # (request, output tokens before the step) of those not finished while the step ran: nothing to emit
@@ -360,7 +361,7 @@ class EngineCore:
             self.last_stats = None
             return []
         if self.speculator is not None:
-            self._observe_budgets(plan, result, seconds, synchronous)
+            self._observe_budgets(plan, result, seconds, synchronous, cycle)
         self.scheduler.update(plan, result, in_flight=self.inflight.plan if self.inflight is not None else None)
         for req in plan.preempted:
             self.runner.release(req.request_id)
@@ -389,12 +390,14 @@ class EngineCore:
             self._release(req.request_id)
         return delta
 
-    def _observe_budgets(self, plan: StepPlan, result, seconds: float, synchronous: bool = False) -> None:
+    def _observe_budgets(self, plan: StepPlan, result, seconds: float, synchronous: bool = False,
+                         cycle: float | None = None) -> None:
         """What the adaptive budget learns from a step (StepBudgets.observe_engine_step)."""
         draft_seconds = result.draft_seconds
         if self.tp is not None and self.budgets.enabled:  # budgets follow the leader's clock on every rank
-            seconds, draft_seconds = self.tp.broadcast_object((seconds, draft_seconds))
-        self.budgets.observe_engine_step(plan, result, seconds, draft_seconds, synchronous, self.runner.uniform_trees)
+            seconds, draft_seconds, cycle = self.tp.broadcast_object((seconds, draft_seconds, cycle))
+        self.budgets.observe_engine_step(plan, result, seconds, draft_seconds, synchronous, self.runner.uniform_trees,
+                                         cycle)
 
     def _stats(self, plan, result, preemptions_before: int) -> StepStats:
         from ext import ops
@@ -408,7 +411,8 @@ class EngineCore:
             prefix_cache_hits=plan.prefix_cache_hits, kernel_fallbacks=ops.take_reference_fallbacks(),
             spec_budgets=plan.spec_budgets, cuda_graph=result.cuda_graph,
             num_constrained_requests=self._take_constrained(), num_grammar_pruned=result.num_grammar_pruned,
-            draft_confidence=self.budgets.take_confidence_counts())
+            draft_confidence=self.budgets.take_confidence_counts(),
+            **dict(zip(("spec_guard_checks", "spec_guard_plain"), self.budgets.guard.take_outcomes())))
 
     def _take_constrained(self) -> int:
         """Requests admitted with a grammar since the last step's statistics."""

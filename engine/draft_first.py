@@ -36,7 +36,7 @@ class DraftFirst:
     def refresh(self, running: list) -> None:
         """While drafts are cheap: drafts every running request whose next step decodes (its KV holds all but its
         newest token) and hands each full-budget tree's node confidence to the adaptive budget."""
-        if not self.budgets.cheap_draft():
+        if not self.budgets.cheap_draft() or not self.budgets.guard.allows_trees():
             return
         decoding = [r for r in running if not r.finished and r.num_computed_tokens == r.num_tokens - 1]
         if not decoding:

@@ -37,14 +37,15 @@ class GenerationOutput:
 class LLM:
     def __init__(self, model: str | None = None, dtype: str | None = None, device: str = "cpu",
                  drafter="none", spec_budget: int = 16, draft_model: str | None = None, chain: bool = False,
-                 adaptive: bool = True, config: EngineConfig | None = None, **engine_kwargs):
+                 adaptive: bool = True, spec_guard: bool = True, config: EngineConfig | None = None,
+                 **engine_kwargs):
         """drafter: none | ngram | dflash | oracle, or a drafter object (engine.speculative.drafter.Drafter).
         `config` (a whole EngineConfig) replaces the other settings; a drafter object still applies."""
         drafter_obj = None if isinstance(drafter, str) else drafter
         if config is None:
             name = drafter if drafter_obj is None else "oracle"
             spec = SpecConfig(drafter=name, budget=spec_budget, draft_model=draft_model, chain=chain,
-                              adaptive=adaptive)
+                              adaptive=adaptive, guard=spec_guard)
             config = EngineConfig(model=model, dtype=dtype, device=device, spec=spec, **engine_kwargs)
         self.config = config
         self.engine = EngineCore(self.config, drafter=drafter_obj)

@@ -106,6 +106,10 @@ class StepStats:
     # the drafter's reliability by confidence: per bin of draft probability (named by its lowest q), the tree
     # nodes verified this step that were accepted, and the sum of the draft probabilities of all verified nodes
     draft_confidence: dict[str, tuple[int, float]] = field(default_factory=dict)
+    # the throughput guard (engine/speculative/guard.py): its checks decided this step ("won", "lost",
+    # "discarded"), and whether it kept this decoding step plain (a plain window or a back-off)
+    spec_guard_checks: list[str] = field(default_factory=list)
+    spec_guard_plain: int = 0
 
 
 @dataclass

@@ -144,6 +144,11 @@ class Metrics:
         self.batch_size = histogram("batch_size", "Requests per engine step.", BATCH_SIZE_BUCKETS).labels(model_name)
         self.spec_budget = histogram("spec_decode_budget", "Tree budget the adaptive speculation chose per decoding "
                                      "request per step (0 = plain decoding).", BUDGET_BUCKETS).labels(model_name)
+        self.spec_guard_checks = counter("spec_decode_guard_checks", "Checks of speculative decoding against a "
+                                         "window of plain steps: won (trees stay on), lost (trees off for a "
+                                         "back-off), discarded (the batch changed).", ["outcome"])
+        self.spec_guard_plain_steps = counter("spec_decode_guard_plain_steps", "Decoding steps the throughput guard "
+                                              "kept plain: its check windows and back-offs.").labels(model_name)
         self.engine_steps = counter("engine_steps", "Engine steps on a device with CUDA graphs: replayed (a tree "
                                     "step as a whole round, or its forward only with the reason), or eager with the "
                                     "reason.", ["mode", "reason"])
@@ -156,6 +161,8 @@ class Metrics:
             self.request_success.labels(model_name, reason)
         for phase in PHASES:
             self.step_time.labels(model_name, phase)
+        for outcome in ("won", "lost", "discarded"):
+            self.spec_guard_checks.labels(model_name, outcome)
 
     # ------------------------------------------------------------------------------------------ inputs
 
@@ -203,6 +210,11 @@ class Metrics:
         for confidence, (accepted, probability) in (_get(stats, "draft_confidence", None) or {}).items():
             self.spec_accepted_by_confidence.labels(self.model_name, confidence).inc(accepted)
             self.spec_probability_by_confidence.labels(self.model_name, confidence).inc(probability)
+        for outcome in _get(stats, "spec_guard_checks", None) or ():
+            self.spec_guard_checks.labels(self.model_name, outcome).inc()
+        guarded = _get(stats, "spec_guard_plain", 0)
+        if guarded:
+            self.spec_guard_plain_steps.inc(guarded)
         graph = _get(stats, "cuda_graph", "")
         if graph:
             mode, _, reason = graph.partition(": ")

@@ -46,6 +46,7 @@ from itertools import accumulate
 
 # DECAY: also a request's acceptance, the engine-wide record
 from engine.speculative.cost_fit import DECAY, CostFit, SwitchCost
+from engine.speculative.guard import ThroughputGuard
 from engine.speculative.reliability import ReliabilityBins
 from engine.speculative.step_budgets import StepBudgets
 
@@ -91,10 +92,12 @@ class _RequestStats:
 
 
 class BudgetController(StepBudgets):
-    def __init__(self, max_budget: int, enabled: bool = True, prior_row_share: float = 0.5):
+    def __init__(self, max_budget: int, enabled: bool = True, prior_row_share: float = 0.5, guard: bool = True):
         """prior_row_share: before measurements, the share of a plain step's time one row is assumed to cost
-        relative to the average row (1 = fully compute-bound, 0 = rows are free)."""
+        relative to the average row (1 = fully compute-bound, 0 = rows are free). guard: trees answer to measured
+        throughput against plain windows (guard.py)."""
         self.max_budget, self.enabled, self.prior_row_share = max_budget, enabled, prior_row_share
+        self.guarded = guard
         self.pipelined = False  # the engine schedules steps ahead of their predecessors' results
         self.switches_ahead = False  # ... tree steps too, after any decoding step (no switch is synchronous)
         # a step with any tree pays a fitted fixed cost beyond its rows (without CUDA graphs; under graphs the
@@ -120,6 +123,7 @@ class BudgetController(StepBudgets):
         self.last_tree = False  # the last observed step verified a tree
         self._after: bool | None = None  # planning ahead: whether the step in flight verifies a tree
         self.version = 0  # observations so far: a dry budget() answer stands until the next one
+        self.guard = ThroughputGuard(self.guarded)
 
     def release(self, request_id: str) -> None:
         self.requests.pop(request_id, None)
@@ -265,6 +269,8 @@ class BudgetController(StepBudgets):
         the one in flight, before that one is observed (see _aligned)."""
         if not self.enabled or self.max_budget == 0:
             return self.max_budget
+        if not self.guard.allows_trees():
+            return 0
         stats = self.requests.get(request_id)
         if stats is None or not stats.node_q:
             return self._first_budget()
@@ -378,6 +384,8 @@ class BudgetController(StepBudgets):
         budget().
         Under asynchronous scheduling (`pipelined`) a draft is never cheap: it needs the request's newest token
         on the host, so the step cannot run ahead of the previous one's results."""
+        if not self.guard.allows_trees():  # a plain window drafts nothing, as --drafter none would
+            return False
         stats = self.requests.get(request_id)
         if stats is None or not stats.node_q or self.cheap_draft():
             return True

@@ -11,10 +11,12 @@ from engine.speculative.step_width import common_width, uniform_width
 
 class StepBudgets:
     def observe_engine_step(self, plan, result, seconds: float, draft_seconds: float, synchronous: bool,
-                            uniform_layout: bool) -> None:
+                            uniform_layout: bool, cycle_seconds: float | None = None) -> None:
         """What the budget learns from one engine step (an engine.plan StepPlan and its StepResult): its rows and
         time, its drafting, and each tree's acceptance. uniform_layout: a tree step lays every decoding request
-        out at the step's width (CUDA graphs). synchronous: as observe_step's."""
+        out at the step's width (CUDA graphs). synchronous: as observe_step's. cycle_seconds: the host's time from
+        the previous step's results to this one's, everything in between included (the guard's throughput;
+        default `seconds`)."""
         width = max(s.spec_budget for s in plan.seqs) + 1  # verify rows per tree request (padded)
         # the cost fit prices one more verify row of a decoding step; a step with a prefill chunk would flatten it
         # (a chunk's rows share one weight read, so each costs a fraction of a decoding row)
@@ -25,6 +27,8 @@ class StepBudgets:
             rows = sum(width if s.spec_budget else s.num_new_tokens for s in plan.seqs)
         tokens = sum(len(t) for t in result.new_token_ids.values())
         self.observe_step(rows, seconds, tokens, fit=decoding, tree=width > 1, synchronous=synchronous)
+        if decoding:
+            self.guard.observe(len(plan.seqs), tokens, seconds if cycle_seconds is None else cycle_seconds, width > 1)
         self.observe_draft(result.num_drafted, draft_seconds)
         for s in plan.seqs:
             rid = s.request.request_id

@@ -1,0 +1,131 @@
+"""The throughput guard (engine/speculative/guard.py): trees that lose to plain decoding in measured throughput go
+off, whatever the cost model said; trees that win stay on at a small cost; a check across a changed batch decides
+nothing. Then through the engine: a cost of tree steps that the step timer cannot see."""
+from __future__ import annotations
+
+import time
+
+from engine import LLM, SamplingParams
+from engine.scheduler import Scheduler
+from engine.speculative.adaptive import MIN_GAIN, BudgetController
+from engine.speculative.guard import BACKOFF, PLAIN_STEPS, WINDOW, ThroughputGuard
+from engine.speculative.oracle import OracleDrafter
+from tests.speculative.test_ddtree_e2e import golden_lookup, prompts
+
+
+def drive(guard: ThroughputGuard, num_steps: int, tree_step, plain_step, batch=lambda step: 16) -> list[bool]:
+    """Runs num_steps decoding steps; tree_step(n) / plain_step(n): (tokens, seconds) of a step at batch n. Returns
+    whether each step ran trees (whenever the guard allows them)."""
+    ran = []
+    for step in range(num_steps):
+        n, trees = batch(step), guard.allows_trees()
+        tokens, seconds = tree_step(n) if trees else plain_step(n)
+        guard.observe(n, tokens, seconds, trees)
+        ran.append(trees)
+    return ran
+
+
+def plain(n):
+    return n, 1e-3
+
+
+def test_trees_that_lose_to_plain_decoding_go_off_for_a_growing_back_off():
+    guard = ThroughputGuard()
+    ran = drive(guard, 3000, lambda n: (int(1.2 * n), 1.5e-3), plain)  # 1.2 tokens a request at 1.5x the time
+    outcomes, forced = guard.take_outcomes()
+    assert outcomes and set(outcomes) == {"lost"}, outcomes
+    assert ran[:WINDOW + 1] == [True] * WINDOW + [False]  # the first window, then the check
+    first_off = ran.index(False)
+    assert not any(ran[first_off:first_off + PLAIN_STEPS + 1 + BACKOFF])  # the check, then the back-off
+    assert sum(ran) < 0.1 * len(ran)  # rechecked now and then, each back-off twice the last
+    assert forced == len(ran) - sum(ran)
+
+
+def test_trees_that_win_stay_on_and_the_checks_thin_out():
+    guard = ThroughputGuard()
+    ran = drive(guard, 6000, lambda n: (2 * n, 1.3e-3), plain)
+    outcomes, forced = guard.take_outcomes()
+    assert set(outcomes) == {"won"} and len(outcomes) <= 10, outcomes  # intervals 32, 64, ... 1024, 1024, ...
+    assert forced < 0.03 * len(ran), forced
+
+
+def test_a_tie_goes_to_plain_decoding():
+    guard = ThroughputGuard()
+    drive(guard, WINDOW + PLAIN_STEPS + 2, lambda n: (n, 1e-3), plain)  # trees that accept nothing and cost nothing
+    assert guard.take_outcomes()[0] == ["lost"]
+    assert not guard.allows_trees()
+
+
+def test_a_check_across_a_changed_batch_decides_nothing():
+    guard = ThroughputGuard()
+    # trees at batch 16 lose per request to a plain window at batch 4, which a batch this different cannot tell
+    drive(guard, WINDOW + PLAIN_STEPS + 2, lambda n: (int(1.2 * n), 2e-3), plain,
+          batch=lambda step: 16 if step <= WINDOW else 4)
+    assert guard.take_outcomes()[0] == ["discarded"]
+    assert guard.allows_trees()
+
+
+def test_the_step_after_a_switch_is_not_measured():
+    guard = ThroughputGuard()
+    seen = []
+
+    def plain_after_switch(n):  # the first plain step pays the switch out of trees: 20 times a step
+        seen.append(n)
+        return n, 20e-3 if len(seen) == 1 else 1e-3
+
+    drive(guard, WINDOW + PLAIN_STEPS + 2, lambda n: (int(1.5 * n), 1.2e-3), plain_after_switch)
+    assert guard.take_outcomes()[0] == ["won"]
+
+
+def test_a_disabled_guard_never_interferes():
+    guard = ThroughputGuard(enabled=False)
+    assert all(drive(guard, 500, lambda n: (n, 5e-3), plain))
+    assert guard.take_outcomes() == ([], 0)
+
+
+MAX_TOKENS = 240
+
+
+def tree_steps(llm) -> tuple[list[bool], list[str]]:
+    """Runs the prompts to the end; per decoding step, whether it verified a tree; the guard's checks."""
+    core, steps, checks = llm.engine, [], []
+    for p in prompts():
+        core.add_request(p, SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True))
+    while core.has_unfinished():
+        core.step()
+        if core.last_stats is not None and core.last_stats.spec_budgets:
+            steps.append(any(core.last_stats.spec_budgets))
+            checks += core.last_stats.spec_guard_checks
+    return steps, checks
+
+
+def test_the_engine_turns_off_trees_whose_cost_its_step_timer_cannot_see(tiny_checkpoints, monkeypatch):
+    """A drafter that is always right, and tree steps that cost 30 ms of host time after the step's results (in
+    the scheduler's update, outside the step time the cost model fits): the cost model keeps verifying, the guard
+    measures the loss and keeps the steps plain for its back-off; the output is the same either way."""
+    # a model that would verify whatever the timings (as test_adaptive's test_budget_rises...): only the guard
+    # can turn these trees off
+    monkeypatch.setattr(BudgetController, "draft_tokens", lambda self: 0.0)
+    monkeypatch.setattr(BudgetController, "threshold", lambda self: MIN_GAIN)
+    folder, _ = tiny_checkpoints("llama")
+    ref = [o.token_ids for o in LLM(folder, dtype="fp32").generate(
+        prompts(), SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True))]
+    oracle = OracleDrafter(golden_lookup([(p + r, len(p)) for p, r in zip(prompts(), ref)]), 1000, horizon=2)
+    update = Scheduler.update
+
+    def slow_after_trees(self, plan, result, **kwargs):
+        if any(s.spec_budget for s in plan.seqs):
+            time.sleep(0.03)
+        return update(self, plan, result, **kwargs)
+
+    monkeypatch.setattr(Scheduler, "update", slow_after_trees)
+    blind, blind_checks = tree_steps(LLM(folder, dtype="fp32", drafter=oracle, spec_budget=16, spec_guard=False))
+    guarded_llm = LLM(folder, dtype="fp32", drafter=oracle, spec_budget=16)
+    guarded, checks = tree_steps(guarded_llm)
+    # the model alone: trees throughout (3 tokens a request a step; a request one token from its end steps plain)
+    assert sum(blind) > 0.9 * len(blind) and not blind_checks, blind
+    assert len(guarded) > WINDOW + PLAIN_STEPS + 1 + BACKOFF, len(guarded)
+    assert all(guarded[:WINDOW]) and checks[0] == "lost", (guarded, checks)
+    assert not any(guarded[WINDOW:WINDOW + PLAIN_STEPS + 1 + BACKOFF])  # the check, then the back-off
+    out = guarded_llm.generate(prompts(), SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True))
+    assert [o.token_ids for o in out] == ref

@@ -43,9 +43,9 @@ class SpecConfig:
     adaptive: bool = opt(True, "choose each request's tree budget every step (0..--spec-budget) from its measured "
                                "acceptance and the measured cost of a verify row; --no-adaptive always verifies "
                                "--spec-budget nodes")
-    guard: bool = opt(True, "adaptive speculation checks its trees against measured plain decoding: now and then a "
-                            "few plain steps, and trees that lose to them stay off for a while; --no-spec-guard trusts "
-                            "the cost model alone", flag="--spec-guard"),
+    guard: bool = opt(True, "check the adaptive budget's trees against measured plain decoding: now and then a few "
+                            "plain steps, and trees that lose to them stay off for a while; --no-spec-guard trusts "
+                            "the cost model alone", flag="--spec-guard")
     grammar_pruning: bool = opt(True, "structured output: drop draft-tree candidates the request's grammar "
                                       "forbids before verification; --no-grammar-pruning verifies them anyway "
                                       "(they are never accepted; for comparison)")

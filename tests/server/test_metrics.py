@@ -155,6 +155,12 @@ def test_accepts_the_engines_step_stats():
     assert value(m, "engine_steps_total", mode="eager", reason="mixed step") == 1
     assert value(m, "engine_step_scheduling_total", scheduling="ahead", reason="") == 1
     assert value(m, "engine_step_scheduling_total", scheduling="synchronous", reason="waiting requests") == 1
+    assert value(m, "spec_decode_guard_checks_total", outcome="lost") == 0  # present before the first check
+    m.record_step(StepStats(num_running=2, num_waiting=0, kv_cache_usage=0.5, batch_size=2, num_preemptions=0,
+                            timings={}, spec_guard_checks=["won", "lost"], spec_guard_plain=1))
+    assert value(m, "spec_decode_guard_checks_total", outcome="won") == 1
+    assert value(m, "spec_decode_guard_checks_total", outcome="lost") == 1
+    assert value(m, "spec_decode_guard_plain_steps_total") == 1
 
 
 def test_registries_are_per_instance():

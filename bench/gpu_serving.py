@@ -86,20 +86,23 @@ def capacity(args) -> None:
 
 
 def decode(args) -> None:
-    for drafter in ("none", "ngram"):
-        llm = LLM(args.model, device=args.device, drafter=drafter, spec_budget=args.budget)
+    for name in args.drafters:
+        drafter, _, variant = name.partition(":")
+        kwargs = {"spec_guard": False} if variant == "noguard" else {}
+        llm = LLM(args.model, device=args.device, drafter=drafter, spec_budget=args.budget, **kwargs)
         prompt = llm.encode(COPY_PROMPT, chat=True)
         for batch in args.batch:
             for temperature in (0.0, 1.0):
                 sp = SamplingParams(max_tokens=args.max_tokens, temperature=temperature, top_p=0.9, seed=1,
                                     ignore_eos=True)
+                llm.engine.budgets.reset()  # each configuration learns its own costs and acceptance
                 llm.generate([prompt], SamplingParams(max_tokens=8, temperature=temperature))  # warm-up
                 t0 = time.perf_counter()
                 outs = llm.generate([prompt] * batch, sp)
                 elapsed = time.perf_counter() - t0
                 tokens = sum(len(o.token_ids) for o in outs)
                 spec = outs[0].stats.get("spec", {})
-                print(json.dumps({"bench": "decode", "model": os.path.basename(str(args.model)), "drafter": drafter,
+                print(json.dumps({"bench": "decode", "model": os.path.basename(str(args.model)), "drafter": name,
                                   "budget": args.budget if drafter != "none" else 0, "batch": batch,
                                   "temperature": temperature, "tokens_per_s": round(tokens / elapsed, 1),
                                   "steps": outs[0].stats["steps"],
@@ -115,6 +118,8 @@ def main() -> None:
     p.add_argument("--batch", type=int, nargs="+", default=[1, 16])
     p.add_argument("--budget", type=int, default=16)
     p.add_argument("--max-tokens", type=int, default=256)
+    p.add_argument("--drafters", nargs="+", default=["none", "ngram"],
+                   help="none, ngram, ngram:noguard (the adaptive budget without its throughput guard)")
     args = p.parse_args()
     capacity(args) if args.what == "capacity" else decode(args)
 

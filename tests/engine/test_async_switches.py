@@ -207,3 +207,66 @@ def test_random_budgets_arrivals_and_aborts_keep_plain_decodings_output(tiny_che
     for i in range(num):
         assert out[i] == (ref[i][:len(out[i])] if i == aborted else ref[i]), (i, out[i], ref[i])
     assert core.blocks.num_free_blocks == core.blocks.num_blocks
+
+
+GUARD_TOKENS = 64  # a few of the guard's (shrunk) windows
+
+
+def guard_switching_engine(tiny_checkpoints, ps, ref, overlap: bool, monkeypatch, device: str):
+    """The adaptive budget as it is, made to want trees whatever the timings, under a throughput guard whose
+    windows are a few steps and whose checks trees always lose: the guard switches trees off and on again. On
+    the CPU the CUDA graphs are emulated; on CUDA they are captured."""
+    from engine import LLM
+    from engine.speculative import guard
+    from engine.speculative.adaptive import MIN_GAIN, BudgetController
+    from engine.speculative.oracle import DeviceOracle
+    from tests.engine.test_async_trees import corrupted
+
+    for name, value in (("WINDOW", 4), ("PLAIN_STEPS", 2), ("BACKOFF", 3), ("MAX_BACKOFF", 3), ("MARGIN", 1e9)):
+        monkeypatch.setattr(guard, name, value)
+    monkeypatch.setattr(BudgetController, "draft_tokens", lambda self: 0.0)
+    monkeypatch.setattr(BudgetController, "threshold", lambda self: MIN_GAIN)
+    folder, _ = tiny_checkpoints("llama")
+    if device == "cpu":
+        return tree_engine(folder, ps, ref, overlap, budget=6, adaptive=True).engine
+    golden = corrupted({tuple(p[:3]): p + r for p, r in zip(ps, ref)}, {tuple(p[:3]): len(p) for p in ps})
+    return LLM(folder, dtype="fp32", device=device, drafter=DeviceOracle(golden, 3, 1000, horizon=6, device=device),
+               spec_budget=6, async_scheduling=overlap).engine
+
+
+def guard_switches_run_ahead(tiny_checkpoints, monkeypatch, device: str) -> None:
+    """The throughput guard's plain windows and back-offs switch trees off and on under asynchronous scheduling:
+    every decoding step still runs ahead, greedy output equals plain decoding, and seeded sampling equals the same
+    engine stepping synchronously."""
+    from engine import LLM
+
+    ps = prompts(3)
+    greedy = SamplingParams(max_tokens=GUARD_TOKENS, temperature=0, ignore_eos=True)
+    folder, _ = tiny_checkpoints("llama")
+    ref = [o.token_ids for o in LLM(folder, dtype="fp32", device=device).generate(ps, greedy)]
+    core = guard_switching_engine(tiny_checkpoints, ps, ref, True, monkeypatch, device)
+    assert core.overlap
+    checks, take = [], core.budgets.guard.take_outcomes
+
+    def spy():
+        outcomes, forced = take()
+        checks.extend(outcomes)
+        return outcomes, forced
+
+    core.budgets.guard.take_outcomes = spy
+    out, kinds = step_kinds(core, ps, [greedy] * len(ps))
+    assert out == ref
+    assert checks.count("lost") >= 2, checks
+    assert all(mode == "ahead" for _, mode in kinds[2:]), kinds
+    decoding = [k for k, _ in kinds[2:]]
+    entered = sum(a != "tree" and b == "tree" for a, b in zip(decoding, decoding[1:]))
+    assert entered >= 2, decoding  # back into trees after each back-off
+    params = [SamplingParams(max_tokens=GUARD_TOKENS, temperature=0.8, top_p=0.9, seed=s, ignore_eos=True)
+              for s in range(len(ps))]
+    want, _ = step_kinds(guard_switching_engine(tiny_checkpoints, ps, ref, False, monkeypatch, device), ps, params)
+    got, _ = step_kinds(guard_switching_engine(tiny_checkpoints, ps, ref, True, monkeypatch, device), ps, params)
+    assert got == want
+
+
+def test_the_guards_plain_windows_run_ahead(tiny_checkpoints, monkeypatch):
+    guard_switches_run_ahead(tiny_checkpoints, monkeypatch, "cpu")

@@ -275,6 +275,14 @@ def test_seeded_sampling_in_whole_round_graphs_on_cuda_equals_plain_sampling(tin
     assert sum(accepted) / len(accepted) > 2.0, accepted
 
 
+def test_the_guards_plain_windows_run_ahead_on_cuda(tiny_checkpoints, monkeypatch):
+    """The throughput guard's switches on CUDA (captured graphs, asynchronous scheduling): every decoding step runs
+    ahead, greedy output equals plain decoding, seeded sampling equals the synchronous engine."""
+    from tests.engine.test_async_switches import guard_switches_run_ahead
+
+    guard_switches_run_ahead(tiny_checkpoints, monkeypatch, "cuda")
+
+
 def test_dflash_drafts_ahead_on_cuda_like_it_drafts_from_the_host(tiny_checkpoints, tmp_path):
     """The DFlash drafter's calls ahead of the previous tree step's results (real graph replays of its block and
     context writes, the CUDA kernels) propose what its host-fed calls propose; greedy output equals plain."""

@@ -7,11 +7,15 @@ running request so that a batch that changed a little does not decide it (one th
 check). Trees that lose stay off for a back-off, doubled while they keep losing; trees that win keep running, and
 the checks come less often (the interval doubles), so a drafter that pays loses a small share of its gain to them.
 
-Only decoding steps count (a step with a prefill chunk is neither window's), and the first step after each switch
-is not measured: it carries the switch (a pipeline that cannot run ahead), which the guard causes, not the trees."""
+Whether trees pay depends on the batch (a verify row costs more of a step at batch 64 than at batch 1), so each
+batch-size bucket (1, 2, 3-4, 5-8, ... requests) keeps its own verdict, interval and back-off: trees that lost at
+batch 16 do not stay off when the load falls to one request. A window runs within one bucket; a step in another
+bucket discards it. Only decoding steps count (a step with a prefill chunk is neither window's), and the first
+step after each switch is not measured: it carries the switch (a pipeline that cannot run ahead), which the
+guard causes, not the trees."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 WINDOW = 32  # measured decoding steps with trees allowed before the first check (and after each loss)
 MAX_INTERVAL = 1024  # ... doubled by every win up to this many
@@ -49,72 +53,106 @@ class _Window:
         return self.tokens / self.seconds / self.mean_batch() if self.seconds > 0 else 0.0
 
 
+@dataclass
+class _Bucket:
+    """One batch-size bucket's verdict: its mode, the window being measured, and its interval and back-off."""
+    mode: str = TREES
+    interval: int = field(default_factory=lambda: WINDOW)
+    backoff: int = field(default_factory=lambda: BACKOFF)
+    off_steps: int = 0  # decoding steps left in a back-off
+    settle: int = 0  # steps not measured (after a switch)
+    trees: _Window = field(default_factory=_Window)
+    plain: _Window = field(default_factory=_Window)
+
+
+def bucket_of(num_requests: int) -> int:
+    """0 for 1 request, 1 for 2, 2 for 3-4, 3 for 5-8, ..."""
+    return (num_requests - 1).bit_length()
+
+
 class ThroughputGuard:
     def __init__(self, enabled: bool = True):
         self.enabled = enabled
-        self.mode = TREES
-        self.interval, self.backoff = WINDOW, BACKOFF
-        self.trees, self.plain = _Window(), _Window()
-        self.settle = 0
-        self.off_steps = 0  # decoding steps left in a back-off
+        self.buckets: dict[int, _Bucket] = {}
+        self.current = 0  # the bucket of the last decoding step: the coming step's, most likely
         self.outcomes: list[str] = []  # checks since the last take_outcomes()
         self.num_forced_plain = 0  # decoding steps the guard kept plain since the last take_outcomes()
 
     def allows_trees(self) -> bool:
-        return self.mode == TREES
+        bucket = self.buckets.get(self.current)
+        return bucket is None or bucket.mode == TREES
 
     def observe(self, num_requests: int, tokens: int, seconds: float, tree: bool) -> None:
         """One decoding step (no prefill chunk in it): its decoding requests, the tokens they emitted, its time,
         and whether it verified trees."""
         if not self.enabled or num_requests <= 0:
             return
-        if self.mode != TREES:
+        if bucket_of(num_requests) != self.current and not self._near(num_requests):
+            self._leave(self.buckets.get(self.current))
+            self.current = bucket_of(num_requests)
+        b = self.buckets.setdefault(self.current, _Bucket())
+        if b.mode != TREES:
             self.num_forced_plain += 1
-        if self.mode == OFF:
-            self.off_steps -= 1
-            if self.off_steps <= 0:
-                self._enter(TREES)
+        if b.mode == OFF:
+            b.off_steps -= 1
+            if b.off_steps <= 0:
+                self._enter(b, TREES)
             return
-        if self.settle > 0:
-            self.settle -= 1
+        if b.settle > 0:
+            b.settle -= 1
             return
-        if self.mode == TREES:
-            self.trees.add(num_requests, tokens, seconds, tree)
-            if self.trees.steps >= self.interval:
-                if self.trees.tree_steps:
-                    self._enter(CHECK)
+        if b.mode == TREES:
+            b.trees.add(num_requests, tokens, seconds, tree)
+            if b.trees.steps >= b.interval:
+                if b.trees.tree_steps:
+                    self._enter(b, CHECK)
                 else:  # the budget chose plain steps throughout: nothing to check
-                    self.trees = _Window()
+                    b.trees = _Window()
             return
-        self.plain.add(num_requests, tokens, seconds, tree)
-        if self.plain.steps >= PLAIN_STEPS:
-            self._decide()
+        b.plain.add(num_requests, tokens, seconds, tree)
+        if b.plain.steps >= PLAIN_STEPS:
+            self._decide(b)
 
-    def _decide(self) -> None:
-        trees, plain = self.trees, self.plain
-        batch_trees, batch_plain = trees.mean_batch(), plain.mean_batch()
+    def _near(self, num_requests: int) -> bool:
+        """The batch is still within BATCH_TOLERANCE of the current bucket's range (hysteresis: a batch that
+        wavers across a bucket's edge, 16 to 17 and back, would otherwise discard every window)."""
+        high = 1 << self.current
+        return high * (1 - BATCH_TOLERANCE) / 2 < num_requests <= high * (1 + BATCH_TOLERANCE)
+
+    def _leave(self, b: _Bucket | None) -> None:
+        """The batch moved to another bucket: a window being measured in this one is dropped (a back-off waits
+        for this bucket's own steps)."""
+        if b is None or b.mode == OFF:
+            return
+        if b.mode == CHECK:
+            self.outcomes.append(DISCARDED)
+        self._enter(b, TREES)
+
+    def _decide(self, b: _Bucket) -> None:
+        batch_trees, batch_plain = b.trees.mean_batch(), b.plain.mean_batch()
         if abs(batch_trees - batch_plain) > BATCH_TOLERANCE * max(batch_trees, batch_plain):
             outcome = DISCARDED
-        elif trees.rate() > plain.rate() * (1 + MARGIN):
+        elif b.trees.rate() > b.plain.rate() * (1 + MARGIN):
             outcome = WON
         else:
             outcome = LOST
         self.outcomes.append(outcome)
         if outcome == WON:
-            self.interval, self.backoff = min(2 * self.interval, MAX_INTERVAL), BACKOFF
+            b.interval, b.backoff = min(2 * b.interval, MAX_INTERVAL), BACKOFF
         if outcome == LOST:
-            self.interval, self.off_steps = WINDOW, self.backoff
-            self.backoff = min(2 * self.backoff, MAX_BACKOFF)
-            self._enter(OFF)
+            b.interval, b.off_steps = WINDOW, b.backoff
+            b.backoff = min(2 * b.backoff, MAX_BACKOFF)
+            self._enter(b, OFF)
         else:
-            self._enter(TREES)
+            self._enter(b, TREES)
 
-    def _enter(self, mode: str) -> None:
-        self.mode, self.settle = mode, SETTLE
+    @staticmethod
+    def _enter(b: _Bucket, mode: str) -> None:
+        b.mode, b.settle = mode, SETTLE
         if mode == TREES:
-            self.trees = _Window()
+            b.trees = _Window()
         elif mode == CHECK:
-            self.plain = _Window()
+            b.plain = _Window()
 
     def take_outcomes(self) -> tuple[list[str], int]:
         """(the checks' outcomes, decoding steps kept plain) since the last call: for metrics."""

@@ -219,6 +219,7 @@ def guard_switching_engine(tiny_checkpoints, ps, ref, overlap: bool, monkeypatch
     from engine import LLM
     from engine.speculative import guard
     from engine.speculative.adaptive import MIN_GAIN, BudgetController
+    from engine.speculative.cost_fit import CostFit
     from engine.speculative.oracle import DeviceOracle
     from tests.engine.test_async_trees import corrupted
 
@@ -226,6 +227,8 @@ def guard_switching_engine(tiny_checkpoints, ps, ref, overlap: bool, monkeypatch
         monkeypatch.setattr(guard, name, value)
     monkeypatch.setattr(BudgetController, "draft_tokens", lambda self: 0.0)
     monkeypatch.setattr(BudgetController, "threshold", lambda self: MIN_GAIN)
+    monkeypatch.setattr(CostFit, "tree_cost", lambda self: 0.0)
+    monkeypatch.setattr(BudgetController, "switch_tokens", lambda self: 0.0)
     folder, _ = tiny_checkpoints("llama")
     if device == "cpu":
         return tree_engine(folder, ps, ref, overlap, budget=6, adaptive=True).engine

@@ -8,6 +8,7 @@ import time
 from engine import LLM, SamplingParams
 from engine.scheduler import Scheduler
 from engine.speculative.adaptive import MIN_GAIN, BudgetController
+from engine.speculative.cost_fit import CostFit
 from engine.speculative.guard import BACKOFF, PLAIN_STEPS, WINDOW, ThroughputGuard
 from engine.speculative.oracle import OracleDrafter
 from tests.speculative.test_ddtree_e2e import golden_lookup, prompts
@@ -107,6 +108,8 @@ def test_the_engine_turns_off_trees_whose_cost_its_step_timer_cannot_see(tiny_ch
     # can turn these trees off
     monkeypatch.setattr(BudgetController, "draft_tokens", lambda self: 0.0)
     monkeypatch.setattr(BudgetController, "threshold", lambda self: MIN_GAIN)
+    monkeypatch.setattr(CostFit, "tree_cost", lambda self: 0.0)  # (nor a noisy tree step's fitted fixed cost)
+    monkeypatch.setattr(BudgetController, "switch_tokens", lambda self: 0.0)
     folder, _ = tiny_checkpoints("llama")
     ref = [o.token_ids for o in LLM(folder, dtype="fp32").generate(
         prompts(), SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True))]
@@ -129,3 +132,17 @@ def test_the_engine_turns_off_trees_whose_cost_its_step_timer_cannot_see(tiny_ch
     assert not any(guarded[WINDOW:WINDOW + PLAIN_STEPS + 1 + BACKOFF])  # the check, then the back-off
     out = guarded_llm.generate(prompts(), SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True))
     assert [o.token_ids for o in out] == ref
+
+
+def test_each_batch_size_keeps_its_own_verdict():
+    """Trees that lose at batch 16 stay off there; at one request they run (and are checked on their own), and
+    back at 16 the back-off goes on. A batch wavering across a bucket's edge (16, 17) stays in one bucket."""
+    guard = ThroughputGuard()
+    lose = lambda n: (int(1.2 * n), 1.5e-3)  # noqa: E731
+    drive(guard, WINDOW + PLAIN_STEPS + 2, lose, plain, batch=lambda step: 16 + step % 2)
+    assert guard.take_outcomes()[0] == ["lost"] and not guard.allows_trees()
+    win_alone = lambda n: (2 * n, 1.2e-3) if n == 1 else lose(n)  # noqa: E731
+    ran = drive(guard, WINDOW + PLAIN_STEPS + 2, win_alone, plain, batch=lambda step: 1)
+    # (the first step at batch 1 was planned on the last verdict seen, batch 16's)
+    assert all(ran[1:WINDOW]) and guard.take_outcomes()[0] == ["won"]
+    assert not any(drive(guard, 10, lose, plain)[1:])  # batch 16 again: its back-off

@@ -74,8 +74,9 @@ def test_the_step_after_a_switch_is_not_measured():
         seen.append(n)
         return n, 20e-3 if len(seen) == 1 else 1e-3
 
-    drive(guard, WINDOW + PLAIN_STEPS + 2, lambda n: (int(1.5 * n), 1.2e-3), plain_after_switch)
-    assert guard.take_outcomes()[0] == ["won"]
+    # trees that lose (1.25 tokens a request at 1.5x the time): counted, the switch would have made them win
+    drive(guard, WINDOW + PLAIN_STEPS + 2, lambda n: (int(1.25 * n), 1.5e-3), plain_after_switch)
+    assert guard.take_outcomes()[0] == ["lost"]
 
 
 def test_a_disabled_guard_never_interferes():

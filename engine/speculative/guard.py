@@ -10,9 +10,10 @@ the checks come less often (the interval doubles), so a drafter that pays loses 
 Whether trees pay depends on the batch (a verify row costs more of a step at batch 64 than at batch 1), so each
 batch-size bucket (1, 2, 3-4, 5-8, ... requests) keeps its own verdict, interval and back-off: trees that lost at
 batch 16 do not stay off when the load falls to one request. A window runs within one bucket; a step in another
-bucket discards it. Only decoding steps count (a step with a prefill chunk is neither window's), and the first
-step after each switch is not measured: it carries the switch (a pipeline that cannot run ahead), which the
-guard causes, not the trees."""
+bucket discards it. Only decoding steps count (a step with a prefill chunk is neither window's), and the first two
+steps after each switch are not measured: under asynchronous scheduling the first was planned before the switch
+(a tree step in a plain window), and the next carries the switch itself (a root-only round, a pipeline that
+cannot run ahead), which the guard causes, not the trees."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -20,7 +21,7 @@ from dataclasses import dataclass, field
 WINDOW = 32  # measured decoding steps with trees allowed before the first check (and after each loss)
 MAX_INTERVAL = 1024  # ... doubled by every win up to this many
 PLAIN_STEPS = 8  # measured steps of a plain window
-SETTLE = 1  # steps after a switch that are not measured
+SETTLE = 2  # steps after a switch that are not measured
 BACKOFF = 64  # decoding steps trees stay off after a lost check, doubled while checks keep losing
 MAX_BACKOFF = 2048
 MARGIN = 0.01  # trees must beat plain decoding by this share of its throughput to stay on (a tie: no drafting)

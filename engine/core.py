@@ -402,6 +402,7 @@ class EngineCore:
     def _stats(self, plan, result, preemptions_before: int) -> StepStats:
         from ext import ops
 
+        guard_checks, guard_plain = self.budgets.guard.take_outcomes()
         return StepStats(
             num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
             kv_cache_usage=self.blocks.usage, batch_size=len(plan.seqs),
@@ -411,8 +412,8 @@ class EngineCore:
             prefix_cache_hits=plan.prefix_cache_hits, kernel_fallbacks=ops.take_reference_fallbacks(),
             spec_budgets=plan.spec_budgets, cuda_graph=result.cuda_graph,
             num_constrained_requests=self._take_constrained(), num_grammar_pruned=result.num_grammar_pruned,
-            draft_confidence=self.budgets.take_confidence_counts(),
-            **dict(zip(("spec_guard_checks", "spec_guard_plain"), self.budgets.guard.take_outcomes())))
+            draft_confidence=self.budgets.take_confidence_counts(), spec_guard_checks=guard_checks,
+            spec_guard_plain=guard_plain)
 
     def _take_constrained(self) -> int:
         """Requests admitted with a grammar since the last step's statistics."""

@@ -138,14 +138,14 @@ class ThroughputGuard:
         else:
             outcome = LOST
         self.outcomes.append(outcome)
-        if outcome == WON:
-            b.interval, b.backoff = min(2 * b.interval, MAX_INTERVAL), BACKOFF
         if outcome == LOST:
             b.interval, b.off_steps = WINDOW, b.backoff
             b.backoff = min(2 * b.backoff, MAX_BACKOFF)
             self._enter(b, OFF)
-        else:
-            self._enter(b, TREES)
+            return
+        if outcome == WON:
+            b.interval, b.backoff = min(2 * b.interval, MAX_INTERVAL), BACKOFF
+        self._enter(b, TREES)
 
     @staticmethod
     def _enter(b: _Bucket, mode: str) -> None:

@@ -33,16 +33,19 @@ def step_record(label: str, index: int, stats, seconds: float, emitted: int, bud
             "tokens": emitted, "ms": round(seconds * 1e3, 3), "scheduling": stats.scheduling,
             "cuda_graph": stats.cuda_graph, "threshold": round(budgets.threshold(), 4),
             "row_ms": round(slope * 1e3, 4) if slope is not None else None,
-            "tree_ms": round(budgets.fit.tree_cost() * 1e3, 4), "batch": stats.batch_size}
+            "tree_ms": round(budgets.fit.tree_cost() * 1e3, 4), "batch": stats.batch_size,
+            "guard_checks": stats.spec_guard_checks, "guard_plain": stats.spec_guard_plain}
 
 
 def run(model, device, dtype, drafter, overlap, batch, temperature, max_tokens, emulate=False, trace=None,
         rep=0) -> None:
     label = f"batch {batch} T {temperature} async {overlap} {drafter}" + (f" #{rep}" if rep else "")
-    llm = LLM(model, device=device, dtype=dtype, drafter=drafter, async_scheduling=overlap)
+    name, _, variant = drafter.partition(":")  # ngram:noguard: the adaptive budget without its throughput guard
+    llm = LLM(model, device=device, dtype=dtype, drafter=name, async_scheduling=overlap,
+              spec_guard=variant != "noguard")
     core = llm.engine
     if emulate:  # the CUDA-graph layout run eagerly, and asynchronous scheduling's bookkeeping (launches block)
-        if drafter == "ngram":  # the drafter CUDA would use (same settings), through its PyTorch reference
+        if name == "ngram":  # the drafter CUDA would use (same settings), through its PyTorch reference
             from engine.speculative.ngram_device import DeviceNgramDrafter
 
             core.speculator.drafter = DeviceNgramDrafter(core.vocab_size, horizon=core.speculator.horizon)
@@ -85,7 +88,8 @@ def main() -> None:
     p.add_argument("--model", default=None, help="HF folder or GGUF (default: the embedded model)")
     p.add_argument("--device", default="cuda")
     p.add_argument("--dtype", default=None)
-    p.add_argument("--drafter", default="ngram")
+    p.add_argument("--drafter", nargs="+", default=["ngram"],
+                   help="drafters run after speculation off; ngram:noguard runs the budget without its guard")
     p.add_argument("--runs", nargs="+", default=["16:0", "1:1", "1:0"], help="batch:temperature pairs")
     p.add_argument("--max-tokens", type=int, default=256)
     p.add_argument("--scheduling", choices=["both", "async", "sync"], default="both",
@@ -101,7 +105,7 @@ def main() -> None:
         for pair in args.runs:
             batch, temperature = int(pair.split(":")[0]), float(pair.split(":")[1])
             for overlap in {"both": (True, False), "async": (True,), "sync": (False,)}[args.scheduling]:
-                for drafter in ("none", args.drafter):
+                for drafter in ("none", *args.drafter):
                     for rep in range(1, args.repeat + 1):
                         run(args.model, args.device, args.dtype, drafter, overlap, batch, temperature,
                             args.max_tokens, args.emulate, trace, rep if args.repeat > 1 else 0)

@@ -9,7 +9,7 @@ from engine import LLM, SamplingParams
 from engine.scheduler import Scheduler
 from engine.speculative.adaptive import MIN_GAIN, BudgetController
 from engine.speculative.cost_fit import CostFit
-from engine.speculative.guard import BACKOFF, PLAIN_STEPS, WINDOW, ThroughputGuard
+from engine.speculative.guard import BACKOFF, MIN_TREE_SHARE, PLAIN_STEPS, WINDOW, ThroughputGuard
 from engine.speculative.oracle import OracleDrafter
 from tests.speculative.test_ddtree_e2e import golden_lookup, prompts
 
@@ -55,6 +55,26 @@ def test_a_tie_goes_to_plain_decoding():
     drive(guard, WINDOW + PLAIN_STEPS + 2, lambda n: (n, 1e-3), plain)  # trees that accept nothing and cost nothing
     assert guard.take_outcomes()[0] == ["lost"]
     assert not guard.allows_trees()
+
+
+def test_a_window_with_few_tree_steps_is_not_checked():
+    """The H100's batch-16 trace: the budget verified 2 trees in a window of 32 steps whose plain steps ran slower
+    than the plain window's (step times swing between windows). Nothing the trees did decides that, so no plain
+    window is forced; a window with a quarter of its steps on trees is checked, and its loss turns trees off."""
+    sparse = {1, 30}  # the steps of each window on which the budget picks a tree
+    guard = ThroughputGuard()
+    for step in range(3 * WINDOW):
+        tree = step % WINDOW in sparse
+        assert guard.allows_trees()
+        guard.observe(16, 20 if tree else 16, 1.2e-3, tree)
+    assert guard.take_outcomes() == ([], 0)
+    # a quarter of the window's steps on trees, which gain 4 tokens each but slow the step to 1.5 ms: a loss
+    outcomes = []
+    for step in range(WINDOW + PLAIN_STEPS + 4):
+        tree = guard.allows_trees() and step % round(1 / MIN_TREE_SHARE) == 0
+        guard.observe(16, 20 if tree else 16, 1.5e-3 if tree else 1e-3, tree)
+        outcomes += guard.take_outcomes()[0]
+    assert outcomes == ["lost"] and not guard.allows_trees()
 
 
 def test_a_check_across_a_changed_batch_decides_nothing():

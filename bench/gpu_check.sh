@@ -5,6 +5,8 @@
 #   bench/gpu_check.sh suite                 # pytest -m gpu (the schemathesis fuzz left out: it needs a network)
 #   bench/gpu_check.sh guard                 # bench/step_kinds.py: the n-gram default, unguarded and off, B 16 / 1
 #   bench/gpu_check.sh targets               # bench/e2e.py on the embedded model; bench/step.py on the Qwen3-8B shape
+#   bench/gpu_check.sh chat                  # bench/serve.py's chat mix against the server on CUDA: n-gram vs off,
+#                                            # at $CHAT_CONCURRENCY (default "16 64") chats, 4 requests a chat
 #   bench/gpu_check.sh suite guard targets   # in that order
 #
 # Wheels: every .whl in $WHEELS (default .whl/) goes into $SITE (default /tmp/site), which joins PYTHONPATH.
@@ -53,6 +55,14 @@ for part in "$@"; do
       [ -n "$GGUF" ] && python3 bench/e2e.py --model "$GGUF" --batch 1 64 --skip-transformers 2>&1 \
         | tee "$OUT/e2e_smollm2.log" | tail -12
       python3 bench/step.py --qwen3-8b --lengths 512 --budgets 0 2>&1 | tee "$OUT/step_qwen3.log" | tail -8 ;;
-    *) echo "unknown part: $part (suite, guard, targets)"; exit 2 ;;
+    chat)
+      for conc in ${CHAT_CONCURRENCY:-16 64}; do
+        for drafter in ngram none; do
+          echo "chat $conc $drafter $(python3 bench/serve.py --num-requests $((4 * conc)) --concurrency "$conc" \
+            --input-len 64 --output-len 64 --output-len-range 0.5 --server-args --device cuda --drafter $drafter \
+            2>&1 | tee "$OUT/chat_${conc}_$drafter.log" | grep -o 'output tokens/s [0-9.]*')"
+        done
+      done | tee "$OUT/chat.log" ;;
+    *) echo "unknown part: $part (suite, guard, targets, chat)"; exit 2 ;;
   esac
 done

@@ -1,19 +1,25 @@
-"""Matmuls on the CPU in fp32. PyTorch's x @ W^T for a few rows (MKL's gemv at one row, its gemm at small M) keeps
-one of the 2-core machine's cores busy: ~12 GB/s of weights where a plain sum streams 32. Two routes instead:
-  - one row: the product as a batched matmul over one slice of the output features per thread (split_linear),
-    every core streaming (30-35 GB/s);
+"""Matmuls on the CPU in fp32. PyTorch's x @ W^T for a few rows does not stream the weights at the memory's rate on
+every CPU. Two routes besides it:
+  - one row: the product as a batched matmul over one slice of the output features per thread (split_linear).
+    Whether it beats F.linear depends on the machine, so each weight measures both on its first one-row call at
+    inference and keeps the faster (one_row_route). On a 2-core AMD EPYC a decoding step's matmuls of the embedded
+    model took 15-19 ms split against 43 ms F.linear; on a 2-core Intel Xeon the split was 2-4x slower than
+    F.linear (the vocabulary projection 8.6 against 2.5 ms);
   - more rows at inference: oneDNN's packed inner product over a reordered copy of the weight (cpu_linear),
-    near the weight-streaming floor up to ~16 rows, and ahead of MKL's gemm at prefill sizes too.
-On the embedded model, a decoding step's matmuls (30 layers and the vocabulary projection, weights streamed from
-memory), ms: 1 row F.linear 43, split 15-19, oneDNN 22; 8 rows 57 / 45 / 24.5; 16 rows 67 / 66 / 32; 512 rows
-760 / 890 / 649. The cost: the packed copy doubles the weights' memory. Values equal F.linear's up to the summation
-order (~1e-6 relative). docs/BENCHMARKS.md, 2026-12-05."""
+    near the weight-streaming floor up to ~16 rows, and ahead of MKL's gemm at prefill sizes too (both machines).
+On the AMD machine, a decoding step's matmuls (30 layers and the vocabulary projection), ms: 8 rows F.linear 57,
+split 45, oneDNN 24.5; 16 rows 67 / 66 / 32; 512 rows 760 / 890 / 649. The cost: the packed copy doubles the
+weights' memory. Values equal F.linear's up to the summation order (~1e-6 relative). docs/BENCHMARKS.md,
+2026-12-05."""
 from __future__ import annotations
 
 import functools
 import logging
+import statistics
+import time
 
 import torch
+import torch.nn.functional as F
 
 logger = logging.getLogger("ddtree.ext")
 
@@ -21,21 +27,61 @@ CPU_SPLIT_MAX_ROWS = 64
 # oneDNN's packed inner product serves 2+ rows at inference: its weights reordered once, for this batch size (the
 # layout depends on it: packed for 1, 16 rows took 45 ms against 32)
 PACK_BATCH_HINT = 16
+ONE_ROW_TRIALS = 3  # timed calls of each one-row route (after an untimed one) when a weight first meets one row
 
 
 def cpu_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor | None:
-    """x [..., K] @ weight [N, K]^T (+ bias) on the CPU in fp32: one row split across the threads (split_linear),
-    more through oneDNN's packed inner product at inference (a packed copy of the weight kept beside it: on the
-    embedded model 8 rows took 24.5 ms against the split's 44.7, 512 rows 649 against F.linear's 760), else the
-    split up to CPU_SPLIT_MAX_ROWS rows (autograd, or no oneDNN); None: F.linear's call (off the CPU, other
-    dtypes, a weight that is not a contiguous matrix)."""
+    """x [..., K] @ weight [N, K]^T (+ bias) on the CPU in fp32: one row split across the threads (split_linear)
+    where that measured faster than F.linear (one_row_route), more through oneDNN's packed inner product at
+    inference (a packed copy of the weight kept beside it: on the embedded model 8 rows took 24.5 ms against the
+    split's 44.7, 512 rows 649 against F.linear's 760), else the split up to CPU_SPLIT_MAX_ROWS rows (autograd, or
+    no oneDNN); None: F.linear's call (off the CPU, other dtypes, a weight that is not a contiguous matrix, one row
+    where F.linear is faster)."""
     if not _cpu_fp32(x, weight):
         return None
     num_rows = x.numel() // max(x.shape[-1], 1)
-    packed = _packed(weight) if num_rows > 1 else None
+    if num_rows == 1:
+        return _split(x, weight, bias, 1) if one_row_route(x, weight, bias) == "split" else None
+    packed = _packed(weight)
     if packed is None:
         return _split(x, weight, bias, num_rows)
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
+def one_row_route(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> str:
+    """"split" or "linear": the faster for this weight at one row on this machine, timed on its first call (x: one
+    row) and kept on the weight. "linear" without timing where the split does not apply."""
+    route = getattr(weight, "_ddtree_one_row", None)
+    if route is None:
+        with torch.no_grad():
+            if not _splittable(1, weight):
+                route = "linear"
+            else:
+                split_s = _seconds(lambda: _split(x, weight, bias, 1))
+                linear_s = _seconds(lambda: F.linear(x, weight, bias))
+                route = "split" if split_s < linear_s else "linear"
+                _log_route(tuple(weight.shape), route, split_s, linear_s)
+        weight._ddtree_one_row = route
+    return route
+
+
+def _seconds(call) -> float:
+    """Median seconds of ONE_ROW_TRIALS calls, after an untimed one."""
+    call()
+    times = []
+    for _ in range(ONE_ROW_TRIALS):
+        t0 = time.perf_counter()
+        call()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+@functools.cache
+def _log_route(shape: tuple[int, int], route: str, split_s: float, linear_s: float) -> None:
+    """Says once per weight shape which one-row route this machine takes."""
+    logger.info("CPU one-row matmul by a [%d, %d] weight: %s (measured: split %.3f ms, F.linear %.3f ms)",
+                *shape, "split across the threads" if route == "split" else "F.linear", split_s * 1e3,
+                linear_s * 1e3)
 
 
 def _cpu_fp32(x: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -89,10 +135,10 @@ def split_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
 
 def _split(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, num_rows: int) -> torch.Tensor | None:
     """split_linear past its input check (cpu_linear has made it)."""
+    if not _splittable(num_rows, weight):
+        return None
     num_out, k = weight.shape
     chunks = torch.get_num_threads()
-    if not (1 <= num_rows <= CPU_SPLIT_MAX_ROWS and chunks > 1 and num_out % chunks == 0):
-        return None
     rows = x.reshape(num_rows, k)
     # [chunks, N / chunks, K] @ [chunks, K, rows] -> [chunks, N / chunks, rows]: bmm runs one chunk per thread
     out = torch.bmm(weight.view(chunks, num_out // chunks, k), rows.t().expand(chunks, k, num_rows))
@@ -100,3 +146,9 @@ def _split(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, num
     if bias is not None:
         out = out + bias
     return out.view(*x.shape[:-1], num_out)
+
+
+def _splittable(num_rows: int, weight: torch.Tensor) -> bool:
+    """Whether _split applies: up to CPU_SPLIT_MAX_ROWS rows, more than one thread, features a multiple of them."""
+    chunks = torch.get_num_threads()
+    return 1 <= num_rows <= CPU_SPLIT_MAX_ROWS and chunks > 1 and weight.shape[0] % chunks == 0

@@ -1,7 +1,8 @@
 """The CPU's matmul routes (ext/cpu_linear.py): the product of x and W^T with the output features split across the
 intra-op threads, and oneDNN's packed inner product, equal F.linear's (summation order aside), with a bias and
 with leading dimensions; the packed copy is made once, made again after the weight changes, and never used under
-autograd; other calls are left to F.linear; ops.linear, linear_silu_mul and the vocabulary projection take them."""
+autograd; at one row each weight takes the split or F.linear, whichever measured faster on its first call; other
+calls are left to F.linear; ops.linear, linear_silu_mul and the vocabulary projection take them."""
 from __future__ import annotations
 
 import pytest
@@ -9,7 +10,8 @@ import torch
 import torch.nn.functional as F
 
 from ext import ops
-from ext.cpu_linear import CPU_SPLIT_MAX_ROWS, cpu_linear, split_linear
+from ext import cpu_linear as routes
+from ext.cpu_linear import CPU_SPLIT_MAX_ROWS, cpu_linear, one_row_route, split_linear
 
 
 @pytest.fixture
@@ -48,7 +50,48 @@ def test_other_calls_go_to_f_linear(two_threads):
     assert split_linear(torch.randn(2, 64), w) is None  # one thread: nothing to split
 
 
+def timed_as(monkeypatch, split_s: float, linear_s: float) -> list[str]:
+    """Makes the one-row measurement report these times; returns the routes it timed, in order."""
+    timed = []
+
+    def seconds(call):
+        timed.append("split" if len(timed) % 2 == 0 else "linear")  # one_row_route times the split first
+        call()
+        return split_s if timed[-1] == "split" else linear_s
+
+    monkeypatch.setattr(routes, "_seconds", seconds)
+    return timed
+
+
+@pytest.mark.parametrize("split_s, linear_s, want", [(1e-3, 3e-3, "split"), (3e-3, 1e-3, "linear")])
+def test_one_row_takes_the_route_that_measured_faster_once_per_weight(two_threads, monkeypatch, split_s, linear_s,
+                                                                       want):
+    """The AMD machine's case (the split 2-3x faster) and the Intel one's (F.linear 2-4x faster)."""
+    timed = timed_as(monkeypatch, split_s, linear_s)
+    bmm_calls = []
+    real = torch.bmm
+    monkeypatch.setattr(torch, "bmm", lambda *a: bmm_calls.append(a[0].shape) or real(*a))
+    x, w, b = torch.randn(1, 64), torch.randn(40, 64), torch.randn(40)
+    with torch.inference_mode():
+        for _ in range(3):
+            out = cpu_linear(x, w, b)
+            got = out if out is not None else F.linear(x, w, b)  # None: the caller's F.linear
+            torch.testing.assert_close(got, F.linear(x, w, b), rtol=1e-5, atol=1e-5)
+            assert (out is not None) == (want == "split")
+    assert timed == ["split", "linear"]  # measured on the first call only
+    assert one_row_route(x, w, b) == want
+    assert len(bmm_calls) == (3 if want == "split" else 0) + 1  # (+ the split's call while being measured)
+
+
+def test_one_row_without_a_split_is_not_timed(two_threads, monkeypatch):
+    timed = timed_as(monkeypatch, 1e-3, 3e-3)
+    with torch.inference_mode():
+        assert cpu_linear(torch.randn(1, 64), torch.randn(41, 64)) is None  # 41 features: no split
+    assert timed == []
+
+
 def test_the_model_paths_take_it(two_threads, monkeypatch):
+    timed_as(monkeypatch, 1e-3, 3e-3)  # a machine where the split wins at one row
     calls = []
     real = torch.bmm
     monkeypatch.setattr(torch, "bmm", lambda *a: calls.append(a[0].shape) or real(*a))
@@ -56,7 +99,7 @@ def test_the_model_paths_take_it(two_threads, monkeypatch):
     torch.testing.assert_close(ops.linear(x, w), F.linear(x, w), rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(ops.dense(x, w), F.linear(x, w), rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(ops.linear_silu_mul(x, w), ops.silu_and_mul(F.linear(x, w)), rtol=1e-5, atol=1e-5)
-    assert calls == [(2, 20, 64)] * 3
+    assert calls == [(2, 20, 64)] * 4  # the three paths, and the split's call while being measured
 
 
 needs_onednn = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="this torch has no oneDNN")

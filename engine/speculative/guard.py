@@ -4,8 +4,9 @@ no fitted line explains, a switch that stalls the asynchronous pipeline, a host 
 guard measures the outcome instead. After a window of decoding steps in which trees were allowed and ran in at
 least a quarter of them, it forces a short window of plain steps (no drafting, no trees) and compares the two
 windows' decoding throughput, per running request so that a batch that changed a little does not decide it (one
-that changed a lot discards the check). Trees that lose stay off for a back-off, doubled while they keep losing; trees that win keep running, and
-the checks come less often (the interval doubles), so a drafter that pays loses a small share of its gain to them.
+that changed a lot discards the check). Trees that lose stay off for a back-off, doubled while they keep losing;
+trees that win keep running, and the checks come less often (the interval doubles), so a drafter that pays loses a
+small share of its gain to them.
 A window in which the budget itself chose trees only now and then is not checked: its throughput is its plain
 steps', and step times swing between windows by more than a few trees move them (on the H100 at batch 16, 2 tree
 steps in 32 lost a check on that noise, and the back-off then kept trees off when the text turned repetitive and

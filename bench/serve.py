@@ -52,15 +52,17 @@ def make_prompt(rng: random.Random, approx_tokens: int) -> str:
     return "Continue this list of words: " + " ".join(rng.choice(WORDS) for _ in range(max(1, approx_tokens - 8)))
 
 
-async def one_request(client: openai.AsyncOpenAI, model: str, prompt: str, output_len: int) -> Result:
+async def one_request(client: openai.AsyncOpenAI, model: str, prompt: str, output_len: int,
+                      sampling: dict | None = None) -> Result:
+    """One streamed chat completion; sampling: temperature, top_p and seed (default greedy)."""
     t0 = time.perf_counter()
     first = last = None
     itls: list[float] = []
     usage, seen_tokens = None, 0
     try:
         stream = await client.chat.completions.create(
-            model=model, messages=[{"role": "user", "content": prompt}], max_tokens=output_len, temperature=0,
-            stream=True, extra_body={"ignore_eos": True},
+            model=model, messages=[{"role": "user", "content": prompt}], max_tokens=output_len,
+            **(sampling or {"temperature": 0}), stream=True, extra_body={"ignore_eos": True},
             # continuous_usage_stats (vLLM/ddtree extension): cumulative usage on every chunk, so each chunk's
             # token count is known and a k-token speculative chunk counts as k inter-token gaps
             stream_options={"include_usage": True, "continuous_usage_stats": True})
@@ -97,14 +99,15 @@ async def run_load(args, base_url: str) -> tuple[list[Result], float]:
         await one_request(client, model, "Hello", 4)  # warm-up
         sem = asyncio.Semaphore(args.concurrency if args.concurrency > 0 else len(prompts))
 
-        async def gated(prompt: str, output_len: int) -> Result:
+        async def gated(prompt: str, output_len: int, index: int) -> Result:
+            sampling = {"temperature": args.temperature, "top_p": args.top_p, "seed": args.seed + index}
             async with sem:
-                return await one_request(client, model, prompt, output_len)
+                return await one_request(client, model, prompt, output_len, sampling)
 
         t0 = time.perf_counter()
         tasks = []
-        for prompt, output_len in zip(prompts, output_lens):
-            tasks.append(asyncio.create_task(gated(prompt, output_len)))
+        for index, (prompt, output_len) in enumerate(zip(prompts, output_lens)):
+            tasks.append(asyncio.create_task(gated(prompt, output_len, index)))
             if args.request_rate > 0:
                 await asyncio.sleep(rng.expovariate(args.request_rate))
         results = await asyncio.gather(*tasks)
@@ -134,7 +137,8 @@ def print_table(results: list[Result], elapsed: float, args) -> None:
     ok = [r for r in results if r.ok]
     failed = [r for r in results if not r.ok]
     print(f"\nrequests {len(ok)}/{len(results)} ok in {elapsed:.2f} s  (concurrency {args.concurrency or 'inf'}, "
-          f"rate {args.request_rate or 'inf'} req/s, input ~{args.input_len} tok, output {output_desc(args)} tok)")
+          f"rate {args.request_rate or 'inf'} req/s, input ~{args.input_len} tok, output {output_desc(args)} tok, "
+          f"temperature {args.temperature}, top_p {args.top_p})")
     if failed:
         print(f"first error: {failed[0].error}")
     if not ok:
@@ -192,6 +196,8 @@ def main() -> None:
     ap.add_argument("--output-len", type=int, default=64, help="output tokens per request (ignore_eos)")
     ap.add_argument("--output-len-range", type=float, default=0.0,
                     help="r in [0, 1): output lengths uniform in [L(1-r), L(1+r)] (0 = all equal)")
+    ap.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (0 = greedy)")
+    ap.add_argument("--top-p", type=float, default=1.0)
     ap.add_argument("--timeout", type=float, default=600.0)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--server-args", nargs=argparse.REMAINDER, default=[],

@@ -187,3 +187,41 @@ def test_logprobs_are_the_raw_model_distribution():
     for k, row in enumerate(out.logprob_rows):
         assert math.isclose(out.chosen_logprobs[k].item(), logp[row, out.tokens[row]].item(), abs_tol=1e-5)
     assert out.top_ids[0].tolist() == logp[0].topk(3).indices.tolist()
+
+
+def test_cpu_draws_from_the_candidates_equal_draws_from_the_whole_rows(monkeypatch):
+    """When top-k / top-p close within the candidates, the CPU draws a sampled row from the candidates alone
+    (sample_candidates): the same token as filtering the whole row and drawing from it (sample_tokens), for
+    random uniforms and for uniforms on the edges of the tokens' intervals. Through the Sampler too: the path is
+    taken, and its tokens equal the whole rows'."""
+    from engine.sampler import _cpu_candidates, sample_candidates
+    from ext.reference.sampling import kept_weights, sample_tokens
+
+    vocab, rows = 4096, 6
+    gen = torch.Generator().manual_seed(7)
+    x = torch.randn(rows, vocab, generator=gen) * 4
+    top_k = torch.tensor([0, 50, 0, 7, 0, 1])
+    top_p = torch.tensor([0.9, 1.0, 0.5, 0.8, 0.99, 0.3])
+    min_p = torch.tensor([0.0, 0.0, 0.05, 0.0, 0.1, 0.0])
+    decided = _cpu_candidates(x, top_k, top_p)
+    assert decided is not None
+    whole = apply_top_k_top_p(x, top_k, top_p, num_candidates=vocab)  # vocab > 2 m fails: the sort
+    ones = torch.ones(rows)
+    cum = kept_weights(whole, ones, min_p).double().cumsum(-1)
+    edges = (cum / cum[:, -1:]).clamp(max=1 - 2.0 ** -53)  # each token's upper edge, per row
+    columns = [torch.rand(rows, generator=gen, dtype=torch.float64) for _ in range(200)]
+    columns += [edges[:, j] for j in torch.randint(0, vocab, (100,), generator=gen).tolist()]
+    columns += [torch.zeros(rows, dtype=torch.float64), torch.full((rows,), 1 - 2.0 ** -53, dtype=torch.float64)]
+    for u in columns:
+        assert torch.equal(sample_candidates(*decided, min_p, u), sample_tokens(whole, ones, min_p, u))
+
+    reqs = [request(i, temperature=0.8, top_k=[0, 40][i % 2], top_p=[0.9, 1.0][i % 2]) for i in range(16)]
+    logits = torch.randn(16, vocab, generator=gen) * 4
+    taken = []
+    monkeypatch.setattr("engine.sampler.sample_candidates",
+                        lambda *a: taken.append(1) or sample_candidates(*a))
+    fast = Sampler(vocab, "cpu")(logits.clone(), SamplingBatch(reqs, [1] * 16)).tokens
+    assert taken
+    monkeypatch.setattr("engine.sampler._cpu_candidates", lambda *a: None)
+    slow = Sampler(vocab, "cpu")(logits.clone(), SamplingBatch(reqs, [1] * 16)).tokens
+    assert torch.equal(fast, slow)

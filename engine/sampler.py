@@ -200,14 +200,14 @@ class Sampler:
         seeds_and_pos = self._tensor(rows.sampled_keys)  # [S, 2]: seed, committed output length
         x = logits[index] / params[:, 0:1]
         u = uniforms(seeds_and_pos[:, 0], seeds_and_pos[:, 1] + self._row_depths(batch, index))
-        top_k, top_p, min_p = params[:, 3].to(torch.int64), params[:, 1], params[:, 2]
-        candidates = _cpu_candidates(x, top_k, top_p) if rows.any_top_k_top_p else None
-        if candidates is not None:
-            drawn = sample_candidates(*candidates, min_p, u)
-        else:
-            if rows.any_top_k_top_p:
-                x = apply_top_k_top_p(x, top_k, top_p)
-            drawn = ops.sample_tokens(x, torch.ones_like(params[:, 0]), min_p, u)
+        min_p = params[:, 2]
+        if rows.any_top_k_top_p:
+            top_k, top_p = params[:, 3].to(torch.int64), params[:, 1]
+            filtered, decided = _filter_top_k_top_p(x, top_k, top_p, NUM_CANDIDATES)
+            if decided is not None and _within_candidates(decided):
+                return greedy.index_copy(0, index, sample_candidates(decided[0], decided[1], min_p, u))
+            x = filtered if decided is None else _scatter(x, decided)
+        drawn = ops.sample_tokens(x, torch.ones_like(params[:, 0]), min_p, u)
         return greedy.index_copy(0, index, drawn)
 
     def _logprobs(self, logits: torch.Tensor, tokens: torch.Tensor, rows: "_RowPlan") -> SampleOutput:
@@ -231,15 +231,23 @@ def apply_top_k_top_p(x: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
     top-k keeps every token at least as large as the k-th largest (ties at the boundary stay); top-p then
     drops a token when the probability mass before it (in descending order) already reaches top_p.
 
-    On the CPU the rows are first decided from their num_candidates largest logits (_from_candidates): sorting a
+    On the CPU the rows are first decided from their num_candidates largest logits (_candidates): sorting a
     49,152-token row took 4 ms of a 57 ms decoding step of the embedded model at T = 1, top_p 0.9. On the GPU the
     sort is one kernel and a data-dependent choice would need a host sync (and break graph capture)."""
+    filtered, decided = _filter_top_k_top_p(x, top_k, top_p, num_candidates)
+    return filtered if decided is None else _scatter(x, decided)
+
+
+def _filter_top_k_top_p(x: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+                        m: int) -> tuple[torch.Tensor | None, tuple | None]:
+    """apply_top_k_top_p's work: (x filtered, None) by sorting the rows, or on the CPU (None, _candidates'
+    decision) when each row's m largest logits decide it."""
     vocab = x.shape[-1]
     k = torch.where((top_k > 0) & (top_k < vocab), top_k, vocab)
-    if x.device.type == "cpu" and vocab > 2 * num_candidates:
-        decided = _from_candidates(x, k, top_p, num_candidates)
+    if x.device.type == "cpu" and vocab > 2 * m:
+        decided = _candidates(x, k, top_p, m)
         if decided is not None:
-            return decided
+            return None, decided
     ordered, order = x.sort(dim=-1, descending=True)
     kth = ordered.gather(1, (k - 1)[:, None])
     ordered = ordered.masked_fill(ordered < kth, float("-inf"))
@@ -248,7 +256,7 @@ def apply_top_k_top_p(x: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
     drop = ((probs.cumsum(-1) - probs) >= top_p[:, None]) & (top_p[:, None] < 1.0)
     drop[:, 0] = False  # the top token always stays
     ordered = ordered.masked_fill(drop, float("-inf"))
-    return torch.empty_like(x).scatter_(1, order, ordered)
+    return torch.empty_like(x).scatter_(1, order, ordered), None
 
 
 def _from_candidates(x: torch.Tensor, k: torch.Tensor, top_p: torch.Tensor, m: int) -> torch.Tensor | None:
@@ -257,25 +265,21 @@ def _from_candidates(x: torch.Tensor, k: torch.Tensor, top_p: torch.Tensor, m: i
     so no token outside is kept), or top-k is off and the m candidates already hold top_p of the mass (every token
     after them has that much before it), or neither filter is on (the row passes unchanged)."""
     decided = _candidates(x, k, top_p, m)
-    if decided is None:
-        return None
+    return None if decided is None else _scatter(x, decided)
+
+
+def _scatter(x: torch.Tensor, decided: tuple) -> torch.Tensor:
+    """x [S, V] filtered as _candidates decided: each row's kept candidates, -inf elsewhere; unchanged rows as x."""
     kept, order, unchanged = decided
     out = torch.full_like(x, float("-inf")).scatter_(1, order, kept)
     return torch.where(unchanged[:, None], x, out)
 
 
-def _cpu_candidates(x: torch.Tensor, k: torch.Tensor, top_p: torch.Tensor,
-                    m: int = NUM_CANDIDATES) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """On the CPU, (kept, order) of _candidates when they decide every row and each row is filtered (none passes
-    unchanged) with a finite largest logit: then no token outside the candidates can be drawn; else None."""
-    vocab = x.shape[-1]
-    if x.device.type != "cpu" or vocab <= 2 * m:
-        return None
-    k = torch.where((k > 0) & (k < vocab), k, vocab)
-    decided = _candidates(x, k, top_p, m)
-    if decided is None or bool(decided[2].any()) or not bool(torch.isfinite(decided[0][:, 0]).all()):
-        return None
-    return decided[0], decided[1]
+def _within_candidates(decided: tuple) -> bool:
+    """Every row filtered (none passes unchanged) with a finite largest logit: no token outside the candidates
+    can be drawn (sample_candidates serves)."""
+    kept, _, unchanged = decided
+    return not bool(unchanged.any()) and bool(torch.isfinite(kept[:, 0]).all())
 
 
 def sample_candidates(kept: torch.Tensor, order: torch.Tensor, min_p: torch.Tensor,

@@ -28,6 +28,7 @@ CPU_SPLIT_MAX_ROWS = 64
 # layout depends on it: packed for 1, 16 rows took 45 ms against 32)
 PACK_BATCH_HINT = 16
 ONE_ROW_TRIALS = 3  # timed calls of each one-row route (after an untimed one) when a weight first meets one row
+_ROUTES_SAID: set[tuple[tuple[int, int], str]] = set()  # (weight shape, one-row route) logged at INFO
 
 
 def cpu_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor | None:
@@ -76,12 +77,15 @@ def _seconds(call) -> float:
     return statistics.median(times)
 
 
-@functools.cache
 def _log_route(shape: tuple[int, int], route: str, split_s: float, linear_s: float) -> None:
-    """Says once per weight shape which one-row route this machine takes."""
-    logger.info("CPU one-row matmul by a [%d, %d] weight: %s (measured: split %.3f ms, F.linear %.3f ms)",
-                *shape, "split across the threads" if route == "split" else "F.linear", split_s * 1e3,
-                linear_s * 1e3)
+    """Says at INFO once per weight shape and route which one-row route this machine takes; each weight's times
+    at DEBUG after that."""
+    key = (shape, route)
+    level = logging.DEBUG if key in _ROUTES_SAID else logging.INFO
+    _ROUTES_SAID.add(key)
+    logger.log(level, "CPU one-row matmul by a [%d, %d] weight: %s (measured: split %.3f ms, F.linear %.3f ms)",
+               *shape, "split across the threads" if route == "split" else "F.linear", split_s * 1e3,
+               linear_s * 1e3)
 
 
 def _cpu_fp32(x: torch.Tensor, weight: torch.Tensor) -> bool:

@@ -194,7 +194,7 @@ def test_cpu_draws_from_the_candidates_equal_draws_from_the_whole_rows(monkeypat
     (sample_candidates): the same token as filtering the whole row and drawing from it (sample_tokens), for
     random uniforms and for uniforms on the edges of the tokens' intervals. Through the Sampler too: the path is
     taken, and its tokens equal the whole rows'."""
-    from engine.sampler import _cpu_candidates, sample_candidates
+    from engine.sampler import NUM_CANDIDATES, _filter_top_k_top_p, _within_candidates, sample_candidates
     from ext.reference.sampling import kept_weights, sample_tokens
 
     vocab, rows = 4096, 6
@@ -203,8 +203,8 @@ def test_cpu_draws_from_the_candidates_equal_draws_from_the_whole_rows(monkeypat
     top_k = torch.tensor([0, 50, 0, 7, 0, 1])
     top_p = torch.tensor([0.9, 1.0, 0.5, 0.8, 0.99, 0.3])
     min_p = torch.tensor([0.0, 0.0, 0.05, 0.0, 0.1, 0.0])
-    decided = _cpu_candidates(x, top_k, top_p)
-    assert decided is not None
+    _, decided = _filter_top_k_top_p(x, top_k, top_p, NUM_CANDIDATES)
+    assert decided is not None and _within_candidates(decided)
     whole = apply_top_k_top_p(x, top_k, top_p, num_candidates=vocab)  # vocab > 2 m fails: the sort
     ones = torch.ones(rows)
     cum = kept_weights(whole, ones, min_p).double().cumsum(-1)
@@ -213,7 +213,7 @@ def test_cpu_draws_from_the_candidates_equal_draws_from_the_whole_rows(monkeypat
     columns += [edges[:, j] for j in torch.randint(0, vocab, (100,), generator=gen).tolist()]
     columns += [torch.zeros(rows, dtype=torch.float64), torch.full((rows,), 1 - 2.0 ** -53, dtype=torch.float64)]
     for u in columns:
-        assert torch.equal(sample_candidates(*decided, min_p, u), sample_tokens(whole, ones, min_p, u))
+        assert torch.equal(sample_candidates(decided[0], decided[1], min_p, u), sample_tokens(whole, ones, min_p, u))
 
     reqs = [request(i, temperature=0.8, top_k=[0, 40][i % 2], top_p=[0.9, 1.0][i % 2]) for i in range(16)]
     logits = torch.randn(16, vocab, generator=gen) * 4
@@ -222,6 +222,6 @@ def test_cpu_draws_from_the_candidates_equal_draws_from_the_whole_rows(monkeypat
                         lambda *a: taken.append(1) or sample_candidates(*a))
     fast = Sampler(vocab, "cpu")(logits.clone(), SamplingBatch(reqs, [1] * 16)).tokens
     assert taken
-    monkeypatch.setattr("engine.sampler._cpu_candidates", lambda *a: None)
+    monkeypatch.setattr("engine.sampler.NUM_CANDIDATES", vocab)  # too many candidates to decide from: the sort
     slow = Sampler(vocab, "cpu")(logits.clone(), SamplingBatch(reqs, [1] * 16)).tokens
     assert torch.equal(fast, slow)

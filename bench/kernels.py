@@ -301,6 +301,42 @@ def bench_accept(bw: float) -> None:
     torch.cuda.empty_cache()
 
 
+def sort_filter(x: torch.Tensor, k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """The sampler's top-k / top-p on CUDA before the floor kernel (the baseline): sort every row."""
+    ordered, order = x.sort(dim=-1, descending=True)
+    kth = ordered.gather(1, (k - 1)[:, None])
+    ordered = ordered.masked_fill(ordered < kth, float("-inf"))
+    probs = ordered.softmax(-1)
+    drop = ((probs.cumsum(-1) - probs) >= top_p[:, None]) & (top_p[:, None] < 1.0)
+    drop[:, 0] = False
+    ordered = ordered.masked_fill(drop, float("-inf"))
+    return torch.empty_like(x).scatter_(1, order, ordered)
+
+
+def bench_top_p(quick: bool) -> None:
+    print("\n## 10. top-k / top-p filter of fp32 rows: the floor kernel + a masking pass against sorting the rows")
+    print("| rows | V | logits | filter | sort ms | floor ms | floor + mask ms | sort / (floor + mask) |")
+    print("|---|---|---|---|---|---|---|---|")
+    cases = [(16, 49152), (272, 49152), (1088, 49152), (16, 151936), (272, 151936)]
+    gen = torch.Generator(device=DEV).manual_seed(5)
+    for rows, vocab in cases[:2] if quick else cases:
+        for spread in (2.0, 6.0):
+            x = torch.randn(rows, vocab, device=DEV, generator=gen) * spread
+            for name, top_k, top_p in (("top_p 0.9", 0, 0.9), ("top_k 50", 50, 1.0), ("both", 50, 0.9)):
+                k = torch.full((rows,), top_k if top_k else vocab, device=DEV, dtype=torch.int64)
+                p = torch.full((rows,), top_p, device=DEV)
+                t_sort, _ = graph_ms([lambda: sort_filter(x, k, p)] * 3)
+                t_floor, _ = graph_ms([lambda: ops.top_k_top_p_floor(x, k, p)] * 3)
+                t_both, _ = graph_ms([lambda: x.masked_fill(x < ops.top_k_top_p_floor(x, k, p)[:, None],
+                                                            float("-inf"))] * 3)
+                print(f"| {rows} | {vocab} | randn x {spread:g} | {name} | {t_sort:.4f} | {t_floor:.4f} | "
+                      f"{t_both:.4f} | {t_sort / t_both:.1f}x |")
+                record("top_p", rows=rows, vocab=vocab, spread=spread, filter=name, sort_ms=t_sort,
+                       floor_ms=t_floor, floor_mask_ms=t_both)
+            del x
+    torch.cuda.empty_cache()
+
+
 def bench_compaction(bw: float) -> None:
     print("\n## 8. KV compaction after accept, R = 64, B = 64 (bytes 2*(A-1)*kappa per request)")
     print(f"{'layout':>6} {'A':>3} {'MB':>7} {'us':>9} {'TB/s':>6}   (generic gather/scatter us)")
@@ -376,7 +412,8 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--quick", action="store_true", help="a few cases of each section")
     p.add_argument("--json", default=None, help="write every row here")
-    p.add_argument("--only", default="", help="comma list of sections: topk,tree,gqa,mla,accept,compact,prefill,gemv")
+    p.add_argument("--only", default="",
+                   help="comma list of sections: topk,tree,gqa,mla,accept,compact,prefill,gemv,topp")
     args = p.parse_args()
     assert build.load_ops() is not None, "the CUDA extension did not build"
     props = torch.cuda.get_device_properties(0)
@@ -389,7 +426,8 @@ def main() -> None:
     sections = [("topk", lambda: bench_topk(bw, args.quick)), ("tree", bench_tree_build),
                 ("gqa", lambda: bench_gqa(bw, flops, args.quick)), ("mla", lambda: bench_mla(bw, flops, args.quick)),
                 ("accept", lambda: bench_accept(bw)), ("compact", lambda: bench_compaction(bw)),
-                ("prefill", lambda: bench_prefill(flops)), ("gemv", lambda: bench_gemv(bw, args.quick))]
+                ("prefill", lambda: bench_prefill(flops)), ("gemv", lambda: bench_gemv(bw, args.quick)),
+                ("topp", lambda: bench_top_p(args.quick))]
     for name, fn in sections:
         if only and name not in only:
             continue

@@ -1,7 +1,7 @@
 """Choosing the target's token inside a CUDA graph: the per-request sampling parameters, seeds and output
 positions in static buffers, and the choice itself as a fixed sequence of tensor ops over every row of a
 bucket: argmax, or engine/sampler.py's draw at temperature > 0 (min-p; top-k/top-p in a variant of its own,
-whose full-vocabulary sort costs memory and time). The draw uses the sampler's counter-based uniform of (seed,
+which adds the floor kernel and a masking pass). The draw uses the sampler's counter-based uniform of (seed,
 output position), so a graph draws what the sampler draws for the same logits. Steps whose requests need
 more of the sampler (logprobs, penalties, logit bias, min_tokens, grammars) are not served here: `variant()`
 says why. Used by the tree steps' whole rounds (engine/round_graphs.py) and plain decoding's epilogue
@@ -18,9 +18,6 @@ from ext import ops
 # epilogue variants: how the target's token after each row is chosen
 GREEDY, SAMPLED, TOP_K_P = "greedy", "sampled", "sampled with top-k/top-p"
 VARIANTS = (GREEDY, SAMPLED, TOP_K_P)
-# the top-k/top-p variant sorts every row's logits: captured for buckets of at most this many row x vocabulary
-# elements (its sort buffers stay in the graphs' memory pool)
-TOP_K_P_MAX_ELEMENTS = 64 << 20
 # rows of GraphSampling.ints (int64) and .params (float32), per request of a bucket
 SEED, OUTPUT, OFFSET = range(3)
 TEMPERATURE, TOP_P, MIN_P, TOP_K = range(4)

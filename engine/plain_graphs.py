@@ -17,7 +17,7 @@ import logging
 import torch
 
 from engine import graph_sampling
-from engine.graph_sampling import GraphSampling, variants_for
+from engine.graph_sampling import VARIANTS, GraphSampling
 from engine.plan import ScheduledSeq
 from engine.staging import Staging
 
@@ -54,7 +54,7 @@ class PlainGraphs:
             n = key[0]
             hidden = self.graphs.graphs[key].hidden[:n]
             self.sampling.params.zero_()
-            for chosen in variants_for(n, self.model.vocab_size):
+            for chosen in VARIANTS:
                 self._epilogue(hidden, n, chosen)  # warm-up, eager
                 torch.cuda.synchronize(self.graphs.device)
                 graph = torch.cuda.CUDAGraph()

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 import torch
 
 from engine import graph_sampling
-from engine.graph_sampling import GREEDY, GraphSampling, variants_for
+from engine.graph_sampling import GREEDY, VARIANTS, GraphSampling
 from engine.plan import ScheduledSeq
 from engine.speculative.confidence import node_confidence
 from engine.speculative.speculator import Proposal, Speculator, Walk
@@ -124,8 +124,8 @@ class RoundGraphs:
 
     @torch.inference_mode()
     def capture(self) -> None:
-        """Prologue and epilogue graphs of every tree bucket (an epilogue per variant; the top-k/top-p one only
-        up to TOP_K_P_MAX_ELEMENTS), in one memory pool of their own."""
+        """Prologue and epilogue graphs of every tree bucket (an epilogue per variant), in one memory pool of their
+        own."""
         graphs = self.graphs
         for key in sorted(self.keys, key=lambda b: -b[0] * b[1]):
             n, w, _ = key
@@ -133,9 +133,8 @@ class RoundGraphs:
             self.small.zero_()
             self.sampling.params.zero_()
             hidden = graphs.graphs[key].hidden
-            variants = variants_for(n * w, self.model.vocab_size)
             built = self._prologue(n, w)  # warm-up, eager
-            for variant in variants:
+            for variant in VARIANTS:
                 self._epilogue(n, w, hidden, *built, variant)
             torch.cuda.synchronize(graphs.device)
             prologue = torch.cuda.CUDAGraph()
@@ -143,7 +142,7 @@ class RoundGraphs:
                 built = self._prologue(n, w)
             self.pool = prologue.pool()
             epilogues = {}
-            for variant in variants:
+            for variant in VARIANTS:
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=self.pool):
                     epilogues[variant] = (graph, self._epilogue(n, w, hidden, *built, variant))

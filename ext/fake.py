@@ -60,6 +60,10 @@ def register() -> None:
     def _(logits, temperature, min_p, uniform):
         return logits.new_empty((logits.shape[0],), dtype=torch.int64)
 
+    @fake("ddtree::top_k_top_p_floor")
+    def _(logits, top_k, top_p):
+        return logits.new_empty((logits.shape[0],), dtype=torch.float32)
+
     @fake("ddtree::ngram_propose")
     def _(history, rows, root_positions, emitted, num_new, calibration, horizon, top_k, vocab_size, max_ngram,
           max_matches, backoff, recency, cal_prior):

@@ -235,6 +235,20 @@ def sample_tokens(logits: torch.Tensor, temperature: torch.Tensor, min_p: torch.
     return reference.sample_tokens(logits, temperature, min_p, uniform)
 
 
+def top_k_top_p_floor(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """logits [R, V] (fp32/bf16/fp16), top_k [R] (outside (0, V) = off), top_p [R] (>= 1 = off) -> [R] fp32: the
+    smallest value each row keeps under top-k then top-p (-inf: keeps all), without a sort; see
+    ext.reference.sampling.top_k_top_p_floor for the definition."""
+    ops = _cuda_ops(logits)
+    if (ops is not None and logits.dim() == 2 and logits.dtype in _FLOATS
+            and 0 < logits.shape[-1] <= _SAMPLE_MAX_VOCAB):
+        _served("top_k_top_p_floor", ops)
+        device = logits.device
+        return ops.top_k_top_p_floor(logits, top_k.to(device, torch.int64), top_p.to(device, torch.float32))
+    _fallback("top_k_top_p_floor", logits, ops)
+    return reference.top_k_top_p_floor(logits, top_k, top_p)
+
+
 def pack_tree_mask(tree_mask: torch.Tensor) -> torch.Tensor:
     """bool [T, Q] -> int64 [T, ceil(Q/64)]: bit j of word w is column 64*w + j (AttentionMetadata's tree bits)."""
     ops = _cuda_ops(tree_mask)

@@ -125,6 +125,11 @@ constexpr int kSampleMaxVocab = 1 << 30;
 constexpr int kSampleMaxChunks = 4096;  // per-chunk masses kept in shared memory (8 bytes each)
 cudaError_t sample_tokens(const void* logits, DType dtype, int rows, int vocab, const float* temperature,
                           const float* min_p, const double* uniform, int64_t* out, cudaStream_t stream);
+// The floor of top-k / top-p per row (sampling_filter.cu; the definition is ext/reference/sampling.py's
+// top_k_top_p_floor): out[r] = the smallest value row r keeps; -inf when neither filter is on or the row has no finite
+// max. top_k[r] outside (0, V) and top_p[r] >= 1 are off.
+cudaError_t top_k_top_p_floor(const void* logits, DType dtype, int rows, int vocab, const int64_t* top_k,
+                              const float* top_p, float* out, cudaStream_t stream);
 
 // ---- decoder-layer ops (layers.cu; the eager math they reproduce: ext/reference/layers.py) -----------------
 // RMSNorm of rows of `hidden` elements, row (t, r) at x + t*x_stride0 + r*x_stride1 (element strides, unit last

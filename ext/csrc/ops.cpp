@@ -1,5 +1,5 @@
-// The torch side of the extension: the attention, tree, sampling and cache ops' schemas (the TORCH_LIBRARY block;
-// the decoder-layer ops add theirs in ops_layers.cpp), input checks, output and workspace allocation, and the
+// The torch side of the extension: the attention, tree and cache ops' schemas (the TORCH_LIBRARY block; the
+// decoder-layer ops add theirs in ops_layers.cpp, the sampling ops in ops_sampling.cpp), input checks, output and workspace allocation, and the
 // launch on the current CUDA stream. No op synchronizes with the host, so all of them can be captured in CUDA
 // graphs; shapes depend only on arguments (fake kernels: ext/fake.py).
 #include <torch/library.h>
@@ -321,28 +321,6 @@ void kv_compact_tree(at::TensorList caches, Tensor accepted, Tensor tree_slots) 
                                   t.data_ptr<int64_t>(), static_cast<int>(t.size(1)), stream()), "kv_compact_tree");
 }
 
-Tensor sample_tokens(Tensor logits, Tensor temperature, Tensor min_p, Tensor uniform) {
-  CHECK_CUDA(logits); CHECK_CUDA(temperature); CHECK_CUDA(min_p); CHECK_CUDA(uniform);
-  CHECK_TYPE(temperature, at::kFloat); CHECK_TYPE(min_p, at::kFloat); CHECK_TYPE(uniform, at::kDouble);
-  TORCH_CHECK(logits.dim() == 2, "ddtree::sample_tokens: logits must be [rows, V]");
-  const int64_t R = logits.size(0), V = logits.size(1);
-  TORCH_CHECK(temperature.dim() == 1 && temperature.size(0) == R && min_p.dim() == 1 && min_p.size(0) == R &&
-              uniform.dim() == 1 && uniform.size(0) == R,
-              "ddtree::sample_tokens: temperature, min_p and uniform must be [rows]");
-  TORCH_CHECK(temperature.device() == logits.device() && min_p.device() == logits.device() &&
-              uniform.device() == logits.device(), "ddtree::sample_tokens: all inputs must be on the logits' device");
-  TORCH_CHECK(R < (int64_t{1} << 31) && V <= ddtree::kSampleMaxVocab, "ddtree::sample_tokens: too many rows or tokens");
-  c10::cuda::CUDAGuard guard(logits.device());
-  Tensor out = at::empty({R}, logits.options().dtype(at::kLong));
-  if (R == 0) return out;
-  TORCH_CHECK(V > 0, "ddtree::sample_tokens: empty vocabulary");
-  Tensor x = logits.contiguous(), t = temperature.contiguous(), mp = min_p.contiguous(), u = uniform.contiguous();
-  check(ddtree::sample_tokens(x.data_ptr(), dtype_of(x), static_cast<int>(R), static_cast<int>(V), t.data_ptr<float>(),
-                              mp.data_ptr<float>(), u.data_ptr<double>(), out.data_ptr<int64_t>(), stream()),
-        "sample_tokens");
-  return out;
-}
-
 Tensor pack_tree_mask(Tensor mask) {
   CHECK_CUDA(mask); CHECK_TYPE(mask, at::kBool);
   TORCH_CHECK(mask.dim() == 2, "ddtree::pack_tree_mask: mask must be [num_tokens, max_query_len]");
@@ -371,7 +349,6 @@ TORCH_LIBRARY(ddtree, m) {
         "(Tensor, Tensor, Tensor)");
   m.def("kv_compact(Tensor(a!)[] caches, Tensor src_slots, Tensor dst_slots) -> ()");
   m.def("kv_compact_tree(Tensor(a!)[] caches, Tensor accepted_nodes, Tensor tree_slots) -> ()");
-  m.def("sample_tokens(Tensor logits, Tensor temperature, Tensor min_p, Tensor uniform) -> Tensor");
   m.def("pack_tree_mask(Tensor tree_mask) -> Tensor");
   m.def("ngram_propose(Tensor(a!) history, Tensor rows, Tensor root_positions, Tensor? emitted, Tensor? num_new, "
         "Tensor? calibration, int horizon, int top_k, int vocab_size, int max_ngram, int max_matches, float backoff, "
@@ -387,7 +364,6 @@ TORCH_LIBRARY_IMPL(ddtree, CUDA, m) {
   m.impl("tree_accept", &tree_accept);
   m.impl("kv_compact", &kv_compact);
   m.impl("kv_compact_tree", &kv_compact_tree);
-  m.impl("sample_tokens", &sample_tokens);
   m.impl("pack_tree_mask", &pack_tree_mask);
   m.impl("ngram_propose", &ngram_propose);
 }

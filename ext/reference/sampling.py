@@ -58,3 +58,50 @@ def _sample_block(x: torch.Tensor, temperature: torch.Tensor, min_p: torch.Tenso
     pick = torch.where(cross.any(-1), first, last)
     sampled = (temperature >= GREEDY_BELOW) & (total > 0)
     return torch.where(sampled, pick, greedy_ids)
+
+
+MASS_SCALE = 1 << 24  # top-p's masses are integers: floor(exp(x - max) * 2^24), so sums are exact in any order
+
+
+def top_k_top_p_floor(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """PyTorch twin of the `top_k_top_p_floor` kernel (ext/csrc/sampling_filter.cu), and its definition: logits
+    [R, V] float, top_k [R] (outside (0, V) = off), top_p [R] (>= 1 = off) -> [R] fp32, the smallest value each row
+    keeps, so that `x >= floor` is the kept set (-inf: the row keeps everything).
+
+    Per row of x in fp32 (-0.0 as +0.0): kth = the k-th largest value (with multiplicity; -inf when top-k is off);
+    with top-p on, q_i = floor(exp(x_i - max x) * 2^24) for x_i >= kth (else 0), Z = sum q, and the floor is the
+    largest value t whose keep-set {x >= t} holds (double) sum q >= (double) top_p * (double) Z (in descending
+    order: the value of the first token whose running mass reaches top_p of Z, as a sort-based top-p keeps it,
+    with ties at the boundary kept); with top-p off it is kth. A row without a finite max (a NaN, +inf, all -inf)
+    gets -inf."""
+    if logits.dim() != 2:
+        raise ValueError(f"top_k_top_p_floor: logits must be [rows, V], got shape {tuple(logits.shape)}")
+    rows, vocab = logits.shape
+    device = logits.device
+    out = torch.empty(rows, dtype=torch.float32, device=device)
+    top_k = top_k.to(device, torch.int64).reshape(rows)
+    top_p = top_p.to(device, torch.float32).reshape(rows)
+    step = max(1, _BLOCK_ELEMS // max(vocab, 1))
+    for a in range(0, rows, step):
+        b = min(rows, a + step)
+        out[a:b] = _floor_block(logits[a:b].float() + 0.0, top_k[a:b], top_p[a:b])
+    return out
+
+
+def _floor_block(x: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    vocab = x.shape[-1]
+    use_k, use_p = (top_k > 0) & (top_k < vocab), top_p < 1.0
+    values = x.sort(dim=-1, descending=True).values  # NaN first
+    top = values[:, 0]
+    neg_inf = torch.full_like(top, float("-inf"))
+    kth = values.gather(1, (torch.where(use_k, top_k, vocab) - 1)[:, None])[:, 0]
+    kth = torch.where(use_k, kth, neg_inf)
+    weights = torch.exp(values - top[:, None])  # fp32, as the kernel
+    q = (weights.double() * MASS_SCALE).floor().to(torch.int64)
+    q = torch.where(values >= kth[:, None], q, torch.zeros_like(q))
+    cumulative = q.cumsum(-1)
+    target = top_p.double() * cumulative[:, -1].double()
+    first = (cumulative.double() >= target[:, None]).to(torch.int8).argmax(-1)
+    by_p = values.gather(1, first[:, None])[:, 0]
+    floor = torch.where(use_p, by_p, kth)
+    return torch.where(torch.isfinite(top), floor, neg_inf)

@@ -1,7 +1,7 @@
 """The server on CUDA, as users reach it: the official OpenAI SDK against `ddtree serve --device cuda` with a small
 real model (the embedded SmolLM2-135M-Instruct, or the GGUF/folder in $DDTREE_TEST_MODEL), with DDTree on
 (n-gram drafter) and off. Covers what used to kill the engine on CUDA: sampling at T > 0 (seeded, twice
-identical), n = 2, logprobs with top_logprobs, penalties, logit_bias; plus a chat without max_tokens (the KV
+identical with speculation off), n = 2, logprobs with top_logprobs, penalties, logit_bias; plus a chat without max_tokens (the KV
 cache is sized from free device memory, so a request may run to the end of its context) and streaming."""
 from __future__ import annotations
 
@@ -67,17 +67,25 @@ def test_chat_without_max_tokens_and_streaming(client):
     assert chunks[-1].usage.completion_tokens == full.usage.completion_tokens
 
 
-def test_seeded_sampling_is_reproducible_and_n_two(client):
+def test_seeded_sampling_is_reproducible_and_n_two(client, request):
+    """With speculation off the same seed gives the same text, alone or as choice 0 of n = 2. With the n-gram
+    drafter in bf16 it need not: a verify step's GEMMs round differently from a plain step's, and the adaptive
+    budget (timed, batch-dependent) decides which steps verify trees, so a draw near a boundary can flip. The
+    exact claim under speculation is tested in fp32 (tests/ext/test_engine_gpu.py, seeded DDTree sampling equals
+    plain sampling)."""
+    exact = request.node.callspec.params["gpu_server"] == "none"
     kwargs = dict(model=model_id(client), messages=QUESTION, temperature=1.0, top_p=0.9, seed=7, max_tokens=48)
     a = client.chat.completions.create(**kwargs)
     b = client.chat.completions.create(**kwargs)
-    assert a.choices[0].message.content == b.choices[0].message.content
+    if exact:
+        assert a.choices[0].message.content == b.choices[0].message.content
     others = {client.chat.completions.create(**{**kwargs, "seed": s}).choices[0].message.content for s in (8, 9, 10)}
     assert len(others | {a.choices[0].message.content}) > 1  # the seed matters
     two = client.chat.completions.create(**{**kwargs, "n": 2})
     assert [c.index for c in two.choices] == [0, 1]
     assert all(c.finish_reason in ("stop", "length") and c.message.content for c in two.choices)
-    assert two.choices[0].message.content == a.choices[0].message.content  # choice 0 samples with the seed
+    if exact:
+        assert two.choices[0].message.content == a.choices[0].message.content  # choice 0 samples with the seed
 
 
 def test_logprobs_with_top_logprobs(client):

@@ -83,7 +83,7 @@ class GraphSampling:
         sampled = temperature > 0
         x = logits / torch.where(sampled, temperature, 1.0)[:, None]
         if chosen == TOP_K_P:
-            x = apply_top_k_top_p(x, top_k.to(torch.int64), top_p)
+            x = apply_top_k_top_p(x, top_k.to(torch.int64), top_p, inplace=True)
         output = per_row(self.ints[OUTPUT]) + per_row(self.ints[OFFSET])
         if depths is not None:
             output = output + depths.reshape(-1)

@@ -203,7 +203,7 @@ class Sampler:
         min_p = params[:, 2]
         if rows.any_top_k_top_p:
             top_k, top_p = params[:, 3].to(torch.int64), params[:, 1]
-            filtered, decided = _filter_top_k_top_p(x, top_k, top_p, NUM_CANDIDATES)
+            filtered, decided = _filter_top_k_top_p(x, top_k, top_p, NUM_CANDIDATES, inplace=True)
             if decided is not None and _within_candidates(decided):
                 return greedy.index_copy(0, index, sample_candidates(decided[0], decided[1], min_p, u))
             x = filtered if decided is None else _scatter(x, decided)
@@ -226,8 +226,10 @@ NUM_CANDIDATES = 512  # CPU: the largest logits a row's top-k / top-p is first d
 
 
 def apply_top_k_top_p(x: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
-                      num_candidates: int = NUM_CANDIDATES) -> torch.Tensor:
+                      num_candidates: int = NUM_CANDIDATES, inplace: bool = False) -> torch.Tensor:
     """x [S, V] tempered logits; top_k [S] (0 = off), top_p [S] (1 = off) -> x with dropped tokens at -inf.
+    inplace: x may be overwritten (a caller's own temporary; off the CPU it then is, and no second [S, V] tensor is
+    made: inside a CUDA graph that would be one more in its memory pool).
     top-k keeps every token at least as large as the k-th largest (ties at the boundary stay); top-p then
     drops a token when the probability mass before it (in descending order) already reaches top_p.
 
@@ -235,18 +237,19 @@ def apply_top_k_top_p(x: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
     49,152-token row took 4 ms of a 57 ms decoding step of the embedded model at T = 1, top_p 0.9. Elsewhere each
     row's floor comes from ops.top_k_top_p_floor (no sort, no host sync; its top-p sums integer masses, so a token
     at the boundary can differ from the CPU's fp32 sums)."""
-    filtered, decided = _filter_top_k_top_p(x, top_k, top_p, num_candidates)
+    filtered, decided = _filter_top_k_top_p(x, top_k, top_p, num_candidates, inplace)
     return filtered if decided is None else _scatter(x, decided)
 
 
-def _filter_top_k_top_p(x: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
-                        m: int) -> tuple[torch.Tensor | None, tuple | None]:
+def _filter_top_k_top_p(x: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, m: int,
+                        inplace: bool = False) -> tuple[torch.Tensor | None, tuple | None]:
     """apply_top_k_top_p's work: (x filtered, None) by the floor kernel (not on the CPU) or by sorting the rows, or
     on the CPU (None, _candidates' decision) when each row's m largest logits decide it."""
     vocab = x.shape[-1]
     k = torch.where((top_k > 0) & (top_k < vocab), top_k, vocab)
     if x.device.type != "cpu":  # the floor without a sort, in one launch (no host sync: graphs capture it)
-        return x.masked_fill(x < ops.top_k_top_p_floor(x, k, top_p)[:, None], float("-inf")), None
+        dropped = x < ops.top_k_top_p_floor(x, k, top_p)[:, None]
+        return (x.masked_fill_(dropped, float("-inf")) if inplace else x.masked_fill(dropped, float("-inf"))), None
     if vocab > 2 * m:
         decided = _candidates(x, k, top_p, m)
         if decided is not None:

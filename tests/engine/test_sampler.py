@@ -225,3 +225,21 @@ def test_cpu_draws_from_the_candidates_equal_draws_from_the_whole_rows(monkeypat
     monkeypatch.setattr("engine.sampler.NUM_CANDIDATES", vocab)  # too many candidates to decide from: the sort
     slow = Sampler(vocab, "cpu")(logits.clone(), SamplingBatch(reqs, [1] * 16)).tokens
     assert torch.equal(fast, slow)
+
+
+def test_cpu_rows_are_decided_from_64_candidates_first_then_512():
+    """A peaked row's nucleus closes within the 64 largest logits: decided from 64. A flatter one needs more: from
+    512. Both keep exactly what sorting the whole row keeps."""
+    from engine.sampler import FIRST_CANDIDATES, NUM_CANDIDATES, _filter_top_k_top_p
+
+    gen = torch.Generator().manual_seed(9)
+    vocab = 4096
+    peaked = torch.randn(4, vocab, generator=gen)
+    peaked[:, :5] += 12
+    wider = torch.randn(4, vocab, generator=gen) * 0.5
+    wider[:, :200] += 6  # ~200 near-equal tokens hold the nucleus
+    k, p = torch.full((4,), vocab), torch.full((4,), 0.9)
+    for x, size in ((peaked, FIRST_CANDIDATES), (wider, NUM_CANDIDATES)):
+        filtered, decided = _filter_top_k_top_p(x, k, p, NUM_CANDIDATES)
+        assert filtered is None and decided[0].shape[1] == size
+        assert torch.equal(apply_top_k_top_p(x, k, p), apply_top_k_top_p(x, k, p, num_candidates=vocab))

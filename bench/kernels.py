@@ -20,6 +20,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
+from engine.sampler import sort_top_k_top_p  # noqa: E402
 from ext import build, ops, reference  # noqa: E402
 from ext.metadata import AttentionMetadata  # noqa: E402
 
@@ -301,18 +302,6 @@ def bench_accept(bw: float) -> None:
     torch.cuda.empty_cache()
 
 
-def sort_filter(x: torch.Tensor, k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
-    """The sampler's top-k / top-p on CUDA before the floor kernel (the baseline): sort every row."""
-    ordered, order = x.sort(dim=-1, descending=True)
-    kth = ordered.gather(1, (k - 1)[:, None])
-    ordered = ordered.masked_fill(ordered < kth, float("-inf"))
-    probs = ordered.softmax(-1)
-    drop = ((probs.cumsum(-1) - probs) >= top_p[:, None]) & (top_p[:, None] < 1.0)
-    drop[:, 0] = False
-    ordered = ordered.masked_fill(drop, float("-inf"))
-    return torch.empty_like(x).scatter_(1, order, ordered)
-
-
 def bench_top_p(quick: bool) -> None:
     print("\n## 10. top-k / top-p filter of fp32 rows: the floor kernel + a masking pass against sorting the rows")
     print("| rows | V | logits | filter | sort ms | floor ms | floor + mask ms | sort / (floor + mask) |")
@@ -325,7 +314,7 @@ def bench_top_p(quick: bool) -> None:
             for name, top_k, top_p in (("top_p 0.9", 0, 0.9), ("top_k 50", 50, 1.0), ("both", 50, 0.9)):
                 k = torch.full((rows,), top_k if top_k else vocab, device=DEV, dtype=torch.int64)
                 p = torch.full((rows,), top_p, device=DEV)
-                t_sort, _ = graph_ms([lambda: sort_filter(x, k, p)] * 3)
+                t_sort, _ = graph_ms([lambda: sort_top_k_top_p(x, k, p)] * 3)
                 t_floor, _ = graph_ms([lambda: ops.top_k_top_p_floor(x, k, p)] * 3)
                 t_both, _ = graph_ms([lambda: x.masked_fill(x < ops.top_k_top_p_floor(x, k, p)[:, None],
                                                             float("-inf"))] * 3)

@@ -236,9 +236,8 @@ def apply_top_k_top_p(x: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
 
     On the CPU the rows are first decided from their FIRST_CANDIDATES, then num_candidates, largest logits
     (_candidates): sorting a 49,152-token row took 4 ms of a 57 ms decoding step of the embedded model at T = 1,
-    top_p 0.9. Elsewhere each
-    row's floor comes from ops.top_k_top_p_floor (no sort, no host sync; its top-p sums integer masses, so a token
-    at the boundary can differ from the CPU's fp32 sums)."""
+    top_p 0.9. Elsewhere each row's floor comes from ops.top_k_top_p_floor (no sort, no host sync; its top-p sums
+    integer masses, so a token at the boundary can differ from the CPU's fp32 sums)."""
     filtered, decided = _filter_top_k_top_p(x, top_k, top_p, num_candidates, inplace)
     return filtered if decided is None else _scatter(x, decided)
 
@@ -247,16 +246,22 @@ def _filter_top_k_top_p(x: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tenso
                         inplace: bool = False) -> tuple[torch.Tensor | None, tuple | None]:
     """apply_top_k_top_p's work: (x filtered, None) by the floor kernel (not on the CPU) or by sorting the rows, or
     on the CPU (None, _candidates' decision) when each row's m largest logits decide it."""
+    if x.device.type != "cpu":  # the floor without a sort, in one launch (no host sync: graphs capture it)
+        dropped = x < ops.top_k_top_p_floor(x, top_k, top_p)[:, None]  # the kernel reads k outside (0, V) as off
+        return (x.masked_fill_(dropped, float("-inf")) if inplace else x.masked_fill(dropped, float("-inf"))), None
     vocab = x.shape[-1]
     k = torch.where((top_k > 0) & (top_k < vocab), top_k, vocab)
-    if x.device.type != "cpu":  # the floor without a sort, in one launch (no host sync: graphs capture it)
-        dropped = x < ops.top_k_top_p_floor(x, k, top_p)[:, None]
-        return (x.masked_fill_(dropped, float("-inf")) if inplace else x.masked_fill(dropped, float("-inf"))), None
     if vocab > 2 * m:
         for size in sorted({min(FIRST_CANDIDATES, m), m}):  # topk of 64 costs a third of topk of 512 (72 rows)
             decided = _candidates(x, k, top_p, size)
             if decided is not None:
                 return None, decided
+    return sort_top_k_top_p(x, k, top_p), None
+
+
+def sort_top_k_top_p(x: torch.Tensor, k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """apply_top_k_top_p by sorting every row (k [S] in 1..V): the CPU's last resort, and what CUDA did before the
+    floor kernel (bench/kernels.py times it beside the kernel)."""
     ordered, order = x.sort(dim=-1, descending=True)
     kth = ordered.gather(1, (k - 1)[:, None])
     ordered = ordered.masked_fill(ordered < kth, float("-inf"))
@@ -265,16 +270,7 @@ def _filter_top_k_top_p(x: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tenso
     drop = ((probs.cumsum(-1) - probs) >= top_p[:, None]) & (top_p[:, None] < 1.0)
     drop[:, 0] = False  # the top token always stays
     ordered = ordered.masked_fill(drop, float("-inf"))
-    return torch.empty_like(x).scatter_(1, order, ordered), None
-
-
-def _from_candidates(x: torch.Tensor, k: torch.Tensor, top_p: torch.Tensor, m: int) -> torch.Tensor | None:
-    """apply_top_k_top_p from each row's m largest logits, or None when they do not decide every row (the caller
-    then sorts). A row is decided when top-k keeps fewer than m tokens (its k-th largest logit is above the m-th,
-    so no token outside is kept), or top-k is off and the m candidates already hold top_p of the mass (every token
-    after them has that much before it), or neither filter is on (the row passes unchanged)."""
-    decided = _candidates(x, k, top_p, m)
-    return None if decided is None else _scatter(x, decided)
+    return torch.empty_like(x).scatter_(1, order, ordered)
 
 
 def _scatter(x: torch.Tensor, decided: tuple) -> torch.Tensor:
@@ -305,8 +301,11 @@ def sample_candidates(kept: torch.Tensor, order: torch.Tensor, min_p: torch.Tens
 
 def _candidates(x: torch.Tensor, k: torch.Tensor, top_p: torch.Tensor,
                 m: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
-    """_from_candidates' decision: (kept [S, m] the m largest logits with -inf where the filters drop them,
-    order [S, m] their vocabulary ids, unchanged [S] rows no filter touches), or None."""
+    """apply_top_k_top_p decided from each row's m largest logits: (kept [S, m] those logits with -inf where the
+    filters drop them, order [S, m] their vocabulary ids, unchanged [S] rows no filter touches), or None when they
+    do not decide every row (the caller then sorts). A row is decided when top-k keeps fewer than m tokens (its
+    k-th largest logit is above the m-th, so no token outside is kept), or top-k is off and the m candidates
+    already hold top_p of the mass (every token after them has that much before it), or neither filter is on."""
     vocab = x.shape[-1]
     values, order = x.topk(m, dim=-1)  # [S, m], descending
     kth = values.gather(1, (k.clamp(max=m) - 1)[:, None])  # [S, 1]

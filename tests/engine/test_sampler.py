@@ -81,7 +81,7 @@ def test_top_k_top_p_from_candidates_match_transformers_and_the_sort():
     """The CPU's candidate path (the m largest logits decide a row when the filters close within them) keeps the
     same tokens as transformers' warpers and the same values as sorting the whole row; a batch it cannot decide
     (a flat row whose nucleus runs past the candidates, top-k above m) goes to the sort."""
-    from engine.sampler import _from_candidates
+    from engine.sampler import _candidates
 
     vocab, m = 4096, 64
     gen = torch.Generator().manual_seed(4)
@@ -91,10 +91,10 @@ def test_top_k_top_p_from_candidates_match_transformers_and_the_sort():
     top_p = torch.tensor([0.9, 1.0, 0.5, 0.95, 0.7, 1.0, 1.0, 0.99])
     flat = torch.randn(2, vocab, generator=gen) * 0.1
     vocab_k = torch.where(top_k > 0, top_k, vocab)
-    assert _from_candidates(peaked[:5], vocab_k[:5], top_p[:5], m) is not None  # the path is taken
-    assert _from_candidates(peaked, vocab_k, top_p, m) is None  # the tied row sends the batch to the sort
-    assert _from_candidates(flat, torch.tensor([vocab, vocab]), torch.tensor([0.9, 0.9]), m) is None
-    assert _from_candidates(flat, torch.tensor([100, vocab]), torch.tensor([1.0, 1.0]), m) is None  # k > m
+    assert _candidates(peaked[:5], vocab_k[:5], top_p[:5], m) is not None  # the path is taken
+    assert _candidates(peaked, vocab_k, top_p, m) is None  # the tied row sends the batch to the sort
+    assert _candidates(flat, torch.tensor([vocab, vocab]), torch.tensor([0.9, 0.9]), m) is None
+    assert _candidates(flat, torch.tensor([100, vocab]), torch.tensor([1.0, 1.0]), m) is None  # k > m
     for x, k, p in ((peaked[:5], top_k[:5], top_p[:5]), (peaked[6:], top_k[6:], top_p[6:]), (peaked, top_k, top_p),
                     (flat, torch.tensor([0, 7]), torch.tensor([0.9, 0.8]))):
         ours = apply_top_k_top_p(x, k, p, num_candidates=m)

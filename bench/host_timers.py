@@ -9,17 +9,23 @@ import importlib
 import time
 from collections import Counter, defaultdict
 
-# "module:Class" -> the methods timed
+# "module:Class" -> the methods timed; "module:" -> functions of that module's namespace (where they are called
+# from: a function imported by name is timed in the module that imported it)
 METHODS = {
     "engine.core:EngineCore": "step _complete _observe_budgets _stats _delta",
-    "engine.ahead:AheadLauncher": "plain trees _launch",
-    "engine.scheduler:Scheduler": "schedule schedule_ahead schedule_ahead_trees update",
-    "engine.runner:ModelRunner": "launch _launch_tree_ahead _launch_round _launch collect _tree_results",
+    "engine.ahead:AheadLauncher": "plain trees _launch _plain",
+    "engine.scheduler:Scheduler": "schedule schedule_ahead schedule_ahead_trees update wants_trees",
+    "engine.runner:ModelRunner": "launch _launch_tree_ahead _launch_round _launch _run _forward _sample collect "
+                                 "_tree_results",
+    "engine.runner:": "prepare_inputs",
+    "engine.cuda_graphs:CudaGraphs": "run set_layout bucket",
+    "engine.plain_graphs:PlainGraphs": "plan run",
+    "engine.graph_sampling:GraphSampling": "stage",
+    "engine.step_results:ResultCopy": "__init__ wait",
     "engine.pending:PendingStep": "successors accepted_features sampled_tokens",
     "engine.speculative.speculator:Speculator": "propose build confirm_ahead",
     "engine.round_graphs:RoundGraphs": "run _stage_inputs",
     "engine.step_results:RoundCopy": "wait",
-    "engine.step_results:ResultCopy": "wait",
     "engine.speculative.adaptive:BudgetController": "observe_request budget harmonize should_draft",
     "engine.staging:Staging": "__call__ pack",
     "torch.cuda:CUDAGraph": "replay",
@@ -32,19 +38,21 @@ class HostTimers:
         self.seconds: defaultdict[str, float] = defaultdict(float)
         self.calls: Counter[str] = Counter()
         self.active = False  # counting only while True (the window)
-        self._originals: list[tuple[type, str, object]] = []
+        self._originals: list[tuple[object, str, object]] = []
         classes = {}
         for key, names in METHODS.items():
             module, name = key.split(":")
-            classes[getattr(importlib.import_module(module), name)] = names
+            module = importlib.import_module(module)
+            classes[getattr(module, name) if name else module] = names
         classes.update(extra or {})
         for cls, names in classes.items():
             for name in names.split():
                 if hasattr(cls, name):
                     self._wrap(cls, name)
 
-    def _wrap(self, cls: type, name: str) -> None:
-        original, label = cls.__dict__.get(name, getattr(cls, name)), f"{cls.__name__}.{name}"
+    def _wrap(self, cls, name: str) -> None:
+        """cls: a class (its method `name`) or a module (its function `name`)."""
+        original, label = cls.__dict__.get(name, getattr(cls, name)), f"{cls.__name__.split('.')[-1]}.{name}"
         if isinstance(original, (staticmethod, classmethod)):
             return
         seconds, calls = self.seconds, self.calls
@@ -76,3 +84,16 @@ class HostTimers:
         """One line per method, slowest first: microseconds a step (inclusive) and calls a step."""
         return [f"{label:48s} {s / num_steps * 1e6:9.1f} us/step {self.calls[label] / num_steps:6.1f} calls/step"
                 for label, s in sorted(self.seconds.items(), key=lambda kv: -kv[1])]
+
+
+def host_speed_us(repeats: int = 7) -> float:
+    """Median microseconds of a fixed pure-Python loop: the host CPU's speed at this moment. On the GPU machines
+    it swings by 1.7x between runs of the same process (docs/BENCHMARKS.md, 2026-12-05 18:04), and a small model's
+    steps are bound by host work, so a run's tokens/s follows it; benchmarks print it beside each run."""
+    times = []
+    for _ in range(repeats):
+        t0, x = time.perf_counter(), 0
+        for i in range(3000):
+            x += i * i
+        times.append(time.perf_counter() - t0)
+    return sorted(times)[len(times) // 2] * 1e6

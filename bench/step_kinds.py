@@ -4,7 +4,8 @@ scheduling, on the self-repeating chat prompt of bench/gpu_serving.py. Also the 
 (drafting cost and row threshold in tokens of throughput, whether drafts count as cheap, whether the engine
 drafts first). --trace FILE writes every step as a JSON line (the run, its budgets, width, tokens, wall time,
 scheduling and graph, and the budget's threshold and fitted row and tree costs at that point), and --repeat N runs
-each configuration N times: for runs whose speed swings from one to the next.
+each configuration N times: for runs whose speed swings from one to the next. --host-times adds, per kind of step,
+the inclusive host time of the engine's methods a step (bench/host_timers.py's perf_counter wrappers).
 
     python bench/step_kinds.py --model SmolLM2-135M-Instruct.Q4_1.gguf --device cuda --runs 16:0 1:1 1:0
     python bench/step_kinds.py --model ... --runs 16:0 --scheduling async --repeat 3 --trace steps.jsonl
@@ -18,11 +19,13 @@ import json
 import os
 import statistics
 import sys
+import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench.gpu_serving import COPY_PROMPT  # noqa: E402
+from bench.gpu_serving import COPY_PROMPT, SMOLLM2_135M  # noqa: E402
+from bench.host_timers import HostTimers, host_speed_us  # noqa: E402
 from engine import LLM, SamplingParams  # noqa: E402
 
 
@@ -38,11 +41,16 @@ def step_record(label: str, index: int, stats, seconds: float, emitted: int, bud
 
 
 def run(model, device, dtype, drafter, overlap, batch, temperature, max_tokens, emulate=False, trace=None,
-        rep=0) -> None:
+        rep=0, host_times=False) -> None:
     label = f"batch {batch} T {temperature} async {overlap} {drafter}" + (f" #{rep}" if rep else "")
     name, _, variant = drafter.partition(":")  # ngram:noguard: the adaptive budget without its throughput guard
-    llm = LLM(model, device=device, dtype=dtype, drafter=name, async_scheduling=overlap,
-              spec_guard=variant != "noguard")
+    dummy = isinstance(model, dict)  # a config: random weights of its shape, a self-repeating prompt of token ids
+    folder = tempfile.mkdtemp(prefix="dummy-shape-") if dummy else model
+    if dummy:
+        with open(os.path.join(folder, "config.json"), "w") as f:
+            json.dump(model, f)
+    llm = LLM(folder, device=device, dtype=dtype, drafter=name, async_scheduling=overlap,
+              spec_guard=variant != "noguard", **(dict(load_format="dummy", max_model_len=4096) if dummy else {}))
     core = llm.engine
     if emulate:  # the CUDA-graph layout run eagerly, and asynchronous scheduling's bookkeeping (launches block)
         if name == "ngram":  # the drafter CUDA would use (same settings), through its PyTorch reference
@@ -52,14 +60,18 @@ def run(model, device, dtype, drafter, overlap, batch, temperature, max_tokens, 
             core.speculator.use_staging(core.runner.staging)
         core.enable_graphs(emulate=True)
         core.overlap = overlap
-    prompt = llm.encode(COPY_PROMPT, chat=True)
+    prompt = list(range(1000, 1040)) * 3 if dummy else llm.encode(COPY_PROMPT, chat=True)
     llm.generate([prompt] * batch, SamplingParams(max_tokens=16, temperature=temperature))  # warm-up
     core.budgets.reset()
     for i in range(batch):
         core.add_request(prompt, SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=0.9, seed=i,
                                                 ignore_eos=True))
+    timers = step_timers(core) if host_times else None
+    host = collections.defaultdict(collections.Counter)  # kind of step -> method -> seconds (inclusive)
     kinds, tokens, t0, index = collections.defaultdict(list), 0, time.perf_counter(), 0
+    probes = [host_speed_us()]  # the host's speed through the run (bench/host_timers.py host_speed_us)
     while core.has_unfinished():
+        before = dict(timers.seconds) if timers is not None else None
         start = time.perf_counter()
         deltas = core.step()
         seconds = time.perf_counter() - start
@@ -71,21 +83,42 @@ def run(model, device, dtype, drafter, overlap, batch, temperature, max_tokens, 
         if trace is not None:
             trace.write(json.dumps(step_record(label, index, stats, seconds, emitted, core.budgets)) + "\n")
         index += 1
+        if index % 128 == 0:
+            probes.append(host_speed_us(3))
         kind = f"{'tree' if any(stats.spec_budgets) else 'plain'} | {stats.scheduling[:28]} | {stats.cuda_graph[:22]}"
         kinds[kind].append((seconds * 1e3, emitted, {k: v * 1e3 for k, v in stats.timings.items()}))
+        if timers is not None:
+            host[kind].update({k: v - before.get(k, 0.0) for k, v in timers.seconds.items()})
+    if timers is not None:
+        timers.remove()
     elapsed, b = time.perf_counter() - t0, core.budgets
     print(f"== {label}: {tokens / elapsed:.0f} tok/s, "
           f"{sum(len(v) for v in kinds.values())} steps; draft_tokens {b.draft_tokens():.3f} threshold "
-          f"{b.threshold():.3f} cheap {b.cheap_draft()} draft first {core.draft_first is not None}", flush=True)
+          f"{b.threshold():.3f} cheap {b.cheap_draft()} draft first {core.draft_first is not None}; host probe "
+          f"{statistics.median(probes):.0f} us ({min(probes):.0f}-{max(probes):.0f})", flush=True)
     for kind, steps in sorted(kinds.items(), key=lambda kv: -len(kv[1])):
         phases = {a: round(statistics.median(s[2].get(a, 0.0) for s in steps), 3) for a in steps[0][2]}
         print(f"   {kind:70s} n={len(steps):4d} median {statistics.median(s[0] for s in steps):.3f} ms "
               f"tokens/step {sum(s[1] for s in steps) / len(steps):.2f} {phases}", flush=True)
+        if kind in host:
+            print("      host us/step: " + ", ".join(f"{k} {v / len(steps) * 1e6:.0f}"
+                                                    for k, v in host[kind].most_common(40)), flush=True)
+
+
+def step_timers(core) -> HostTimers:
+    """perf_counter wrappers around the engine's methods (bench/host_timers.py), the drafter's included."""
+    drafter = core.speculator.drafter if core.speculator is not None else None
+    timers = HostTimers({type(drafter): "propose propose_ahead"} if drafter is not None else None)
+    timers.active = True
+    return timers
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default=None, help="HF folder or GGUF (default: the embedded model)")
+    p.add_argument("--smollm2-shape", action="store_true",
+                   help="random weights of SmolLM2-135M's shape instead (no checkpoint to carry; the prompt is a "
+                        "list of token ids said three times, the output random)")
     p.add_argument("--device", default="cuda")
     p.add_argument("--dtype", default=None)
     p.add_argument("--drafter", nargs="+", default=["ngram"],
@@ -100,15 +133,18 @@ def main() -> None:
                         "are not: every launch blocks)")
     p.add_argument("--repeat", type=int, default=1, help="runs of each configuration")
     p.add_argument("--trace", default=None, help="write every step here as a JSON line")
+    p.add_argument("--host-times", action="store_true",
+                   help="per kind of step, the inclusive host time of the engine's methods (bench/host_timers.py)")
     args = p.parse_args()
+    model = SMOLLM2_135M if args.smollm2_shape else args.model
     with open(args.trace, "w") if args.trace else contextlib.nullcontext() as trace:
         for pair in args.runs:
             batch, temperature = int(pair.split(":")[0]), float(pair.split(":")[1])
             for overlap in {"both": (True, False), "async": (True,), "sync": (False,)}[args.scheduling]:
                 for drafter in ("none", *args.drafter):
                     for rep in range(1, args.repeat + 1):
-                        run(args.model, args.device, args.dtype, drafter, overlap, batch, temperature,
-                            args.max_tokens, args.emulate, trace, rep if args.repeat > 1 else 0)
+                        run(model, args.device, args.dtype, drafter, overlap, batch, temperature, args.max_tokens,
+                            args.emulate, trace, rep if args.repeat > 1 else 0, args.host_times)
 
 
 if __name__ == "__main__":

@@ -44,11 +44,6 @@ def variant(seqs: list[ScheduledSeq], fault_injection: bool = False) -> tuple[st
     return chosen, ""
 
 
-def variants_for(num_rows: int, vocab_size: int) -> list[str]:
-    """The variants captured for a bucket of num_rows rows."""
-    return [v for v in VARIANTS if v != TOP_K_P or num_rows * vocab_size <= TOP_K_P_MAX_ELEMENTS]
-
-
 class GraphSampling:
     def __init__(self, max_requests: int, device: torch.device):
         self.ints = torch.zeros(3, max_requests, dtype=torch.int64, device=device)  # SEED, OUTPUT, OFFSET

@@ -111,9 +111,12 @@ class Scheduler:
         predecessor's results), would verify any tree: their budgets (budget_of) capped and put to one width as
         schedule() does. A request's own budget may want a tree that the step's width does not pay for (under
         graphs every request pays it); such a step is plain, and may as well run ahead."""
+        wanted = [budget_of(r) for r in requests]
+        if not any(b > 0 for b in wanted):
+            return False  # no request wants a tree: its caps need not be worked out
         step_budget = self.step_budget(len(self.running))
         caps = [self.budget_cap(r, step_budget, ahead=1) for r in requests]
-        budgets = [max(0, min(budget_of(r), cap)) for r, cap in zip(requests, caps)]
+        budgets = [max(0, min(b, cap)) for b, cap in zip(wanted, caps)]
         return any(budgets) and any(self.one_width(requests, budgets, lambda: caps, self.uniform_trees)[1])
 
     def schedule(self) -> StepPlan:

@@ -15,10 +15,10 @@ METHODS = {
     "engine.core:EngineCore": "step _complete _observe_budgets _stats _delta",
     "engine.ahead:AheadLauncher": "plain trees _launch _plain",
     "engine.scheduler:Scheduler": "schedule schedule_ahead schedule_ahead_trees update wants_trees",
-    "engine.runner:ModelRunner": "launch _launch_tree_ahead _launch_round _launch _run _forward _sample collect "
-                                 "_tree_results",
+    "engine.runner:ModelRunner": "launch _launch_tree_ahead _launch_round _launch _decode_in_graph _run _forward "
+                                 "_sample collect _tree_results",
     "engine.runner:": "prepare_inputs",
-    "engine.cuda_graphs:CudaGraphs": "run set_layout bucket",
+    "engine.cuda_graphs:CudaGraphs": "run write_decode replay_rows set_layout bucket",
     "engine.plain_graphs:PlainGraphs": "plan run",
     "engine.graph_sampling:GraphSampling": "stage",
     "engine.step_results:ResultCopy": "__init__ wait",

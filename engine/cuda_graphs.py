@@ -27,7 +27,8 @@ from dataclasses import dataclass
 import torch
 from tqdm import tqdm
 
-from ext.metadata import AttentionMetadata
+from engine.staging import Staging
+from ext.metadata import AttentionMetadata, flat_block_table
 
 logger = logging.getLogger("ddtree.engine")
 
@@ -188,6 +189,35 @@ class CudaGraphs:
         if rows is None:
             return hidden[:num_seqs], [c[:num_seqs] for c in layers]
         return hidden.index_select(0, rows), [c.index_select(0, rows) for c in layers]
+
+    def write_decode(self, input_ids: torch.Tensor | list[int], positions: list[int], slots: list[int],
+                     seq_lens: list[int], tables: list[list[int]], stage: Staging) -> tuple[int, int, int] | None:
+        """A plain decoding step (one row per request) written straight into the static buffers of the bucket
+        that holds it, each array in one copy from pinned memory (engine/staging.py), for replay_rows(); the
+        bucket, or None when none holds the step. input_ids: host ids, or the tokens the step in flight samples
+        (a device tensor)."""
+        num_seqs = len(seq_lens)
+        key = self.bucket(num_seqs, 1, max(seq_lens))
+        if key is None:
+            return None
+        self.last_key = key
+        self.set_layout(num_seqs, key[0], 1, 1)
+        if isinstance(input_ids, torch.Tensor):
+            self.input_ids[:num_seqs].copy_(input_ids)
+        else:
+            stage.into(self.input_ids[:num_seqs], input_ids)
+        stage.into(self.positions[:num_seqs], positions)
+        stage.into(self.slot_mapping[:num_seqs], slots)
+        stage.into(self.seq_lens[:num_seqs], seq_lens)
+        flat, num_cols = flat_block_table(tables)  # columns past a request's last block are never read
+        self.block_tables[:num_seqs, :num_cols].copy_(stage(flat, torch.int32).view(num_seqs, num_cols))
+        return key
+
+    def replay_rows(self, key: tuple[int, int, int], num_seqs: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """The first num_seqs rows of hidden and captured layers after replaying a bucket that write_decode()
+        filled (views of the graph's output buffers, valid until its next replay)."""
+        hidden, layers = self.replay(key)
+        return hidden[:num_seqs], [c[:num_seqs] for c in layers]
 
     def set_layout(self, num_seqs: int, n: int, w: int, width: int) -> None:
         """num_seqs requests of width rows each in bucket (n, w): padding rows and request offsets in place (kept

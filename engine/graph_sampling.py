@@ -8,6 +8,7 @@ says why. Used by the tree steps' whole rounds (engine/round_graphs.py) and plai
 (engine/plain_graphs.py)."""
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from engine.plan import ScheduledSeq
@@ -54,11 +55,14 @@ class GraphSampling:
         """The requests' parameters, seeds and output positions (outputs: each request's output index of its first
         row; offsets [N] on the device: added to them, for a step launched ahead of the tokens before it)."""
         num = len(seqs)
-        params = [(sp.temperature, sp.top_p, sp.min_p, float(sp.top_k if sp.top_k and sp.top_k > 0 else 0))
-                  for sp in (s.request.sampling for s in seqs)]
-        self.params[:, :num].copy_(stage([list(col) for col in zip(*params)], torch.float32))
-        ints = stage([[s.request.seed for s in seqs], outputs, [0] * num])
-        self.ints[:, :num].copy_(ints)
+        # whole buffers, each in one copy straight from pinned memory (the rows past num: padding, greedy)
+        params = np.zeros(self.params.shape, dtype=np.float32)  # [4, max_requests]
+        params[:, :num] = np.array([(sp.temperature, sp.top_p, sp.min_p, sp.top_k if sp.top_k and sp.top_k > 0 else 0)
+                                    for sp in (s.request.sampling for s in seqs)], dtype=np.float32).T
+        stage.into(self.params, params)
+        ints = np.zeros(self.ints.shape, dtype=np.int64)  # [3, max_requests]
+        ints[SEED, :num], ints[OUTPUT, :num] = [s.request.seed for s in seqs], outputs
+        stage.into(self.ints, ints)
         if offsets is not None:
             self.ints[OFFSET, :num].copy_(offsets)
 

@@ -22,6 +22,21 @@ class StepInputs:
     tree_row0: int  # first verify row (= number of plain rows)
     tree_slots: torch.Tensor | None  # [N, W] int64 cache slots of the verify rows
     tree_starts: torch.Tensor | None = None  # [N] int64 root position of each tree, on the device
+    graph_key: tuple[int, int, int] | None = None  # a decoding step already written into this graph's buffers
+
+
+def decode_rows(plain: list[ScheduledSeq], block_size: int) -> tuple[list[int], list[int], list[int], list[int]]:
+    """A plain decoding step's host arrays, one row per request: (token ids, positions, cache slots, KV lengths).
+    A request scheduled ahead feeds the token the step in flight samples: its id here is a placeholder (0)."""
+    ids, positions, slots, seq_lens = [], [], [], []
+    for s in plain:
+        req = s.request
+        start = req.num_computed_tokens + s.num_ahead
+        ids.append(0 if s.num_ahead else req.token_ids(start, start + 1)[0])
+        positions.append(start)
+        slots.append(slot_of(req.block_ids, block_size, start))
+        seq_lens.append(start + 1)
+    return ids, positions, slots, seq_lens
 
 
 def slot_of(block_ids: list[int], block_size: int, index: int) -> int:

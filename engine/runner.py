@@ -9,7 +9,7 @@ import time
 from collections.abc import Callable
 import torch
 
-from engine.inputs import StepInputs, prepare_inputs, prepare_tree_inputs_ahead
+from engine.inputs import StepInputs, decode_rows, prepare_inputs, prepare_tree_inputs_ahead
 from engine.plan import ScheduledSeq, StepPlan, StepResult
 from engine.sampler import SampleOutput, Sampler, SamplingBatch
 from engine.speculative.speculator import Proposal, Speculator, TreeBatch, Walk
@@ -173,6 +173,10 @@ class ModelRunner:
     def _launch(self, plain: list[ScheduledSeq], batch: TreeBatch | None, watched: tuple | None,
                 ahead_ids: torch.Tensor | None, round_why: str | None = None) -> PendingStep:
         t1 = time.perf_counter()
+        if batch is None and self.graphs is not None and plain and all(_decoding(s) for s in plain):
+            inputs = self._decode_in_graph(plain, ahead_ids)
+            if inputs is not None:
+                return self._run(plain, batch, watched, inputs, t1, round_why)
         shape = _uniform_shape(plain, batch)  # None: a mixed step, never a graph replay
         pad_to = self.eager_pad_to if (self.graphs is None or shape is None) and ahead_ids is None else 0
         inputs = prepare_inputs(plain, batch, self.block_size, self.device, self.staging, pad_to,
@@ -180,6 +184,19 @@ class ModelRunner:
         if ahead_ids is not None:
             inputs.input_ids = ahead_ids
         return self._run(plain, batch, watched, inputs, t1, round_why)
+
+    def _decode_in_graph(self, plain: list[ScheduledSeq], ahead_ids: torch.Tensor | None) -> StepInputs | None:
+        """A plain decoding step's inputs written straight into its graph's static buffers (CudaGraphs.
+        write_decode: fewer copies and no device tensors in between); None when no graph holds the step."""
+        ids, positions, slots, seq_lens = decode_rows(plain, self.block_size)
+        key = self.graphs.write_decode(ahead_ids if ahead_ids is not None else ids, positions, slots, seq_lens,
+                                       [s.request.block_ids for s in plain], self.staging)
+        if key is None:
+            return None
+        n = len(plain)
+        meta = self.graphs.meta(n, 1, key[2])
+        meta.seq_lens_host = seq_lens
+        return StepInputs(self.graphs.input_ids[:n], meta, [(i, 1) for i in range(n)], n, None, graph_key=key)
 
     def _run(self, plain: list[ScheduledSeq], batch: TreeBatch | None, watched: tuple | None, inputs: StepInputs,
              t1: float, round_why: str | None = None) -> PendingStep:
@@ -244,6 +261,9 @@ class ModelRunner:
         | "" without graphs)."""
         capture = self.speculator.capture_layer_ids if self.speculator is not None else ()
         mode = ""
+        if inputs.graph_key is not None:
+            hidden, layers = self.graphs.replay_rows(inputs.graph_key, len(inputs.plain_rows))
+            return hidden, layers, "replay"
         if self.graphs is not None:
             out = self.graphs.run(inputs.input_ids, inputs.meta, *shape) if shape is not None else None
             if out is not None:

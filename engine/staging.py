@@ -42,17 +42,34 @@ class Staging:
             host = torch.tensor(values, dtype=dtype)
         if not self.pinned:
             return host
-        n = host.numel()
+        region = self._region(host.numel(), dtype)
+        region.copy_(host.reshape(-1))
+        return region.view(host.shape).to(self.device, non_blocking=True)
+
+    def into(self, dest: torch.Tensor, values) -> None:
+        """Copies `values` (a list or an array of dest's size) into the contiguous device tensor `dest`: on CUDA
+        one non-blocking copy from a pinned region straight into it (no device tensor in between, no
+        device-to-device copy)."""
+        if not dest.is_contiguous():
+            raise ValueError("Staging.into writes contiguous destinations only")
+        flat = np.asarray(values, dtype=_NUMPY[dest.dtype]).reshape(-1)
+        if not self.pinned:
+            dest.copy_(torch.from_numpy(flat).view(dest.shape))
+            return
+        region = self._region(dest.numel(), dest.dtype)
+        region.numpy()[:] = flat
+        dest.copy_(region.view(dest.shape), non_blocking=True)
+
+    def _region(self, n: int, dtype: torch.dtype) -> torch.Tensor:
+        """n elements of this generation's pinned buffer of `dtype`, not handed out before in this step."""
         buffer, offset = self._buffers.get(dtype), self._offsets.get(dtype, 0)
         if buffer is None or offset + n > buffer.numel():
             # a fresh buffer (regions of the old one may still be in flight this step: it is not reused)
             size = max(self._capacity, 2 * (offset + n), buffer.numel() * 2 if buffer is not None else 0)
             buffer = self._buffers[dtype] = torch.empty(size, dtype=dtype, pin_memory=True)
             offset = 0
-        region = buffer[offset:offset + n]
-        region.copy_(host.reshape(-1))
         self._offsets[dtype] = offset + n
-        return region.view(host.shape).to(self.device, non_blocking=True)
+        return buffer[offset:offset + n]
 
     def pack(self, arrays: list[list], dtype: torch.dtype = torch.int64) -> list[torch.Tensor]:
         """Device tensors holding each flat list of `arrays`, staged in one host-to-device copy (each a view of

@@ -80,6 +80,45 @@ def test_emulated_decode_steps_sample_in_graphs_like_the_sampler(tiny_checkpoint
         assert out == ref and mode in modes, modes
 
 
+@pytest.mark.parametrize("overlap", [False, True])
+def test_decode_steps_written_into_the_graph_buffers_equal_the_staged_inputs(tiny_checkpoints, monkeypatch, overlap):
+    """A plain decoding step's inputs written straight into its bucket's static buffers (CudaGraphs.write_decode)
+    leave every buffer a replay reads as the general path does (prepare_inputs, then CudaGraphs.run's copies),
+    step by step, with steps launched ahead (their ids fed from the device) and without."""
+    from engine.runner import ModelRunner
+
+    folder, _ = tiny_checkpoints("llama")
+    ps = prompts(3)  # 3 requests in a bucket of 4: a padding request
+
+    def replayed_buffers(fast: bool) -> tuple[list, list]:
+        if not fast:
+            monkeypatch.setattr(ModelRunner, "_decode_in_graph", lambda self, plain, ahead_ids: None)
+        llm = LLM(folder, dtype="fp32", async_scheduling=overlap)
+        llm.engine.enable_graphs(emulate=True)
+        llm.engine.overlap = overlap
+        graphs, seen = llm.engine.runner.graphs, []
+        real = graphs.replay
+
+        def replay(key):
+            n = key[0]
+            seen.append([t.clone() for t in (graphs.input_ids[:n], graphs.positions[:n], graphs.slot_mapping[:n],
+                                             graphs.seq_lens[:n], graphs.query_start_loc[:n + 1])]
+                        + [graphs.block_tables[:n, :4].clone()])
+            return real(key)
+
+        monkeypatch.setattr(graphs, "replay", replay)
+        out, modes = graph_modes(llm, ps)
+        monkeypatch.undo()
+        assert "replay: whole step" in modes
+        return out, seen
+
+    fast_out, fast = replayed_buffers(True)
+    slow_out, slow = replayed_buffers(False)
+    assert fast_out == slow_out and len(fast) == len(slow) > 10
+    for a, b in zip(fast, slow):
+        assert all(torch.equal(x, y) for x, y in zip(a, b))
+
+
 def test_plain_decoding_graphs_follow_the_context_length(tiny_checkpoints, monkeypatch):
     """Plain-decoding graphs come in two context capacities: while the longest sequence fits SHORT_CONTEXT (+ the
     new token) a step replays the short-context graph, past it the full one; crossing the boundary in the middle

@@ -5,7 +5,8 @@ scheduling, on the self-repeating chat prompt of bench/gpu_serving.py. Also the 
 drafts first). --trace FILE writes every step as a JSON line (the run, its budgets, width, tokens, wall time,
 scheduling and graph, and the budget's threshold and fitted row and tree costs at that point), and --repeat N runs
 each configuration N times: for runs whose speed swings from one to the next. --host-times adds, per kind of step,
-the inclusive host time of the engine's methods a step (bench/host_timers.py's perf_counter wrappers).
+the inclusive host time of the engine's methods a step (bench/host_timers.py's perf_counter wrappers). Each kind
+also reports its median host busy time: wall time less the wait for the device's results.
 
     python bench/step_kinds.py --model SmolLM2-135M-Instruct.Q4_1.gguf --device cuda --runs 16:0 1:1 1:0
     python bench/step_kinds.py --model ... --runs 16:0 --scheduling async --repeat 3 --trace steps.jsonl
@@ -27,6 +28,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench.gpu_serving import COPY_PROMPT, SMOLLM2_135M  # noqa: E402
 from bench.host_timers import HostTimers, host_speed_us  # noqa: E402
 from engine import LLM, SamplingParams  # noqa: E402
+
+# where a step waits for the device (its results' copy): a step's host busy time is its wall time less these
+WAITS = {"ResultCopy.wait", "RoundCopy.wait"}
 
 
 def step_record(label: str, index: int, stats, seconds: float, emitted: int, budgets) -> dict:
@@ -66,12 +70,12 @@ def run(model, device, dtype, drafter, overlap, batch, temperature, max_tokens, 
     for i in range(batch):
         core.add_request(prompt, SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=0.9, seed=i,
                                                 ignore_eos=True))
-    timers = step_timers(core) if host_times else None
+    timers = step_timers(core, None if host_times else WAITS)
     host = collections.defaultdict(collections.Counter)  # kind of step -> method -> seconds (inclusive)
     kinds, tokens, t0, index = collections.defaultdict(list), 0, time.perf_counter(), 0
     probes = [host_speed_us()]  # the host's speed through the run (bench/host_timers.py host_speed_us)
     while core.has_unfinished():
-        before = dict(timers.seconds) if timers is not None else None
+        before = dict(timers.seconds)
         start = time.perf_counter()
         deltas = core.step()
         seconds = time.perf_counter() - start
@@ -86,11 +90,11 @@ def run(model, device, dtype, drafter, overlap, batch, temperature, max_tokens, 
         if index % 128 == 0:
             probes.append(host_speed_us(3))
         kind = f"{'tree' if any(stats.spec_budgets) else 'plain'} | {stats.scheduling[:28]} | {stats.cuda_graph[:22]}"
-        kinds[kind].append((seconds * 1e3, emitted, {k: v * 1e3 for k, v in stats.timings.items()}))
-        if timers is not None:
-            host[kind].update({k: v - before.get(k, 0.0) for k, v in timers.seconds.items()})
-    if timers is not None:
-        timers.remove()
+        waited = sum(timers.seconds[k] - before.get(k, 0.0) for k in WAITS)
+        kinds[kind].append((seconds * 1e3, emitted, {k: v * 1e3 for k, v in stats.timings.items()},
+                            (seconds - waited) * 1e3))
+        host[kind].update({k: v - before.get(k, 0.0) for k, v in timers.seconds.items()})
+    timers.remove()
     elapsed, b = time.perf_counter() - t0, core.budgets
     print(f"== {label}: {tokens / elapsed:.0f} tok/s, "
           f"{sum(len(v) for v in kinds.values())} steps; draft_tokens {b.draft_tokens():.3f} threshold "
@@ -99,16 +103,18 @@ def run(model, device, dtype, drafter, overlap, batch, temperature, max_tokens, 
     for kind, steps in sorted(kinds.items(), key=lambda kv: -len(kv[1])):
         phases = {a: round(statistics.median(s[2].get(a, 0.0) for s in steps), 3) for a in steps[0][2]}
         print(f"   {kind:70s} n={len(steps):4d} median {statistics.median(s[0] for s in steps):.3f} ms "
-              f"tokens/step {sum(s[1] for s in steps) / len(steps):.2f} {phases}", flush=True)
-        if kind in host:
+              f"tokens/step {sum(s[1] for s in steps) / len(steps):.2f} host busy "
+              f"{statistics.median(s[3] for s in steps):.3f} ms {phases}", flush=True)
+        if host_times:
             print("      host us/step: " + ", ".join(f"{k} {v / len(steps) * 1e6:.0f}"
                                                     for k, v in host[kind].most_common(40)), flush=True)
 
 
-def step_timers(core) -> HostTimers:
-    """perf_counter wrappers around the engine's methods (bench/host_timers.py), the drafter's included."""
+def step_timers(core, only: set[str] | None) -> HostTimers:
+    """perf_counter wrappers around the engine's methods (bench/host_timers.py), the drafter's included, or only
+    around those named."""
     drafter = core.speculator.drafter if core.speculator is not None else None
-    timers = HostTimers({type(drafter): "propose propose_ahead"} if drafter is not None else None)
+    timers = HostTimers({type(drafter): "propose propose_ahead"} if drafter is not None else None, only)
     timers.active = True
     return timers
 

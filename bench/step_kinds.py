@@ -29,6 +29,8 @@ from bench.gpu_serving import COPY_PROMPT, SMOLLM2_135M  # noqa: E402
 from bench.host_timers import HostTimers, host_speed_us  # noqa: E402
 from engine import LLM, SamplingParams  # noqa: E402
 
+TINY = dict(SMOLLM2_135M, num_hidden_layers=1, hidden_size=64, intermediate_size=128, num_attention_heads=1,
+            num_key_value_heads=1, head_dim=64, vocab_size=4096)
 # where a step waits for the device (its results' copy): a step's host busy time is its wall time less these
 WAITS = {"ResultCopy.wait", "RoundCopy.wait"}
 
@@ -70,7 +72,8 @@ def run(model, device, dtype, drafter, overlap, batch, temperature, max_tokens, 
     for i in range(batch):
         core.add_request(prompt, SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=0.9, seed=i,
                                                 ignore_eos=True))
-    timers = step_timers(core, None if host_times else WAITS)
+    timers = step_timers(core, (set(host_times) | WAITS) if isinstance(host_times, list) and host_times
+                         else None if host_times else WAITS)
     host = collections.defaultdict(collections.Counter)  # kind of step -> method -> seconds (inclusive)
     kinds, tokens, t0, index = collections.defaultdict(list), 0, time.perf_counter(), 0
     probes = [host_speed_us()]  # the host's speed through the run (bench/host_timers.py host_speed_us)
@@ -122,9 +125,13 @@ def step_timers(core, only: set[str] | None) -> HostTimers:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default=None, help="HF folder or GGUF (default: the embedded model)")
-    p.add_argument("--smollm2-shape", action="store_true",
-                   help="random weights of SmolLM2-135M's shape instead (no checkpoint to carry; the prompt is a "
-                        "list of token ids said three times, the output random)")
+    shape = p.add_mutually_exclusive_group()
+    shape.add_argument("--smollm2-shape", action="store_true",
+                       help="random weights of SmolLM2-135M's shape instead (no checkpoint to carry; the prompt is "
+                            "a list of token ids said three times, the output random)")
+    shape.add_argument("--tiny-shape", action="store_true",
+                       help="as --smollm2-shape with one narrow layer and a 4096-token vocabulary: on the CPU, "
+                            "with --emulate, a step's host work is then a visible share of its time")
     p.add_argument("--device", default="cuda")
     p.add_argument("--dtype", default=None)
     p.add_argument("--drafter", nargs="+", default=["ngram"],
@@ -139,10 +146,11 @@ def main() -> None:
                         "are not: every launch blocks)")
     p.add_argument("--repeat", type=int, default=1, help="runs of each configuration")
     p.add_argument("--trace", default=None, help="write every step here as a JSON line")
-    p.add_argument("--host-times", action="store_true",
-                   help="per kind of step, the inclusive host time of the engine's methods (bench/host_timers.py)")
+    p.add_argument("--host-times", nargs="*", default=None, metavar="CLASS.METHOD",
+                   help="per kind of step, the inclusive host time of the engine's methods (bench/host_timers.py); "
+                        "with labels, of those only (fewer wrappers: each costs ~1 us a call)")
     args = p.parse_args()
-    model = SMOLLM2_135M if args.smollm2_shape else args.model
+    model = SMOLLM2_135M if args.smollm2_shape else TINY if args.tiny_shape else args.model
     with open(args.trace, "w") if args.trace else contextlib.nullcontext() as trace:
         for pair in args.runs:
             batch, temperature = int(pair.split(":")[0]), float(pair.split(":")[1])
@@ -150,7 +158,8 @@ def main() -> None:
                 for drafter in ("none", *args.drafter):
                     for rep in range(1, args.repeat + 1):
                         run(model, args.device, args.dtype, drafter, overlap, batch, temperature, args.max_tokens,
-                            args.emulate, trace, rep if args.repeat > 1 else 0, args.host_times)
+                            args.emulate, trace, rep if args.repeat > 1 else 0,
+                            args.host_times if args.host_times is not None else False)
 
 
 if __name__ == "__main__":

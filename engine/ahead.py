@@ -70,7 +70,6 @@ class AheadLauncher:
     def _plain(self, current: Launched, budgets, watch_ahead: bool) -> Launched | None:
         if budgets is not None:
             requests = [s.request for s in current.plan.seqs if not s.request.finished]
-            budgets.prepare([r.request_id for r in requests], ahead=True)
             if not watch_ahead and any(budgets.should_draft(r.request_id, dry=True, ahead=True) for r in requests):
                 self.why_not = "a draft wanted"
                 return None
@@ -105,8 +104,6 @@ class AheadLauncher:
 
     def _trees(self, current: Launched, budgets) -> Launched | None:
         t0 = time.perf_counter()
-        if budgets is not None:
-            budgets.prepare([s.request.request_id for s in current.plan.seqs if not s.request.finished], ahead=True)
         dry = (lambda r: budgets.budget(r.request_id, dry=True, ahead=True)) if budgets else (lambda r: 10 ** 9)
         plan = self.scheduler.schedule_ahead_trees(current.plan, dry)
         if isinstance(plan, str):

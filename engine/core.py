@@ -321,8 +321,6 @@ class EngineCore:
         preemptions_before = self.scheduler.num_preemptions
         if self.draft_first is not None:
             self.draft_first.refresh(self.scheduler.running)
-        if self.budgets.enabled:
-            self.budgets.prepare([r.request_id for r in self.scheduler.running])
         plan = self.scheduler.schedule()
         if not plan.seqs:
             self.last_stats = None

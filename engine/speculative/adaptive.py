@@ -45,7 +45,6 @@ from dataclasses import dataclass, field
 from itertools import accumulate
 
 # DECAY: also a request's acceptance, the engine-wide record
-from engine.speculative.batch_choice import AT_ZERO, CHOSEN, MIN_BATCH, PROBED, choose_many
 from engine.speculative.cost_fit import DECAY, CostFit, SwitchCost
 from engine.speculative.guard import ThroughputGuard
 from engine.speculative.reliability import ReliabilityBins
@@ -69,6 +68,10 @@ MAX_PROBE_BACKOFF = 4 * PROBE_EVERY
 CONFIDENCE_RISE = 0.5
 SPIKE_CLIP = 4.0  # a drafter call counts at most this many times the running per-request average
 MIN_DRAFT_CALLS = 1  # drafter calls measured before their cost counts (the first is discarded)
+
+
+# what counting a budget does to the request's probe state (BudgetController._choose)
+_PROBED, _AT_ZERO, _CHOSEN = "probed", "at zero", "chosen"
 
 
 @dataclass
@@ -280,30 +283,15 @@ class BudgetController(StepBudgets):
             stats.pending = (key, chosen, effect)
             return chosen
         stats.pending = None
-        stats.probing = effect == PROBED
-        if effect == PROBED:
+        stats.probing = effect == _PROBED
+        if effect == _PROBED:
             stats.steps_at_zero = 0
-        elif effect == AT_ZERO:
+        elif effect == _AT_ZERO:
             stats.steps_at_zero += 1
-        elif effect == CHOSEN:
+        elif effect == _CHOSEN:
             stats.steps_at_zero = 0
             stats.draft_interval = stats.probe_interval = PROBE_EVERY
         return chosen
-
-    def prepare(self, request_ids: list[str], ahead: bool = False) -> None:
-        """Works out the budgets of many requests at once (batch_choice.py, numpy) as the dry answers their
-        budget() calls then take (dry or counted, with no observation in between)."""
-        if not self.enabled or self.max_budget == 0 or not self.guard.allows_trees():
-            return  # budget() answers at once
-        key, due = (self.version, ahead), []
-        for request_id in request_ids:
-            stats = self.requests.get(request_id)
-            if stats is not None and stats.node_q and (stats.pending is None or stats.pending[0] != key):
-                due.append(stats)
-        if len(due) >= MIN_BATCH:
-            answers = choose_many(self, due, ahead, min(PROBE_BUDGET, self.max_budget), PRIOR_WEIGHT)
-            for stats, (chosen, effect) in zip(due, answers):
-                stats.pending = (key, chosen, effect)
 
     def _choose(self, stats: _RequestStats, ahead: bool) -> tuple[int, str | None]:
         """(the request's budget, what counting it does to its probe state)."""
@@ -314,9 +302,9 @@ class BudgetController(StepBudgets):
             # and then, in case it has become right; at once when that record is only the engine's prior (a
             # new request after a run of failing ones would otherwise wait up to two probe intervals)
             if not stats.verified or (stats.steps_at_zero + 1 >= stats.probe_interval and self._aligned(ahead)):
-                return min(PROBE_BUDGET, self.max_budget), PROBED
-            return 0, AT_ZERO
-        return chosen, CHOSEN if chosen else None
+                return min(PROBE_BUDGET, self.max_budget), _PROBED
+            return 0, _AT_ZERO
+        return chosen, _CHOSEN if chosen else None
 
     def _first_budget(self) -> int:
         """A request without a draft of its own: the tree the drafter last drew for another request, valued at the
@@ -358,7 +346,7 @@ class BudgetController(StepBudgets):
     def _is_probe(stats: _RequestStats) -> bool:
         """The request's budget this step is a probe: the counted answer's, or (a step planned ahead) the dry
         answer about to be counted."""
-        return stats.pending[2] == PROBED if stats.pending else stats.probing
+        return stats.pending[2] == _PROBED if stats.pending else stats.probing
 
     def _aligned(self, ahead: bool = False) -> bool:
         """This step is one where probes and interval drafts may run (the same for every request). A step is

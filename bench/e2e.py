@@ -30,12 +30,15 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import torch  # noqa: E402
 
 from bench.gpu_serving import QWEN3_8B, SMOLLM2_135M, free_engine_memory  # noqa: E402
+from bench.host_timers import host_speed_us  # noqa: E402
 from engine import LLM, SamplingParams  # noqa: E402
 from engine.speculative.oracle import DeviceOracle  # noqa: E402
 
 
 def emit(**record) -> None:
-    print(json.dumps(record), flush=True)
+    """One result as a JSON line, with the host's speed just after it (bench/host_timers.py host_speed_us: small
+    models' steps follow it)."""
+    print(json.dumps(dict(record, host_probe_us=round(host_speed_us(3)))), flush=True)
 
 
 def copy_bandwidth(device: str) -> float:

@@ -19,6 +19,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+from bench.host_timers import host_speed_us  # noqa: E402
 from engine import LLM, SamplingParams  # noqa: E402
 
 QWEN3_8B = {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "hidden_size": 4096,
@@ -106,7 +107,8 @@ def decode(args) -> None:
                                   "budget": args.budget if drafter != "none" else 0, "batch": batch,
                                   "temperature": temperature, "tokens_per_s": round(tokens / elapsed, 1),
                                   "steps": outs[0].stats["steps"],
-                                  "mean_accept_length": round(spec.get("mean_accept_length", 1.0), 2)}),
+                                  "mean_accept_length": round(spec.get("mean_accept_length", 1.0), 2),
+                                  "host_probe_us": round(host_speed_us(3))}),
                       flush=True)
 
 

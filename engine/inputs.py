@@ -17,7 +17,7 @@ from ext.metadata import AttentionMetadata, flat_block_table, slots_on_device
 @dataclass
 class StepInputs:
     input_ids: torch.Tensor  # [num_tokens] int64
-    meta: AttentionMetadata
+    meta: AttentionMetadata | None  # None: a decoding step already written into a graph's buffers (graph_key)
     plain_rows: list[tuple[int, int]]  # per plain sequence: (first row, number of rows)
     tree_row0: int  # first verify row (= number of plain rows)
     tree_slots: torch.Tensor | None  # [N, W] int64 cache slots of the verify rows

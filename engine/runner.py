@@ -193,10 +193,8 @@ class ModelRunner:
                                        [s.request.block_ids for s in plain], self.staging)
         if key is None:
             return None
-        n = len(plain)
-        meta = self.graphs.meta(n, 1, key[2])
-        meta.seq_lens_host = seq_lens
-        return StepInputs(self.graphs.input_ids[:n], meta, [(i, 1) for i in range(n)], n, None, graph_key=key)
+        n = len(plain)  # no metadata: nothing after the replay reads it (graph_key says where the inputs are)
+        return StepInputs(self.graphs.input_ids[:n], None, [(i, 1) for i in range(n)], n, None, graph_key=key)
 
     def _run(self, plain: list[ScheduledSeq], batch: TreeBatch | None, watched: tuple | None, inputs: StepInputs,
              t1: float, round_why: str | None = None) -> PendingStep:

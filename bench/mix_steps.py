@@ -27,7 +27,7 @@ from engine import LLM, SamplingParams  # noqa: E402
 
 def run(args, drafter: str) -> None:
     rng = random.Random(args.seed)
-    llm = LLM(args.model, device=args.device, drafter=drafter, max_num_seqs=args.concurrency)
+    llm = LLM(args.model, device=args.device, dtype=args.dtype, drafter=drafter, max_num_seqs=args.concurrency)
     core = llm.engine
     prompts = [llm.encode(make_prompt(rng, args.input_len), chat=True) for _ in range(args.num_requests)]
     llm.generate(prompts[:2], SamplingParams(max_tokens=4, temperature=args.temperature))  # warm-up
@@ -63,6 +63,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default=None, help="HF folder or GGUF (default: the embedded model)")
     p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", default=None, help="the engine's default for the device when not given")
     p.add_argument("--num-requests", type=int, default=64)
     p.add_argument("--concurrency", type=int, default=16)
     p.add_argument("--input-len", type=int, default=64)

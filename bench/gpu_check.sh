@@ -4,6 +4,8 @@
 #
 #   bench/gpu_check.sh suite                 # pytest -m gpu (the schemathesis fuzz left out: it needs a network)
 #   bench/gpu_check.sh guard                 # bench/step_kinds.py: the n-gram default, unguarded and off, B 16 / 1
+#   bench/gpu_check.sh host                  # bench/step_kinds.py on dummy SmolLM2-shaped weights: host busy time a
+#                                            # step and the host's speed, n-gram and off, B 1 / 16 / 64, T = 1
 #   bench/gpu_check.sh targets               # bench/e2e.py on the embedded model; bench/step.py on the Qwen3-8B shape
 #   bench/gpu_check.sh chat                  # bench/serve.py's chat mix against the server on CUDA: n-gram vs off,
 #                                            # at $CHAT_CONCURRENCY (default "16 64") chats, 4 requests a chat
@@ -51,6 +53,9 @@ for part in "$@"; do
       python3 bench/step_kinds.py --model "$GGUF" --device cuda --runs 16:0 1:0 --scheduling async \
         --drafter ngram ngram:noguard --max-tokens 512 --repeat 2 --trace "$OUT/guard_trace.jsonl" 2>&1 \
         | grep "^==" | tee "$OUT/guard.log" ;;
+    host)
+      python3 bench/step_kinds.py --smollm2-shape --device cuda --runs 1:1 16:1 64:1 --scheduling async \
+        --drafter ngram --max-tokens 384 --repeat 2 2>&1 | grep "==\|n=" | tee "$OUT/host.log" ;;
     targets)
       [ -n "$GGUF" ] && python3 bench/e2e.py --model "$GGUF" --batch 1 64 --skip-transformers 2>&1 \
         | tee "$OUT/e2e_smollm2.log" | tail -12

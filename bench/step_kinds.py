@@ -47,7 +47,7 @@ def step_record(label: str, index: int, stats, seconds: float, emitted: int, bud
 
 
 def run(model, device, dtype, drafter, overlap, batch, temperature, max_tokens, emulate=False, trace=None,
-        rep=0, host_times=False) -> None:
+        rep=0, host_times: list[str] | None = None) -> None:
     label = f"batch {batch} T {temperature} async {overlap} {drafter}" + (f" #{rep}" if rep else "")
     name, _, variant = drafter.partition(":")  # ngram:noguard: the adaptive budget without its throughput guard
     dummy = isinstance(model, dict)  # a config: random weights of its shape, a self-repeating prompt of token ids
@@ -72,8 +72,8 @@ def run(model, device, dtype, drafter, overlap, batch, temperature, max_tokens, 
     for i in range(batch):
         core.add_request(prompt, SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=0.9, seed=i,
                                                 ignore_eos=True))
-    timers = step_timers(core, (set(host_times) | WAITS) if isinstance(host_times, list) and host_times
-                         else None if host_times else WAITS)
+    # None: only the waits (host busy time); []: every method; labels: those and the waits
+    timers = step_timers(core, WAITS if host_times is None else (set(host_times) | WAITS) if host_times else None)
     host = collections.defaultdict(collections.Counter)  # kind of step -> method -> seconds (inclusive)
     kinds, tokens, t0, index = collections.defaultdict(list), 0, time.perf_counter(), 0
     probes = [host_speed_us()]  # the host's speed through the run (bench/host_timers.py host_speed_us)
@@ -108,7 +108,7 @@ def run(model, device, dtype, drafter, overlap, batch, temperature, max_tokens, 
         print(f"   {kind:70s} n={len(steps):4d} median {statistics.median(s[0] for s in steps):.3f} ms "
               f"tokens/step {sum(s[1] for s in steps) / len(steps):.2f} host busy "
               f"{statistics.median(s[3] for s in steps):.3f} ms {phases}", flush=True)
-        if host_times:
+        if host_times is not None:
             print("      host us/step: " + ", ".join(f"{k} {v / len(steps) * 1e6:.0f}"
                                                     for k, v in host[kind].most_common(40)), flush=True)
 
@@ -159,7 +159,7 @@ def main() -> None:
                     for rep in range(1, args.repeat + 1):
                         run(model, args.device, args.dtype, drafter, overlap, batch, temperature, args.max_tokens,
                             args.emulate, trace, rep if args.repeat > 1 else 0,
-                            args.host_times if args.host_times is not None else False)
+                            args.host_times)
 
 
 if __name__ == "__main__":

@@ -173,11 +173,11 @@ class ModelRunner:
     def _launch(self, plain: list[ScheduledSeq], batch: TreeBatch | None, watched: tuple | None,
                 ahead_ids: torch.Tensor | None, round_why: str | None = None) -> PendingStep:
         t1 = time.perf_counter()
-        if batch is None and self.graphs is not None and plain and all(_decoding(s) for s in plain):
+        shape = _uniform_shape(plain, batch)  # None: a mixed step, never a graph replay
+        if batch is None and shape is not None and self.graphs is not None:  # plain decoding: N requests x 1 row
             inputs = self._decode_in_graph(plain, ahead_ids)
             if inputs is not None:
                 return self._run(plain, batch, watched, inputs, t1, round_why)
-        shape = _uniform_shape(plain, batch)  # None: a mixed step, never a graph replay
         pad_to = self.eager_pad_to if (self.graphs is None or shape is None) and ahead_ids is None else 0
         inputs = prepare_inputs(plain, batch, self.block_size, self.device, self.staging, pad_to,
                                 self.dense_prefill_min_tokens)

@@ -16,6 +16,7 @@ class ReliabilityBins:
         self.step_accepted = [0] * NUM_BINS  # undecayed, since the last take_counts(): for metrics
         self.step_predicted = [0.0] * NUM_BINS
         self._curve: list[float] | None = None  # per bin, from the sums above; None: to be recomputed
+        self._ceiling = 0.0  # the curve's highest bin
 
     def decay(self, factor: float) -> None:
         self.accepted = [factor * a for a in self.accepted]
@@ -47,7 +48,13 @@ class ReliabilityBins:
         if self._curve is None:
             self._curve = [(a + BIN_PRIOR * engine_ratio) / (p + BIN_PRIOR)
                            for a, p in zip(self.accepted, self.predicted)]
+            self._ceiling = max(self._curve)
         return self._curve
+
+    def ceiling(self, engine_ratio: float) -> float:
+        """The curve's highest ratio (as curve(), recomputed only after the sums changed)."""
+        self.curve(engine_ratio)
+        return self._ceiling
 
     def take_counts(self) -> dict[str, tuple[int, float]]:
         """Per confidence bin (named by its lowest q) verified since the last call: (accepted nodes, sum of their

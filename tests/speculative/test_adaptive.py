@@ -5,6 +5,7 @@ identical to plain decoding."""
 from __future__ import annotations
 
 import math
+import random
 
 import pytest
 import torch
@@ -736,3 +737,70 @@ def test_failing_probes_back_off_and_an_accepted_one_restores_them():
     surer = [0.95 ** (j + 1) for j in range(8)]
     controller.observe_curve("r", confidence([sum(surer[:j + 1]) for j in range(8)]))
     assert controller.requests["r"].probe_interval == PROBE_EVERY
+
+
+def test_the_bound_that_skips_the_gains_never_changes_a_budget():
+    """At batch 64 a drafter that found nothing left every request's choice working out 16 gains it could not
+    use (~360 us a step on the host's critical path, docs/BENCHMARKS.md 2026-12-05 20:30): _cannot_pay answers 0
+    from an upper bound of the tree's gains instead. Over random states (drafters right and wrong, reliability
+    bins above and below 1, dear and free drafting, trees with and without mass) the answers and probe states
+    equal those of the full choice, step by step, and the bound decides a share of them."""
+    rng = random.Random(0)
+    pruned, full = BudgetController(max_budget=16), BudgetController(max_budget=16)
+    full._cannot_pay = lambda stats, theta: False
+    decided, probes = [], 0
+    bound = BudgetController._cannot_pay
+    pruned._cannot_pay = lambda stats, theta: decided.append(bound(pruned, stats, theta)) or decided[-1]
+    requests = [f"r{i}" for i in range(12)]
+    for step in range(400):
+        events = []
+        # r0-r3 confident and never right (probed), r4 unsure and always right (its bins over-deliver, its few
+        # nodes just pay), r5 confident and right, the rest mixed
+        for i, rid in enumerate(requests):
+            scale = (1.0, 1.0, 1.0, 1.0, 0.01, 1.0)[i] if i < 6 else rng.choice([0.0, 0.0, 0.002, 0.05, 0.3, 1.0])
+            node_q = sorted((scale * rng.random() ** 2 for _ in range(16)), reverse=True)
+            conf = node_confidence(torch.tensor([node_q], dtype=torch.float64))[0].tolist()
+            budget = rng.choice([0, 0, 4, 16])
+            right = i in (4, 5) or (i >= 6 and rng.random() < 0.6)
+            accepted = list(range(1, rng.randint(0, budget) + 1)) if right else []
+            events.append((rid, budget, accepted, conf))
+        rows, seconds, tokens = rng.randint(12, 200), rng.uniform(0.002, 0.02), rng.randint(12, 40)
+        draft = rng.choice([1e-7, 1e-4, 2e-3])
+        for c in (pruned, full):
+            for rid, budget, accepted, conf in events:
+                c.observe_request(rid, budget, accepted, conf)
+            c.observe_step(rows, seconds, tokens)
+            c.observe_draft(len(requests), draft * len(requests))
+        for rid in requests:
+            ahead = step % 3 == 0
+            assert pruned.budget(rid, dry=True, ahead=ahead) == full.budget(rid, dry=True, ahead=ahead), (step, rid)
+            assert pruned.budget(rid, ahead=ahead) == full.budget(rid, ahead=ahead), (step, rid)
+            mine, theirs = pruned.requests[rid], full.requests[rid]
+            probes += mine.probing
+            assert (mine.steps_at_zero, mine.probe_interval, mine.probing) == (
+                theirs.steps_at_zero, theirs.probe_interval, theirs.probing)
+    with_mass = [rid for rid in requests if pruned.requests[rid].q_total > 0]
+    assert probes > 10 and with_mass and 0.2 < sum(decided) / len(decided) < 0.95, sum(decided) / len(decided)
+    assert max(pruned.bins.ceiling(pruned._engine_ratio()), 0) > 1.0  # some bin over-delivers: the bound scales
+
+
+def test_the_bound_holds_where_it_is_tight(monkeypatch):
+    """One node, in a confidence bin that over-delivers, of a request at the engine's standing: the bound equals
+    the node's gain, so across q it must let through every node the full choice verifies (a bound short by a
+    fraction of the threshold would drop nodes that pay)."""
+    monkeypatch.setattr(BudgetController, "threshold", lambda self: 0.1)
+    one_node = lambda q: node_confidence(torch.tensor([[q]], dtype=torch.float64))[0].tolist()
+    pruned, full = BudgetController(max_budget=1), BudgetController(max_budget=1)
+    full._cannot_pay = lambda stats, theta: False
+    for c in (pruned, full):
+        for step in range(40):  # a node of q 0.012 accepted one step in eight: its bin brings ~10x what it says
+            c.observe_request("trained", 1, [1] if step % 8 == 0 else [], one_node(0.012))
+            c.observe_step(32, 0.01, tokens=32)
+    chosen = []
+    for i in range(400):
+        q = 0.0079 + 0.0076 * i / 400  # within the trained bin, below the threshold itself
+        for c in (pruned, full):
+            c.observe_curve("new", one_node(q))
+        chosen.append(full.budget("new"))
+        assert pruned.budget("new") == chosen[-1], q
+    assert chosen[0] == 0 and chosen[-1] == 1, chosen

@@ -41,16 +41,16 @@ different phases would turn every step into a tree step, while aligned they cost
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from itertools import accumulate
 
 # DECAY: also a request's acceptance, the engine-wide record
 from engine.speculative.cost_fit import DECAY, CostFit, SwitchCost
 from engine.speculative.guard import ThroughputGuard
 from engine.speculative.reliability import ReliabilityBins
+# PROBE_EVERY: steps a request stays at budget 0 before a probe
+from engine.speculative.request_record import PROBE_EVERY, RequestRecord, nodes_above
 from engine.speculative.step_budgets import StepBudgets
 
-PROBE_EVERY = 16  # steps a request stays at budget 0 before a probe
 PROBE_BUDGET = 4
 PRIOR_WEIGHT = 4.0  # pseudo-observations behind the cost prior
 PRIOR_MIN_ROWS = 256  # the prior prices a row as if the first step had at least this many
@@ -74,24 +74,6 @@ MIN_DRAFT_CALLS = 1  # drafter calls measured before their cost counts (the firs
 _PROBED, _AT_ZERO, _CHOSEN = "probed", "at zero", "chosen"
 
 
-@dataclass
-class _RequestStats:
-    accepted: float = 0.0  # decayed sum of drafts accepted
-    predicted: float = 0.0  # decayed sum of the q mass that was verified
-    node_q: list[float] = field(default_factory=list)  # latest tree: each node's q, best-first (empty: no draft yet)
-    node_bins: list[int] = field(default_factory=list)  # each node's confidence bin
-    q_total: float = 0.0  # sum of node_q over the first max_budget nodes: bounds the tree's gains (_cannot_pay)
-    steps_at_zero: int = 0
-    steps_undrafted: int = 0  # steps at budget 0 since the drafter last ran for this request
-    draft_interval: int = PROBE_EVERY  # when drafting is not cheap: steps between curve-only drafts
-    probe_interval: int = PROBE_EVERY  # steps at zero between probes: doubled by a probe that accepted nothing
-    failed_q: float | None = None  # the q mass of the last probe that accepted nothing (None: none since)
-    pending: tuple | None = None  # a dry budget() answer: ((version, ahead), budget, effect) for the counted call
-    probing: bool = False  # the last counted budget was a probe
-    verified: bool = False  # a tree of the request's own was verified (else its record is the engine's prior)
-    gains: tuple | None = None  # (version, its nodes' expected accepted drafts): _gains until the next observation
-
-
 class BudgetController(StepBudgets):
     def __init__(self, max_budget: int, enabled: bool = True, prior_row_share: float = 0.5, guard: bool = True):
         """prior_row_share: before measurements, the share of a plain step's time one row is assumed to cost
@@ -109,7 +91,7 @@ class BudgetController(StepBudgets):
     def reset(self) -> None:
         """Forgets every measurement (acceptance, step and drafting costs, probe state): a fresh engine's prior.
         Benchmarks call it between runs so that one run's requests do not set the next run's calibration."""
-        self.requests: dict[str, _RequestStats] = {}
+        self.requests: dict[str, RequestRecord] = {}
         self.fit = CostFit()
         self.last_rows, self.last_seconds = 0, 0.0
         self.tokens = self.seconds = 0.0  # decayed sums over decoding steps: the engine's throughput
@@ -118,7 +100,7 @@ class BudgetController(StepBudgets):
         self.accepted = self.predicted = 0.0  # decayed sums over every request: a new request's calibration
         self.bins = ReliabilityBins()
         self._costs: tuple[float, float] | None = None  # (threshold, draft_tokens) until the next observation
-        self.latest: _RequestStats | None = None  # the last request whose tree was verified: a new one's guess
+        self.latest: RequestRecord | None = None  # the last request whose tree was verified: a new one's guess
         self.clock = 0  # engine steps observed: probes and interval drafts wait for a multiple of PROBE_EVERY
         self.switch = SwitchCost()  # under asynchronous scheduling: what a step that cannot run ahead costs more
         self.last_tree = False  # the last observed step verified a tree
@@ -232,9 +214,9 @@ class BudgetController(StepBudgets):
         stats = self._set_tree(request_id, confidence)
         stats.gains = stats.pending = None  # both were worked out from the previous tree
 
-    def _set_tree(self, request_id: str, confidence: list[float]) -> _RequestStats:
+    def _set_tree(self, request_id: str, confidence: list[float]) -> RequestRecord:
         """The request's latest tree from its node confidence (B node probabilities q, then their B bins)."""
-        stats = self.requests.setdefault(request_id, _RequestStats())
+        stats = self.requests.setdefault(request_id, RequestRecord())
         num_nodes = len(confidence) // 2
         stats.node_q, stats.node_bins = confidence[:num_nodes], [int(k) for k in confidence[num_nodes:]]
         stats.q_total = sum(stats.node_q[:self.max_budget])
@@ -295,13 +277,13 @@ class BudgetController(StepBudgets):
             stats.draft_interval = stats.probe_interval = PROBE_EVERY
         return chosen
 
-    def _choose(self, stats: _RequestStats, ahead: bool) -> tuple[int, str | None]:
+    def _choose(self, stats: RequestRecord, ahead: bool) -> tuple[int, str | None]:
         """(the request's budget, what counting it does to its probe state)."""
         theta = self.threshold()
         if self._cannot_pay(stats, theta):
             return 0, None
         chosen = self._net_best(stats, theta)
-        if chosen == 0 and _nodes_above(stats.node_q[:self.max_budget], theta):
+        if chosen == 0 and nodes_above(stats.node_q[:self.max_budget], theta):
             # the drafter is confident but this request's record says it is wrong: verify a small tree now
             # and then, in case it has become right; at once when that record is only the engine's prior (a
             # new request after a run of failing ones would otherwise wait up to two probe intervals)
@@ -310,7 +292,7 @@ class BudgetController(StepBudgets):
             return 0, _AT_ZERO
         return chosen, _CHOSEN if chosen else None
 
-    def _cannot_pay(self, stats: _RequestStats, theta: float) -> bool:
+    def _cannot_pay(self, stats: RequestRecord, theta: float) -> bool:
         """No prefix of the request's tree can pay (an upper bound on its gains: all of its q at the best bin's
         reliability) and the drafter is not confident enough to probe: _choose's answer is (0, None) without
         working out the gains. Most requests of a drafter that found nothing hold no mass, and at batch 64 the
@@ -333,7 +315,7 @@ class BudgetController(StepBudgets):
             return 0
         return self._net_best(self.latest, self.threshold(), standing=1.0)
 
-    def _net_best(self, stats: _RequestStats, theta: float, standing: float | None = None) -> int:
+    def _net_best(self, stats: RequestRecord, theta: float, standing: float | None = None) -> int:
         """How many leading nodes of the request's latest tree to verify, or 0 when that does not pay for drafting.
         A node's gain (expected accepted drafts) is q times its confidence bin's reliability times the request's
         standing (its record against the engine's, unless given); the budget is the prefix of the best-first order
@@ -345,7 +327,7 @@ class BudgetController(StepBudgets):
                 best, best_net = j, total - theta * j
         return best if best and best_net > self.draft_tokens() else 0
 
-    def _gains(self, stats: _RequestStats, standing: float | None, num_nodes: int) -> list[float]:
+    def _gains(self, stats: RequestRecord, standing: float | None, num_nodes: int) -> list[float]:
         """The first num_nodes nodes' expected accepted drafts, best-first. A request's own (standing None) are
         kept until the next observation: at batch 64 its budget() and the step's uniform() both ask, on the
         host's critical path."""
@@ -360,7 +342,7 @@ class BudgetController(StepBudgets):
         return gains[:num_nodes]
 
     @staticmethod
-    def _is_probe(stats: _RequestStats) -> bool:
+    def _is_probe(stats: RequestRecord) -> bool:
         """The request's budget this step is a probe: the counted answer's, or (a step planned ahead) the dry
         answer about to be counted."""
         return stats.pending[2] == _PROBED if stats.pending else stats.probing
@@ -377,7 +359,7 @@ class BudgetController(StepBudgets):
     def _engine_ratio(self) -> float:
         return self.accepted / self.predicted if self.predicted > 0 else 1.0
 
-    def _standing(self, stats: _RequestStats, standing: float | None) -> float:
+    def _standing(self, stats: RequestRecord, standing: float | None) -> float:
         """The request's record against the engine's (given: as is)."""
         if standing is not None:
             return standing
@@ -387,7 +369,7 @@ class BudgetController(StepBudgets):
     def _bin_reliability(self) -> list[float]:
         return self.bins.curve(self._engine_ratio())
 
-    def calibration(self, stats: _RequestStats) -> float:
+    def calibration(self, stats: RequestRecord) -> float:
         """accepted / predicted drafts: the request's own record, blended with the engine-wide one (weight
         PRIOR_WEIGHT in predicted drafts), so a new request starts from what this drafter has been worth."""
         accepted, predicted = stats.accepted, stats.predicted
@@ -416,13 +398,3 @@ class BudgetController(StepBudgets):
         stats.draft_interval = min(2 * stats.draft_interval, MAX_PROBE_INTERVAL)  # reset when a tree is chosen
         return True
 
-
-def _nodes_above(node_q: list[float], theta: float) -> int:
-    """How many leading nodes the drafter itself expects to bring more than theta accepted tokens each (q decreases
-    along the best-first order)."""
-    chosen = 0
-    for q in node_q:
-        if q <= theta:
-            break
-        chosen += 1
-    return chosen

@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
-from engine.speculative.adaptive import MIN_GAIN, PROBE_BUDGET, PROBE_EVERY, BudgetController, _nodes_above
+from engine.speculative.adaptive import MIN_GAIN, PROBE_BUDGET, PROBE_EVERY, BudgetController
+from engine.speculative.request_record import nodes_above
 from engine.speculative.confidence import NUM_BINS, node_confidence
 from engine.speculative.oracle import OracleDrafter
 from tests.speculative.test_ddtree_e2e import golden_lookup, prompts
@@ -334,7 +335,7 @@ def test_side_branches_that_are_never_accepted_drop_out_of_the_tree(monkeypatch)
     assert on_chain == list(range(1, 8)) and budgets[0] == 16
     assert budgets[-10:] == [7] * 10, budgets
     single_factor = controller.calibration(controller.requests["r"])  # what the request's record alone says
-    assert _nodes_above([q * single_factor for q, _ in nodes], 0.1) >= 10  # side branches at q >= 0.06: > 0.1
+    assert nodes_above([q * single_factor for q, _ in nodes], 0.1) >= 10  # side branches at q >= 0.06: > 0.1
     # what the metrics show (bins named by their lowest q): the chain's bins over-deliver, the side branches' none
     counts = controller.take_confidence_counts()
     assert counts["0.5"][0] >= counts["0.5"][1] > 0 and counts["0.25"][0] >= counts["0.25"][1] > 0

@@ -1,0 +1,37 @@
+"""What the adaptive budget (engine/speculative/adaptive.py) keeps per request: its decayed acceptance record, its
+latest tree's node probabilities and confidence bins, and its probe state; and the drafter's own count of the
+nodes it is confident in."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+PROBE_EVERY = 16  # steps a request stays at budget 0 before a probe
+
+
+@dataclass
+class RequestRecord:
+    accepted: float = 0.0  # decayed sum of drafts accepted
+    predicted: float = 0.0  # decayed sum of the q mass that was verified
+    node_q: list[float] = field(default_factory=list)  # latest tree: each node's q, best-first (empty: no draft yet)
+    node_bins: list[int] = field(default_factory=list)  # each node's confidence bin
+    q_total: float = 0.0  # sum of node_q over the first max_budget nodes: bounds the tree's gains (_cannot_pay)
+    steps_at_zero: int = 0
+    steps_undrafted: int = 0  # steps at budget 0 since the drafter last ran for this request
+    draft_interval: int = PROBE_EVERY  # when drafting is not cheap: steps between curve-only drafts
+    probe_interval: int = PROBE_EVERY  # steps at zero between probes: doubled by a probe that accepted nothing
+    failed_q: float | None = None  # the q mass of the last probe that accepted nothing (None: none since)
+    pending: tuple | None = None  # a dry budget() answer: ((version, ahead), budget, effect) for the counted call
+    probing: bool = False  # the last counted budget was a probe
+    verified: bool = False  # a tree of the request's own was verified (else its record is the engine's prior)
+    gains: tuple | None = None  # (version, its nodes' expected accepted drafts): _gains until the next observation
+
+
+def nodes_above(node_q: list[float], theta: float) -> int:
+    """How many leading nodes the drafter itself expects to bring more than theta accepted tokens each (q decreases
+    along the best-first order)."""
+    chosen = 0
+    for q in node_q:
+        if q <= theta:
+            break
+        chosen += 1
+    return chosen

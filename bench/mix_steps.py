@@ -36,7 +36,7 @@ def run(args, drafter: str) -> None:
         core.add_request(p, SamplingParams(max_tokens=args.output_len, temperature=args.temperature,
                                            top_p=args.top_p, seed=args.seed + i, ignore_eos=True))
     kinds, phases = collections.defaultdict(list), {True: [0.0, 0], False: [0.0, 0]}  # waiting -> [s, tokens]
-    t0, tokens = time.perf_counter(), 0
+    t0, tokens, checks, forced = time.perf_counter(), 0, collections.Counter(), 0
     while core.has_unfinished():
         waiting = len(core.scheduler.waiting) > 0
         start = time.perf_counter()
@@ -48,9 +48,11 @@ def run(args, drafter: str) -> None:
         if core.last_stats is not None:
             kind = "tree" if any(core.last_stats.spec_budgets) else "plain"
             kinds[kind].append((seconds * 1e3, emitted, core.last_stats.batch_size))
+            checks.update(core.last_stats.spec_guard_checks)
+            forced += core.last_stats.spec_guard_plain
     elapsed = time.perf_counter() - t0
     print(f"== {drafter}: {tokens / elapsed:.1f} tok/s, {sum(len(v) for v in kinds.values())} steps, host probe "
-          f"{host_speed_us():.0f} us", flush=True)
+          f"{host_speed_us():.0f} us; guard checks {dict(checks)}, {forced} steps kept plain", flush=True)
     for kind, steps in kinds.items():
         print(f"   {kind:5s} n={len(steps):4d} median {statistics.median(s[0] for s in steps):7.1f} ms, tokens/step "
               f"{sum(s[1] for s in steps) / len(steps):5.2f}, batch {statistics.mean(s[2] for s in steps):5.1f}")

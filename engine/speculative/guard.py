@@ -7,10 +7,16 @@ windows' decoding throughput, per running request so that a batch that changed a
 that changed a lot discards the check). Trees that lose stay off for a back-off, doubled while they keep losing;
 trees that win keep running, and the checks come less often (the interval doubles), so a drafter that pays loses a
 small share of its gain to them.
-A window in which the budget itself chose trees only now and then is not checked: its throughput is its plain
-steps', and step times swing between windows by more than a few trees move them (on the H100 at batch 16, 2 tree
-steps in 32 lost a check on that noise, and the back-off then kept trees off when the text turned repetitive and
-the unguarded budget ran 1.2-1.5x plain decoding).
+A window in which the budget itself chose trees only now and then is not checked against a forced plain window:
+its throughput is its plain steps', and step times swing between windows by more than a few trees move them (on
+the H100 at batch 16, 2 tree steps in 32 lost such a check on that noise, and the back-off then kept trees off when
+the text turned repetitive and the unguarded budget ran 1.2-1.5x plain decoding). Its tree steps are compared with
+the plain steps between them instead, which ran at the same time and felt the same swings: each tree step together
+with the step after it (under asynchronous scheduling that step pays the switch out of trees) against the other
+plain steps, per running request, given at least SPARSE_MIN steps of each. (On the 2-core CPU at 16 sampled chats
+the budget's trees ran in ~18% of the steps at about the plain steps' tokens per second: 119.4 ms for 20.6 tokens
+against 90.6 ms for 15.5. Checked, they lost about half the checks; the chat mix's throughput did not move,
+docs/BENCHMARKS.md 2026-12-05 20:46.)
 
 Whether trees pay depends on the batch (a verify row costs more of a step at batch 64 than at batch 1), so each
 batch-size bucket (1, 2, 3-4, 5-8, ... requests) keeps its own verdict, interval and back-off: trees that lost at
@@ -31,23 +37,22 @@ BACKOFF = 64  # decoding steps trees stay off after a lost check, doubled while 
 MAX_BACKOFF = 2048
 MARGIN = 0.01  # trees must beat plain decoding by this share of its throughput to stay on (a tie: no drafting)
 BATCH_TOLERANCE = 0.25  # a check whose windows' mean batch sizes differ by more than this share is discarded
-MIN_TREE_SHARE = 0.25  # a window is checked only when trees ran in at least this share of its measured steps
+MIN_TREE_SHARE = 0.25  # a window is checked against a plain window only when trees ran in this share of its steps
+SPARSE_MIN = 3  # ... else its tree steps against the plain steps between them, given this many of each
 
 TREES, CHECK, OFF = "trees", "check", "off"
 WON, LOST, DISCARDED = "won", "lost", "discarded"
 
 
 @dataclass
-class _Window:
+class _Steps:
     steps: int = 0
-    tree_steps: int = 0
     tokens: int = 0
     seconds: float = 0.0
     request_steps: int = 0  # sum over its steps of the decoding requests
 
-    def add(self, num_requests: int, tokens: int, seconds: float, tree: bool) -> None:
+    def add(self, num_requests: int, tokens: int, seconds: float) -> None:
         self.steps += 1
-        self.tree_steps += tree
         self.tokens += tokens
         self.seconds += seconds
         self.request_steps += num_requests
@@ -58,6 +63,21 @@ class _Window:
     def rate(self) -> float:
         """Tokens per second per running request."""
         return self.tokens / self.seconds / self.mean_batch() if self.seconds > 0 else 0.0
+
+
+@dataclass
+class _Window(_Steps):
+    tree_steps: int = 0
+    # the same steps split: tree steps with the step after each, and the other (plain) steps
+    with_trees: _Steps = field(default_factory=_Steps)
+    between: _Steps = field(default_factory=_Steps)
+    after_tree: bool = False  # the last step verified trees
+
+    def add(self, num_requests: int, tokens: int, seconds: float, tree: bool) -> None:
+        super().add(num_requests, tokens, seconds)
+        self.tree_steps += tree
+        (self.with_trees if tree or self.after_tree else self.between).add(num_requests, tokens, seconds)
+        self.after_tree = tree
 
 
 @dataclass
@@ -113,12 +133,14 @@ class ThroughputGuard:
             if b.trees.steps >= b.interval:
                 if b.trees.tree_steps >= MIN_TREE_SHARE * b.trees.steps:
                     self._enter(b, CHECK)
+                elif b.trees.tree_steps >= SPARSE_MIN and b.trees.between.steps >= SPARSE_MIN:
+                    self._decide(b, b.trees.with_trees, b.trees.between)
                 else:  # the budget chose plain steps (nearly) throughout: nothing the trees did to check
                     b.trees = _Window()
             return
         b.plain.add(num_requests, tokens, seconds, tree)
         if b.plain.steps >= PLAIN_STEPS:
-            self._decide(b)
+            self._decide(b, b.trees, b.plain)
 
     def _near(self, num_requests: int) -> bool:
         """The batch is still within BATCH_TOLERANCE of the current bucket's range (hysteresis: a batch that
@@ -135,11 +157,13 @@ class ThroughputGuard:
             self.outcomes.append(DISCARDED)
         self._enter(b, TREES)
 
-    def _decide(self, b: _Bucket) -> None:
-        batch_trees, batch_plain = b.trees.mean_batch(), b.plain.mean_batch()
+    def _decide(self, b: _Bucket, trees: _Steps, plain: _Steps) -> None:
+        """The check's outcome from the steps with trees and the plain ones they are held against: a window
+        against the forced plain window after it, or a sparse window's tree steps against its other steps."""
+        batch_trees, batch_plain = trees.mean_batch(), plain.mean_batch()
         if abs(batch_trees - batch_plain) > BATCH_TOLERANCE * max(batch_trees, batch_plain):
             outcome = DISCARDED
-        elif b.trees.rate() > b.plain.rate() * (1 + MARGIN):
+        elif trees.rate() > plain.rate() * (1 + MARGIN):
             outcome = WON
         else:
             outcome = LOST

@@ -9,7 +9,7 @@ from engine import LLM, SamplingParams
 from engine.scheduler import Scheduler
 from engine.speculative.adaptive import MIN_GAIN, BudgetController
 from engine.speculative.cost_fit import CostFit
-from engine.speculative.guard import BACKOFF, MIN_TREE_SHARE, PLAIN_STEPS, WINDOW, ThroughputGuard
+from engine.speculative.guard import BACKOFF, MIN_TREE_SHARE, PLAIN_STEPS, SPARSE_MIN, WINDOW, ThroughputGuard
 from engine.speculative.oracle import OracleDrafter
 from tests.speculative.test_ddtree_e2e import golden_lookup, prompts
 
@@ -60,8 +60,10 @@ def test_a_tie_goes_to_plain_decoding():
 def test_a_window_with_few_tree_steps_is_not_checked():
     """The H100's batch-16 trace: the budget verified 2 trees in a window of 32 steps whose plain steps ran slower
     than the plain window's (step times swing between windows). Nothing the trees did decides that, so no plain
-    window is forced; a window with a quarter of its steps on trees is checked, and its loss turns trees off."""
+    window is forced (nor are 2 tree steps enough to hold against the plain steps between them); a window with a
+    quarter of its steps on trees is checked, and its loss turns trees off."""
     sparse = {1, 30}  # the steps of each window on which the budget picks a tree
+    assert len(sparse) < SPARSE_MIN
     guard = ThroughputGuard()
     for step in range(3 * WINDOW):
         tree = step % WINDOW in sparse
@@ -75,6 +77,44 @@ def test_a_window_with_few_tree_steps_is_not_checked():
         guard.observe(16, 20 if tree else 16, 1.5e-3 if tree else 1e-3, tree)
         outcomes += guard.take_outcomes()[0]
     assert outcomes == ["lost"] and not guard.allows_trees()
+
+
+def sparse_window(guard: ThroughputGuard, tree_step, plain_step, every: int = 8) -> list[str]:
+    """One window and a bit in which the budget picks a tree every `every` steps (fewer than a quarter): returns
+    the checks' outcomes. tree_step / plain_step(i): (tokens, seconds) at batch 16; plain_step sees the step's
+    index, so it can drift or pay for the tree step before it."""
+    outcomes = []
+    for step in range(WINDOW + 4):
+        tree = guard.allows_trees() and step % every == 1
+        guard.observe(16, *(tree_step(step) if tree else plain_step(step)), tree)
+        outcomes += guard.take_outcomes()[0]
+    return outcomes
+
+
+def test_sparse_trees_are_held_against_the_plain_steps_between_them():
+    """Trees the budget picks now and then (1 step in 8, as the CPU's sampled chats picked ~18%) are compared with
+    the plain steps around them, which felt the same swings: no forced plain window. Trees that bring 25% more
+    tokens for 50% more time lose and go off; trees that bring 25% more for 10% more win and stay on, although
+    every plain step ran slower than the first one (a drift a plain window after them would have read as their
+    gain or loss)."""
+    assert 1 / 8 < MIN_TREE_SHARE and (WINDOW + 4) // 8 >= SPARSE_MIN
+    losing = ThroughputGuard()
+    assert sparse_window(losing, lambda i: (20, 1.5e-3), lambda i: (16, 1e-3)) == ["lost"]
+    assert not losing.allows_trees()
+    winning = ThroughputGuard()
+    drift = lambda i: (16, 1e-3 * (1 + 0.02 * i))  # plain steps 2% slower each step
+    assert sparse_window(winning, lambda i: (20, 1.1e-3 * (1 + 0.02 * i)), drift) == ["won"]
+    assert winning.allows_trees()
+    assert winning.take_outcomes() == ([], 0)  # no step was kept plain to decide it
+
+
+def test_a_sparse_tree_step_is_charged_for_the_step_after_it():
+    """Under asynchronous scheduling the plain step after a tree step cannot run ahead (it pays the switch out of
+    trees). Counted with the plain steps it would make them look slower and the trees better: trees that win
+    their own step by 15% but make the next step take twice as long lose."""
+    guard = ThroughputGuard()
+    plain_after = lambda i: (16, 2e-3 if i % 8 == 2 else 1e-3)  # the step after each tree step (steps 1, 9, ...)
+    assert sparse_window(guard, lambda i: (20, 1.1e-3), plain_after) == ["lost"]
 
 
 def test_a_check_across_a_changed_batch_decides_nothing():

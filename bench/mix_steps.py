@@ -1,6 +1,7 @@
 """bench/serve.py's chat mix in process, step by step: the same prompts (a list of words to continue) and sampling
 (each request seeded by its index), N requests admitted as slots free at most C at a time (max_num_seqs = C, as
-the server under C concurrent clients), each drafter in turn. Per kind of step (tree or plain) its count, median
+the server under C concurrent clients), each drafter in turn. Per kind of step (tree, plain, or a step that admitted
+a request and prefilled its prompt) its count, median
 wall time and tokens; then tokens/s while requests still wait for a slot (the steady state) and during the drain
 (the last requests, the batch shrinking as they finish). Not a benchmark of the server (no HTTP, no detokenized
 streaming): for seeing where a drafter's steps gain or lose against speculation off.
@@ -46,7 +47,9 @@ def run(args, drafter: str) -> None:
         phases[waiting][0] += seconds
         phases[waiting][1] += emitted
         if core.last_stats is not None:
-            kind = "tree" if any(core.last_stats.spec_budgets) else "plain"
+            # a step that admitted a request prefilled its prompt beside the decoding rows
+            kind = "tree" if any(core.last_stats.spec_budgets) else \
+                "admit" if core.last_stats.prefix_cache_queries else "plain"
             kinds[kind].append((seconds * 1e3, emitted, core.last_stats.batch_size))
             checks.update(core.last_stats.spec_guard_checks)
             forced += core.last_stats.spec_guard_plain
@@ -55,7 +58,8 @@ def run(args, drafter: str) -> None:
           f"{host_speed_us():.0f} us; guard checks {dict(checks)}, {forced} steps kept plain", flush=True)
     for kind, steps in kinds.items():
         print(f"   {kind:5s} n={len(steps):4d} median {statistics.median(s[0] for s in steps):7.1f} ms, tokens/step "
-              f"{sum(s[1] for s in steps) / len(steps):5.2f}, batch {statistics.mean(s[2] for s in steps):5.1f}")
+              f"{sum(s[1] for s in steps) / len(steps):5.2f}, batch {statistics.mean(s[2] for s in steps):5.1f}, "
+              f"{sum(s[0] for s in steps) / 1e3:.1f} s in all")
     for waiting, label in ((True, "while requests wait"), (False, "drain")):
         seconds, n = phases[waiting]
         print(f"   {label}: {n / seconds if seconds else 0.0:.1f} tok/s over {seconds:.1f} s", flush=True)

@@ -15,7 +15,7 @@ the plain steps between them instead, which ran at the same time and felt the sa
 with the step after it (under asynchronous scheduling that step pays the switch out of trees) against the other
 plain steps, per running request, given at least SPARSE_MIN steps of each. (On the 2-core CPU at 16 sampled chats
 the budget's trees ran in ~18% of the steps at about the plain steps' tokens per second: 119.4 ms for 20.6 tokens
-against 90.6 ms for 15.5. Checked, they lost about half the checks; the chat mix's throughput did not move,
+against 90.6 ms for 15.5. Checked, they lost 6 of 11 checks in two runs; the chat mix's throughput did not move,
 docs/BENCHMARKS.md 2026-12-05 20:46.)
 
 Whether trees pay depends on the batch (a verify row costs more of a step at batch 64 than at batch 1), so each

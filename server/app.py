@@ -34,11 +34,11 @@ from server.engine_client import EngineInternalError, ServiceUnavailableError
 from server.errors import ApiError, ErrorResponse, error_response
 from server.generation import json_response
 from server.openapi import body, install_openapi, path_param, replies
-from server.requests import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest,
-                             parse_request)
+from server.requests import ChatCompletionRequest, CompletionRequest, parse_request
 from server.responses import (ChatCompletion, Completion, DetokenizeResponse, ModelCard, ModelList,
                               TokenizeResponse)
 from server.state import ServerState
+from server.tokenize_requests import DetokenizeRequest, TokenizeRequest
 from server.tokenizer import encode_prompt, render_chat
 
 logger = logging.getLogger("ddtree.server")

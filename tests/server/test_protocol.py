@@ -8,8 +8,8 @@ import pytest
 from pydantic import ValidationError
 
 from server.errors import ErrorResponse, ProtocolError, error_response, model_not_found
-from server.requests import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, MAX_N, MAX_STOP_STRINGS,
-                             TokenizeRequest)
+from server.requests import ChatCompletionRequest, CompletionRequest, MAX_N, MAX_STOP_STRINGS
+from server.tokenize_requests import DetokenizeRequest, TokenizeRequest
 from server.responses import (ChatCompletion, ChatCompletionChoice, ChatCompletionChunk, ChatCompletionDelta,
                               ChatCompletionMessage, ChatCompletionStreamChoice, ChatCompletionTokenLogprob,
                               ChoiceLogprobs, Completion, CompletionChoice, CompletionLogprobs, LOGPROB_FLOOR,

@@ -70,10 +70,11 @@ class AheadLauncher:
     def _plain(self, current: Launched, budgets, watch_ahead: bool) -> Launched | None:
         if budgets is not None:
             requests = [s.request for s in current.plan.seqs if not s.request.finished]
-            if not watch_ahead and any(budgets.should_draft(r.request_id, dry=True, ahead=True) for r in requests):
+            request_ids = [r.request_id for r in requests]
+            if not watch_ahead and any(budgets.drafts_of(request_ids, dry=True, ahead=True)):
                 self.why_not = "a draft wanted"
                 return None
-            if self.scheduler.wants_trees(requests, lambda r: budgets.budget(r.request_id, dry=True, ahead=True)):
+            if self.scheduler.wants_trees(requests, budgets.budgets_of(request_ids, dry=True, ahead=True)):
                 blocked = trees_blocked(self.speculator, self.runner)
                 if blocked is not None:
                     self.why_not = f"a tree wanted: {blocked}"
@@ -84,10 +85,12 @@ class AheadLauncher:
         if isinstance(plan, str):
             self.why_not = plan
             return None
-        if budgets is not None:
-            for s in plan.seqs:  # this step counts for the adaptive budget as a plain one at budget 0
-                budgets.budget(s.request.request_id, ahead=True)
-                s.watched = budgets.should_draft(s.request.request_id, ahead=True) and watch_ahead
+        if budgets is not None:  # this step counts for the adaptive budget as a plain one at budget 0
+            # each request's budget is counted before its draft (a tree chosen resets its drafting interval)
+            request_ids = [s.request.request_id for s in plan.seqs]
+            budgets.budgets_of(request_ids, ahead=True)
+            for s, drafts in zip(plan.seqs, budgets.drafts_of(request_ids, ahead=True)):
+                s.watched = drafts and watch_ahead
         return self._launch(plan, current, t0)
 
     def trees(self, current: Launched) -> Launched | None:

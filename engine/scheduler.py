@@ -106,12 +106,12 @@ class Scheduler:
         width = max(budgets)
         return budgets, [max(b, min(width, cap)) if b else 0 for b, cap in zip(budgets, caps())]
 
-    def wants_trees(self, requests: list[Request], budget_of: Callable[[Request], int]) -> bool:
+    def wants_trees(self, requests: list[Request], wanted: list[int]) -> bool:
         """Whether a decoding step of these requests, each one token past its host state (planned ahead of its
-        predecessor's results), would verify any tree: their budgets (budget_of) capped and put to one width as
-        schedule() does. A request's own budget may want a tree that the step's width does not pay for (under
-        graphs every request pays it); such a step is plain, and may as well run ahead."""
-        wanted = [budget_of(r) for r in requests]
+        predecessor's results), would verify any tree: their budgets (wanted, the adaptive budget's dry answers)
+        capped and put to one width as schedule() does. A request's own budget may want a tree that the step's
+        width does not pay for (under graphs every request pays it); such a step is plain, and may as well run
+        ahead."""
         if not any(b > 0 for b in wanted):
             return False  # no request wants a tree: its caps need not be worked out
         step_budget = self.step_budget(len(self.running))

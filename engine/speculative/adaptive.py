@@ -255,9 +255,19 @@ class BudgetController(StepBudgets):
             return self.max_budget
         if not self.guard.allows_trees():
             return 0
+        return self._answer(request_id, dry, ahead)
+
+    def _answer(self, request_id: str, dry: bool, ahead: bool) -> int:
+        """budget() once trees are allowed (StepBudgets.budgets_of asks for a whole step's requests)."""
         stats = self.requests.get(request_id)
         if stats is None or not stats.node_q:
             return self._first_budget()
+        if stats.q_total == 0.0:  # a tree without mass: _choose's (0, None) whatever the probe state
+            if dry:
+                stats.pending = ((self.version, ahead), 0, None)
+            else:
+                stats.pending, stats.probing = None, False
+            return 0
         key = (self.version, ahead)
         if stats.pending is not None and stats.pending[0] == key:
             chosen, effect = stats.pending[1:]
@@ -385,10 +395,15 @@ class BudgetController(StepBudgets):
         on the host, so the step cannot run ahead of the previous one's results."""
         if not self.guard.allows_trees():  # a plain window drafts nothing, as --drafter none would
             return False
-        stats = self.requests.get(request_id)
-        if stats is None or not stats.node_q or self.cheap_draft():
+        return self._draft(self.requests.get(request_id), self.cheap_draft(), self._aligned(ahead), dry)
+
+    @staticmethod
+    def _draft(stats: RequestRecord | None, cheap: bool, aligned: bool, dry: bool) -> bool:
+        """should_draft() once drafting is allowed, given cheap_draft() and _aligned() (the same for a whole step:
+        StepBudgets.drafts_of)."""
+        if stats is None or not stats.node_q or cheap:
             return True
-        if stats.steps_undrafted + 1 < stats.draft_interval or not self._aligned(ahead):
+        if stats.steps_undrafted + 1 < stats.draft_interval or not aligned:
             if not dry:
                 stats.steps_undrafted += 1
             return False

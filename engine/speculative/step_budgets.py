@@ -39,6 +39,22 @@ class StepBudgets:
                 accepted = [r for r in result.accepted_rows.get(rid, []) if r <= chosen]
                 self.observe_request(rid, chosen, accepted, result.curves[rid])
 
+    def budgets_of(self, request_ids: list[str], dry: bool = False, ahead: bool = False) -> list[int]:
+        """budget() of each of a step's requests, the checks that hold for the whole step made once (at batch 64 the
+        calls' own overhead was most of a plain step's budget work)."""
+        if not self.enabled or self.max_budget == 0:
+            return [self.max_budget] * len(request_ids)
+        if not self.guard.allows_trees():
+            return [0] * len(request_ids)
+        return [self._answer(rid, dry, ahead) for rid in request_ids]
+
+    def drafts_of(self, request_ids: list[str], dry: bool = False, ahead: bool = False) -> list[bool]:
+        """should_draft() of each of a step's requests, as budgets_of."""
+        if not self.guard.allows_trees():
+            return [False] * len(request_ids)
+        cheap, aligned = self.cheap_draft(), self._aligned(ahead)
+        return [self._draft(self.requests.get(rid), cheap, aligned, dry) for rid in request_ids]
+
     def harmonize(self, request_ids: list[str], budgets: list[int]) -> list[int]:
         """The counted budgets of one step's decoding requests, at one padded width (step_width.common_width),
         for a step that pads only its trees (without CUDA graphs): a request whose nodes do not pay for the width

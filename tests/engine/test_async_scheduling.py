@@ -17,6 +17,18 @@ from tests.engine.test_cuda_graphs import prompts
 MAX_TOKENS = 20
 
 
+def answer_with(controller, budget=None, should_draft=None) -> None:
+    """Replaces the adaptive budget's per-request answers (budget(rid, dry, ahead), should_draft(rid, dry, ahead))
+    on this controller, and its whole-step ones (budgets_of, drafts_of) with the same answers asked request by
+    request."""
+    if budget is not None:
+        controller.budget = budget
+        controller.budgets_of = lambda ids, dry=False, ahead=False: [budget(r, dry, ahead) for r in ids]
+    if should_draft is not None:
+        controller.should_draft = should_draft
+        controller.drafts_of = lambda ids, dry=False, ahead=False: [should_draft(r, dry, ahead) for r in ids]
+
+
 def run(core, ps, params) -> tuple[list[list[int]], list[list], int]:
     """Steps the core to the end; (tokens, logprobs per request, steps that launched a step ahead)."""
     params = params if isinstance(params, list) else [params] * len(ps)
@@ -184,6 +196,9 @@ def test_a_step_whose_width_pays_for_no_tree_runs_ahead(tiny_checkpoints, monkey
     (on the H200 the n-gram default at batch 16 lost the pipeline on every step)."""
     monkeypatch.setattr(BudgetController, "budget", lambda self, rid, dry=False, ahead=False: 4)
     monkeypatch.setattr(BudgetController, "should_draft", lambda self, rid, dry=False, ahead=False: False)
+    # ... and asked for a whole step at once
+    monkeypatch.setattr(BudgetController, "budgets_of", lambda self, ids, dry=False, ahead=False: [4] * len(ids))
+    monkeypatch.setattr(BudgetController, "drafts_of", lambda self, ids, dry=False, ahead=False: [False] * len(ids))
     zeros = lambda self, ids, budgets, *caps: [0] * len(budgets)  # noqa: E731
     monkeypatch.setattr(BudgetController, "uniform", zeros)
     monkeypatch.setattr(BudgetController, "harmonize", zeros)

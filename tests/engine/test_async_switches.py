@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 
 from engine import SamplingParams
-from tests.engine.test_async_scheduling import run
+from tests.engine.test_async_scheduling import answer_with, run
 from tests.engine.test_async_trees import MAX_TOKENS, dflash_ahead_against_synchronous, plain_greedy, tree_engine
 from tests.engine.test_cuda_graphs import prompts
 
@@ -26,9 +26,8 @@ def alternating(core, budget: int = 4):
     def wanted(request_id, dry=False, ahead=False):
         return budget if ((b.clock + ahead) // PERIOD) % 2 == 0 else 0
 
-    b.budget = wanted
+    answer_with(b, wanted, lambda request_id, dry=False, ahead=False: False)
     b.uniform = lambda request_ids, budgets, caps: [min(x, c) for x, c in zip(budgets, caps)]
-    b.should_draft = lambda request_id, dry=False, ahead=False: False
 
 
 def step_kinds(core, ps, params, modes: list | None = None) -> tuple[list[list[int]], list[tuple[str, str]]]:
@@ -187,9 +186,9 @@ def test_random_budgets_arrivals_and_aborts_keep_plain_decodings_output(tiny_che
     ref = plain_greedy(folder, ps, params)  # (seeded sampling when temperature > 0)
     core = switching_engine(tiny_checkpoints, ps, ref, True)
     b, wanted = core.budgets, {}
-    b.budget = lambda rid, dry=False, ahead=False: wanted.setdefault((rid, b.clock + ahead),
-                                                                     rng.choice([0, 0, 0, 1, 2, 4, 6]))
-    b.should_draft = lambda rid, dry=False, ahead=False: rng.random() < 0.3
+    answer_with(b, lambda rid, dry=False, ahead=False: wanted.setdefault((rid, b.clock + ahead),
+                                                                         rng.choice([0, 0, 0, 1, 2, 4, 6])),
+                lambda rid, dry=False, ahead=False: rng.random() < 0.3)
     index, out, aborted = {}, {i: [] for i in range(num)}, None
     waiting = list(range(num))
     for i in waiting[:num // 2]:

@@ -12,7 +12,7 @@ import pytest
 
 from engine import LLM, SamplingParams
 from engine.speculative.oracle import DeviceOracle, OracleDrafter
-from tests.engine.test_async_scheduling import assert_same_logprobs, run
+from tests.engine.test_async_scheduling import answer_with, assert_same_logprobs, run
 from tests.engine.test_cuda_graphs import prompts
 from tests.speculative.test_ddtree_e2e import golden_lookup
 
@@ -144,7 +144,7 @@ def engine_wanting(tiny_checkpoints, budgets: list[int]):
     ref = plain_greedy(folder, ps, params)
     core = tree_engine(folder, ps, ref, True, budget=8, adaptive=True).engine
     wanted = {}
-    core.budgets.budget = lambda rid, dry=False, ahead=False: wanted.setdefault(rid, budgets[len(wanted) % 4])
+    answer_with(core.budgets, lambda rid, dry=False, ahead=False: wanted.setdefault(rid, budgets[len(wanted) % 4]))
     return core, ps, params, ref
 
 

@@ -740,38 +740,67 @@ def test_failing_probes_back_off_and_an_accepted_one_restores_them():
     assert controller.requests["r"].probe_interval == PROBE_EVERY
 
 
-def test_the_bound_that_skips_the_gains_never_changes_a_budget():
+def random_step(rng: random.Random, requests: list[str], controllers) -> None:
+    """One step's observations, the same for each controller: r0-r3 confident and never right (probed; one step
+    in five their drafter finds nothing), r4 unsure and always right (its bins over-deliver, its few nodes just
+    pay), r5 confident and right, the rest mixed (trees with and without mass); a random step time, size and
+    drafting cost."""
+    events = []
+    for i, rid in enumerate(requests):
+        if i < 4:
+            scale = 1.0 if rng.random() < 0.8 else 0.0
+        else:
+            scale = (0.01, 1.0)[i - 4] if i < 6 else rng.choice([0.0, 0.0, 0.002, 0.05, 0.3, 1.0])
+        node_q = sorted((scale * rng.random() ** 2 for _ in range(16)), reverse=True)
+        conf = node_confidence(torch.tensor([node_q], dtype=torch.float64))[0].tolist()
+        budget = rng.choice([0, 0, 4, 16])
+        right = i in (4, 5) or (i >= 6 and rng.random() < 0.6)
+        accepted = list(range(1, rng.randint(0, budget) + 1)) if right else []
+        events.append((rid, budget, accepted, conf))
+    rows, seconds, tokens = rng.randint(12, 200), rng.uniform(0.002, 0.02), rng.randint(12, 40)
+    draft = rng.choice([1e-7, 1e-4, 2e-3])
+    for c in controllers:
+        for rid, budget, accepted, conf in events:
+            c.observe_request(rid, budget, accepted, conf)
+        c.observe_step(rows, seconds, tokens)
+        c.observe_draft(len(requests), draft * len(requests))
+
+
+class FullChoice(BudgetController):
+    """The budget without its shortcuts: every request's choice works out its gains (_net_best), a tree without
+    mass included; counts those choices."""
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.choices = 0
+
+    def _cannot_pay(self, stats, theta: float) -> bool:
+        return False
+
+    def _set_tree(self, request_id: str, confidence: list[float]):
+        stats = super()._set_tree(request_id, confidence)
+        stats.q_total = math.nan  # never exactly 0: _answer's shortcut for a tree without mass is not taken
+        return stats
+
+    def _net_best(self, *args, **kwargs) -> int:
+        self.choices += 1
+        return super()._net_best(*args, **kwargs)
+
+
+def test_the_shortcuts_past_the_gains_never_change_a_budget():
     """At batch 64 a drafter that found nothing left every request's choice working out 16 gains it could not
-    use (~360 us a step on the host's critical path, docs/BENCHMARKS.md 2026-12-05 20:30): _cannot_pay answers 0
-    from an upper bound of the tree's gains instead. Over random states (drafters right and wrong, reliability
-    bins above and below 1, dear and free drafting, trees with and without mass) the answers and probe states
-    equal those of the full choice, step by step, and the bound decides a share of them."""
+    use (~360 us a step on the host's critical path, docs/BENCHMARKS.md 2026-12-05 20:00): a tree without mass is
+    answered 0 at once, and _cannot_pay answers 0 from an upper bound of the tree's gains. Over random states
+    (drafters right and wrong, reliability bins above and below 1, dear and free drafting, trees with and without
+    mass) the answers and probe states equal those of the full choice, step by step, and the shortcuts decide a
+    share of them."""
     rng = random.Random(0)
-    pruned, full = BudgetController(max_budget=16), BudgetController(max_budget=16)
-    full._cannot_pay = lambda stats, theta: False
-    decided, probes = [], 0
-    bound = BudgetController._cannot_pay
-    pruned._cannot_pay = lambda stats, theta: decided.append(bound(pruned, stats, theta)) or decided[-1]
+    pruned, full = FullChoice(max_budget=16), FullChoice(max_budget=16)
+    pruned._cannot_pay = lambda stats, theta: BudgetController._cannot_pay(pruned, stats, theta)
+    pruned._set_tree = lambda rid, confidence: BudgetController._set_tree(pruned, rid, confidence)
+    probes = 0
     requests = [f"r{i}" for i in range(12)]
     for step in range(400):
-        events = []
-        # r0-r3 confident and never right (probed), r4 unsure and always right (its bins over-deliver, its few
-        # nodes just pay), r5 confident and right, the rest mixed
-        for i, rid in enumerate(requests):
-            scale = (1.0, 1.0, 1.0, 1.0, 0.01, 1.0)[i] if i < 6 else rng.choice([0.0, 0.0, 0.002, 0.05, 0.3, 1.0])
-            node_q = sorted((scale * rng.random() ** 2 for _ in range(16)), reverse=True)
-            conf = node_confidence(torch.tensor([node_q], dtype=torch.float64))[0].tolist()
-            budget = rng.choice([0, 0, 4, 16])
-            right = i in (4, 5) or (i >= 6 and rng.random() < 0.6)
-            accepted = list(range(1, rng.randint(0, budget) + 1)) if right else []
-            events.append((rid, budget, accepted, conf))
-        rows, seconds, tokens = rng.randint(12, 200), rng.uniform(0.002, 0.02), rng.randint(12, 40)
-        draft = rng.choice([1e-7, 1e-4, 2e-3])
-        for c in (pruned, full):
-            for rid, budget, accepted, conf in events:
-                c.observe_request(rid, budget, accepted, conf)
-            c.observe_step(rows, seconds, tokens)
-            c.observe_draft(len(requests), draft * len(requests))
+        random_step(rng, requests, (pruned, full))
         for rid in requests:
             ahead = step % 3 == 0
             assert pruned.budget(rid, dry=True, ahead=ahead) == full.budget(rid, dry=True, ahead=ahead), (step, rid)
@@ -780,8 +809,8 @@ def test_the_bound_that_skips_the_gains_never_changes_a_budget():
             probes += mine.probing
             assert (mine.steps_at_zero, mine.probe_interval, mine.probing) == (
                 theirs.steps_at_zero, theirs.probe_interval, theirs.probing)
-    with_mass = [rid for rid in requests if pruned.requests[rid].q_total > 0]
-    assert probes > 10 and with_mass and 0.2 < sum(decided) / len(decided) < 0.95, sum(decided) / len(decided)
+    assert probes > 10 and any(pruned.requests[rid].q_total > 0 for rid in requests)
+    assert 0.2 < 1 - pruned.choices / full.choices < 0.95, (pruned.choices, full.choices)
     assert max(pruned.bins.ceiling(pruned._engine_ratio()), 0) > 1.0  # some bin over-delivers: the bound scales
 
 
@@ -805,3 +834,33 @@ def test_the_bound_holds_where_it_is_tight(monkeypatch):
         chosen.append(full.budget("new"))
         assert pruned.budget("new") == chosen[-1], q
     assert chosen[0] == 0 and chosen[-1] == 1, chosen
+
+
+def probe_state(record) -> tuple:
+    return (record.steps_at_zero, record.probe_interval, record.probing, record.pending, record.steps_undrafted,
+            record.draft_interval)
+
+
+def test_a_steps_budgets_and_drafts_at_once_equal_the_calls_one_by_one():
+    """The asynchronous plain step asks budgets_of / drafts_of for its whole batch (dry, then counted; the checks
+    that hold for the step made once): over random states, with cheap and dear drafting, on and off probe steps,
+    the answers and every request's probe and drafting state equal those of budget() / should_draft() asked
+    request by request in the same order."""
+    rng = random.Random(1)
+    batch, single = BudgetController(max_budget=16), BudgetController(max_budget=16)
+    requests = [f"r{i}" for i in range(12)]
+    drafted = chosen = 0
+    for step in range(400):
+        for c in (batch, single):
+            c.pipelined = step >= 200  # drafts dear under asynchronous scheduling: intervals and probe steps
+        random_step(rng, requests, (batch, single))
+        ids = requests + ["new"]  # one without a tree of its own
+        ahead = step % 3 == 0
+        for dry in (True, False):
+            budgets = batch.budgets_of(ids, dry=dry, ahead=ahead)
+            drafts = batch.drafts_of(ids, dry=dry, ahead=ahead)
+            assert budgets == [single.budget(rid, dry=dry, ahead=ahead) for rid in ids], (step, dry)
+            assert drafts == [single.should_draft(rid, dry=dry, ahead=ahead) for rid in ids], (step, dry)
+        drafted, chosen = drafted + sum(drafts), chosen + sum(b > 0 for b in budgets)
+        assert [probe_state(batch.requests[r]) for r in requests] == [probe_state(single.requests[r]) for r in requests]
+    assert 0 < drafted < 400 * len(ids) and chosen > 100, (drafted, chosen)

@@ -48,7 +48,7 @@ from engine.speculative.cost_fit import DECAY, CostFit, SwitchCost
 from engine.speculative.guard import ThroughputGuard
 from engine.speculative.reliability import ReliabilityBins
 # PROBE_EVERY: steps a request stays at budget 0 before a probe
-from engine.speculative.request_record import PROBE_EVERY, RequestRecord, nodes_above
+from engine.speculative.request_record import PROBE_EVERY, RequestRecord, draft_due, nodes_above
 from engine.speculative.step_budgets import StepBudgets
 
 PROBE_BUDGET = 4
@@ -56,7 +56,6 @@ PRIOR_WEIGHT = 4.0  # pseudo-observations behind the cost prior
 PRIOR_MIN_ROWS = 256  # the prior prices a row as if the first step had at least this many
 MIN_GAIN = 0.02  # a row is never free: below this many expected accepted tokens a node is not verified
 CHEAP_DRAFT = 0.02  # tokens of throughput a curve-only draft may cost to run every step at budget 0
-MAX_PROBE_INTERVAL = 256
 # the longest wait between probes of a request whose probes keep failing: a probe costs more than its rows under
 # asynchronous scheduling when the drafter needs the host (its step and the one after cannot run ahead: on the
 # H200 at batch 16, T = 1, probes every 16 steps cost ~15% before tree steps ran ahead of plain ones), yet a
@@ -395,21 +394,4 @@ class BudgetController(StepBudgets):
         on the host, so the step cannot run ahead of the previous one's results."""
         if not self.guard.allows_trees():  # a plain window drafts nothing, as --drafter none would
             return False
-        return self._draft(self.requests.get(request_id), self.cheap_draft(), self._aligned(ahead), dry)
-
-    @staticmethod
-    def _draft(stats: RequestRecord | None, cheap: bool, aligned: bool, dry: bool) -> bool:
-        """should_draft() once drafting is allowed, given cheap_draft() and _aligned() (the same for a whole step:
-        StepBudgets.drafts_of)."""
-        if stats is None or not stats.node_q or cheap:
-            return True
-        if stats.steps_undrafted + 1 < stats.draft_interval or not aligned:
-            if not dry:
-                stats.steps_undrafted += 1
-            return False
-        if dry:
-            return True
-        stats.steps_undrafted = 0
-        stats.draft_interval = min(2 * stats.draft_interval, MAX_PROBE_INTERVAL)  # reset when a tree is chosen
-        return True
-
+        return draft_due(self.requests.get(request_id), self.cheap_draft(), self._aligned(ahead), dry)

@@ -1,11 +1,12 @@
 """What the adaptive budget (engine/speculative/adaptive.py) keeps per request: its decayed acceptance record, its
-latest tree's node probabilities and confidence bins, and its probe state; and the drafter's own count of the
-nodes it is confident in."""
+latest tree's node probabilities and confidence bins, its probe state and drafting interval; and the drafter's own
+count of the nodes it is confident in."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
 PROBE_EVERY = 16  # steps a request stays at budget 0 before a probe
+MAX_PROBE_INTERVAL = 256  # the longest wait between a request's curve-only drafts when drafting is dear
 
 
 @dataclass
@@ -35,3 +36,20 @@ def nodes_above(node_q: list[float], theta: float) -> int:
             break
         chosen += 1
     return chosen
+
+
+def draft_due(stats: RequestRecord | None, cheap: bool, aligned: bool, dry: bool) -> bool:
+    """BudgetController.should_draft() once drafting is allowed, given its cheap_draft() and _aligned() (the same
+    for a whole step: StepBudgets.drafts_of): a request without a tree drafts, and any request while drafting is
+    cheap; else one whose interval has passed, on an aligned step, and the interval doubles. dry: not counted."""
+    if stats is None or not stats.node_q or cheap:
+        return True
+    if stats.steps_undrafted + 1 < stats.draft_interval or not aligned:
+        if not dry:
+            stats.steps_undrafted += 1
+        return False
+    if dry:
+        return True
+    stats.steps_undrafted = 0
+    stats.draft_interval = min(2 * stats.draft_interval, MAX_PROBE_INTERVAL)  # reset when a tree is chosen
+    return True

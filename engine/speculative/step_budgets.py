@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 
+from engine.speculative.request_record import draft_due
 from engine.speculative.step_width import common_width, uniform_width
 
 
@@ -53,7 +54,7 @@ class StepBudgets:
         if not self.guard.allows_trees():
             return [False] * len(request_ids)
         cheap, aligned = self.cheap_draft(), self._aligned(ahead)
-        return [self._draft(self.requests.get(rid), cheap, aligned, dry) for rid in request_ids]
+        return [draft_due(self.requests.get(rid), cheap, aligned, dry) for rid in request_ids]
 
     def harmonize(self, request_ids: list[str], budgets: list[int]) -> list[int]:
         """The counted budgets of one step's decoding requests, at one padded width (step_width.common_width),

@@ -486,7 +486,7 @@ def test_a_drafter_with_nothing_to_propose_costs_no_verify_rows(tiny_checkpoints
 def test_drafting_cost_counts_against_the_tree_and_dear_drafting_backs_off():
     """A tree must pay for its drafting too; at budget 0 a dear drafter runs only at doubling intervals, a cheap one
     every step."""
-    from engine.speculative.adaptive import MAX_PROBE_INTERVAL, PROBE_EVERY
+    from engine.speculative.request_record import MAX_PROBE_INTERVAL, PROBE_EVERY
 
     curve = [0.6 * (1 - 0.5 ** (j + 1)) / 0.5 for j in range(16)]  # ~1.2 expected accepted drafts in all
     cheap, dear = BudgetController(max_budget=16), BudgetController(max_budget=16)

@@ -31,7 +31,7 @@ class StepBudgets:
         if decoding:
             self.guard.observe(len(plan.seqs), tokens, seconds if cycle_seconds is None else cycle_seconds, width > 1)
         self.observe_draft(result.num_drafted, draft_seconds)
-        for s in plan.seqs:
+        for s in plan.seqs if result.curves else ():  # (no curves: no request drafted)
             rid = s.request.request_id
             if rid in result.curves and not s.request.finished:  # (finished while a step ran ahead: released)
                 # only the nodes it chose: the rest filled the step's width (the accepted path's prefix among

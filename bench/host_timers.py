@@ -12,7 +12,8 @@ from collections import Counter, defaultdict
 # "module:Class" -> the methods timed; "module:" -> functions of that module's namespace (where they are called
 # from: a function imported by name is timed in the module that imported it)
 METHODS = {
-    "engine.core:EngineCore": "step _complete _observe_budgets _stats _delta",
+    "engine.core:EngineCore": "step _complete _observe_budgets",
+    "engine.core:": "step_delta step_stats",
     "engine.ahead:AheadLauncher": "plain trees _launch _plain",
     "engine.scheduler:Scheduler": "schedule schedule_ahead schedule_ahead_trees update wants_trees",
     "engine.runner:ModelRunner": "launch _launch_tree_ahead _launch_round _launch _decode_in_graph _run _forward "
@@ -26,7 +27,8 @@ METHODS = {
     "engine.speculative.speculator:Speculator": "propose build confirm_ahead",
     "engine.round_graphs:RoundGraphs": "run _stage_inputs",
     "engine.step_results:RoundCopy": "wait",
-    "engine.speculative.adaptive:BudgetController": "observe_request budget harmonize should_draft",
+    "engine.speculative.adaptive:BudgetController": "observe_request budget harmonize should_draft budgets_of "
+                                                    "drafts_of",
     "engine.staging:Staging": "__call__ pack",
     "torch.cuda:CUDAGraph": "replay",
 }

@@ -31,6 +31,7 @@ from engine.speculative.adaptive import BudgetController
 from engine.speculative.drafter import make_drafter
 from engine.speculative.speculator import Speculator
 from engine.startup import check_extension, eos_token_ids, signed64
+from engine.step_outputs import step_delta, step_stats
 from engine.warmup import warm_up
 
 logger = logging.getLogger("ddtree.engine")
@@ -366,29 +367,16 @@ class EngineCore:
         for req in plan.preempted:
             self.runner.release(req.request_id)
         now = time.monotonic()
-        deltas = [d for d in (self._delta(req, num_before, now) for req, num_before in live) if d]
-        self.last_stats = self._stats(plan, result, launched.preemptions_before)
+        deltas = [d for d in (step_delta(req, num_before, now) for req, num_before in live) if d]
+        for delta in deltas:
+            if delta.finished:
+                self._release(delta.request_id)
+        self.last_stats = step_stats(plan, result, self.scheduler, self.blocks.usage, self.budgets,
+                                     self.scheduler.num_preemptions - launched.preemptions_before,
+                                     self._take_constrained())
         self.last_stats.cuda_alloc_retries = self.alloc_watch.new_retries() if self.alloc_watch else 0
         self.last_stats.scheduling = launched.scheduling
         return deltas
-
-    def _delta(self, req: Request, num_before: int, now: float) -> Delta | None:
-        new = req.output_token_ids[num_before:]
-        if new and req.first_token_time is None:
-            req.first_token_time = time.monotonic()
-        if not new and not req.finished:
-            return None
-        if req.finished and req.text is not None:
-            req.text.finish()
-        delta = Delta(req.request_id, new, req.finished, req.finish_reason,
-                      req.output_logprobs[num_before:] if req.sampling.logprobs is not None else None,
-                      num_prompt_tokens=req.num_prompt_tokens, num_cached_tokens=req.num_cached_tokens,
-                      text=req.text.take() if req.text is not None else "", stop_reason=req.stop_reason)
-        if req.finished:
-            delta.queue_time = (req.first_scheduled_time or now) - req.arrival_time
-            delta.accept_lengths = list(req.accept_lengths)
-            self._release(req.request_id)
-        return delta
 
     def _observe_budgets(self, plan: StepPlan, result, seconds: float, synchronous: bool = False,
                          cycle: float | None = None) -> None:
@@ -398,22 +386,6 @@ class EngineCore:
             seconds, draft_seconds, cycle = self.tp.broadcast_object((seconds, draft_seconds, cycle))
         self.budgets.observe_engine_step(plan, result, seconds, draft_seconds, synchronous, self.runner.uniform_trees,
                                          cycle)
-
-    def _stats(self, plan, result, preemptions_before: int) -> StepStats:
-        from ext import ops
-
-        guard_checks, guard_plain = self.budgets.guard.take_outcomes()
-        return StepStats(
-            num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
-            kv_cache_usage=self.blocks.usage, batch_size=len(plan.seqs),
-            num_preemptions=self.scheduler.num_preemptions - preemptions_before, timings=result.timings,
-            accept_lengths=result.accept_lengths, tree_nodes=result.tree_nodes,
-            accepted_per_position=result.accepted_per_position, prefix_cache_queries=plan.prefix_cache_queries,
-            prefix_cache_hits=plan.prefix_cache_hits, kernel_fallbacks=ops.take_reference_fallbacks(),
-            spec_budgets=plan.spec_budgets, cuda_graph=result.cuda_graph,
-            num_constrained_requests=self._take_constrained(), num_grammar_pruned=result.num_grammar_pruned,
-            draft_confidence=self.budgets.take_confidence_counts(), spec_guard_checks=guard_checks,
-            spec_guard_plain=guard_plain)
 
     def _take_constrained(self) -> int:
         """Requests admitted with a grammar since the last step's statistics."""

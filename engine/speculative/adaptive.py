@@ -250,7 +250,7 @@ class BudgetController(StepBudgets):
         ahead; the counted call that follows, with no observation in between, reuses that answer instead of
         working it out again: at batch 64 both ran on the host's critical path). ahead: asked for the step after
         the one in flight, before that one is observed (see _aligned)."""
-        if not self.enabled or self.max_budget == 0:
+        if not self.enabled or self.max_budget == 0:  # (budgets_of: the same checks, once for a whole step)
             return self.max_budget
         if not self.guard.allows_trees():
             return 0
@@ -306,9 +306,7 @@ class BudgetController(StepBudgets):
         reliability) and the drafter is not confident enough to probe: _choose's answer is (0, None) without
         working out the gains. Most requests of a drafter that found nothing hold no mass, and at batch 64 the
         full choice cost ~360 us a step on the host's critical path (two calls a request)."""
-        if stats.q_total == 0.0:
-            return True  # no mass at all (theta > 0)
-        if stats.node_q[0] > theta:
+        if stats.node_q[0] > theta:  # (a tree without mass never gets here: _answer answers it)
             return False  # a confident first node: a probe may be due (_choose)
         bound = stats.q_total * self.bins.ceiling(self._engine_ratio()) * self._standing(stats, None)
         # the slack covers the rounding of a sum taken in another order than _net_best's

@@ -51,7 +51,7 @@ class StepBudgets:
 
     def drafts_of(self, request_ids: list[str], dry: bool = False, ahead: bool = False) -> list[bool]:
         """should_draft() of each of a step's requests, as budgets_of."""
-        if not self.guard.allows_trees():
+        if not self.guard.allows_trees():  # a plain window drafts nothing, as --drafter none would
             return [False] * len(request_ids)
         cheap, aligned = self.cheap_draft(), self._aligned(ahead)
         return [draft_due(self.requests.get(rid), cheap, aligned, dry) for rid in request_ids]

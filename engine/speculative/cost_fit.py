@@ -110,9 +110,9 @@ class CostFit:
         within = plain.var_x() + tree.var_x()
         if within <= 1e-9 * self.n or within < (1 - MAX_CORRELATION) * self._pooled().var_x():
             return None
-        # a negative slope within the kinds is noise (tree steps of a few widths, step times swinging with the
-        # host): rows cost nothing then, and the kinds' intercepts still tell the fixed cost
-        t_row = max(0.0, (plain.cov_xy() + tree.cov_xy()) / within)
+        t_row = (plain.cov_xy() + tree.cov_xy()) / within
+        if t_row < 0:
+            return None
         return t_row, max(0.0, tree.intercept(t_row) - plain.intercept(t_row))
 
 

@@ -193,21 +193,6 @@ def test_cost_fit_tells_the_fixed_cost_of_a_tree_step_from_its_rows():
     assert plain.tree_cost() == 0.0 and abs(plain.slope() - 0.002) < 1e-6
 
 
-def test_a_tree_cost_is_told_apart_when_noise_tilts_the_row_slope():
-    """Under CUDA graphs the plain steps of one batch size all have the same rows, so the row price comes from the
-    tree steps' widths alone, and a few widths under a host whose speed swings can tilt it below zero (the H100's
-    batch-16 trace: a width-4 step 2.31 ms, a width-6 one 1.32). Rows then cost nothing and the fixed cost is the
-    kinds' difference, where the fit had given up (no fixed cost, the pooled slope pricing small trees cheap)."""
-    from engine.speculative.cost_fit import CostFit
-
-    fit = CostFit()
-    for i in range(40):
-        tree = i % 4 == 3
-        width = (4, 6)[(i // 4) % 2] if tree else 1
-        fit.add(16 * width, 0.00096 + tree * (0.0008 if width == 4 else 0.0004), tree=tree)
-    assert fit.slope() == 0.0 and fit.tree_cost() == pytest.approx(0.0006, rel=0.25)
-
-
 def test_the_tree_steps_cost_outlives_a_run_of_plain_steps():
     """Once trees stop paying, tree steps become rare. Decayed by every step, their record left the fit within ~20
     plain steps and the next tree re-measured a cost already known; each kind of step now decays by its own, so

@@ -191,6 +191,7 @@ class EngineCore:
             spec.capture_draft_graphs(buckets_up_to(BATCH_SIZES, config.max_num_seqs), self.max_model_len,
                                       emulate=emulate)
         self.runner.uniform_trees = self.scheduler.uniform_trees = self.speculator is not None
+        self.budgets.price_tree_steps = False  # the uniform width prices a graph step (BudgetController.uniform)
         self._price_switches()
 
     def _price_switches(self) -> None:

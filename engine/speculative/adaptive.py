@@ -82,6 +82,9 @@ class BudgetController(StepBudgets):
         self.guarded = guard
         self.pipelined = False  # the engine schedules steps ahead of their predecessors' results
         self.switches_ahead = False  # ... tree steps too, after any decoding step (no switch is synchronous)
+        # a step with any tree pays a fitted fixed cost beyond its rows (without CUDA graphs; under graphs the
+        # uniform width prices the whole batch, and tree steps are not fitted apart)
+        self.price_tree_steps = True
         self.reset()
 
     def reset(self) -> None:
@@ -139,9 +142,9 @@ class BudgetController(StepBudgets):
         if not fit:
             return
         if self.pipelined:
-            self.switch.observe(seconds - self.fit.predict(rows, tree), synchronous)
+            self.switch.observe(seconds - self.fit.predict(rows, tree and self.price_tree_steps), synchronous)
         self.last_tree = tree
-        self.fit.add(rows, seconds, tree=tree)
+        self.fit.add(rows, seconds, tree=tree and self.price_tree_steps)
         self.last_rows, self.last_seconds = rows, seconds
         self.tokens, self.seconds = DECAY * self.tokens + tokens, DECAY * self.seconds + seconds
 

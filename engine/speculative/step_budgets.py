@@ -87,16 +87,12 @@ class StepBudgets:
         and every request whose nodes beat its drafting cost fills it: step_width.uniform_width). budgets: the
         counted (or dry, for a step planned ahead) answers of budget(); caps: each request's most nodes. A step
         in which no request wants a tree stays plain: each request's own choice priced its rows alone, and a
-        uniform step's width costs every request at least that. Any width pays the fitted fixed cost of a tree
-        step too (CostFit.tree_cost: a whole round's drafting, tree build and acceptance; on the H100 with the
-        embedded model at batch 16 ~0.4-0.6 ms against 0.8-1.0 ms plain steps, while each width more cost ~0.01
-        ms), and the switch into trees (switch_tokens)."""
+        uniform step's width costs every request at least that."""
         if not self.enabled or not any(budgets):
             return budgets
         caps = [max(0, c) for c in caps]
         gains, probes = self._step_gains(request_ids, budgets, caps)
-        fixed = self.switch_tokens() + self._in_tokens(self.fit.tree_cost())
-        return uniform_width(gains, caps, self.threshold(), self.draft_tokens(), probes, fixed)
+        return uniform_width(gains, caps, self.threshold(), self.draft_tokens(), probes, self.switch_tokens())
 
     def switch_tokens(self) -> float:
         """Tokens of throughput a tree step after a plain one costs beyond its rows under asynchronous scheduling

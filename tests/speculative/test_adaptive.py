@@ -240,52 +240,30 @@ def test_the_budget_is_priced_on_the_tree_the_step_verifies(tiny_checkpoints, mo
 
 
 def test_a_step_whose_trees_do_not_beat_the_fixed_cost_stays_plain():
-    """A tree step pays a fitted fixed cost beyond its rows: without graphs at batch 1 on the CPU a GEMM instead of
-    a GEMV; under CUDA graphs a whole round (drafting, tree build, acceptance), ~0.5 ms against 0.8-1.0 ms plain
-    steps on the H100 at batch 16, where each width more cost ~0.01 ms. A tree worth a little more than its rows
-    does not pay it and the step stays plain, eager (harmonize) or uniform (graphs); a strong tree does; a probe
-    is verified whatever it costs."""
-    c = BudgetController(max_budget=8, prior_row_share=0.2)
-    for i in range(40):  # t_row 2 ms, t_tree 40 ms, a plain step 50 ms: the fixed cost is ~0.8 tokens
-        rows, tree = (1, False) if i % 3 else (3 + 2 * (i % 4), True)
-        c.observe_step(rows, 0.05 + 0.002 * rows + 0.04 * tree, tokens=1 + 2 * tree, tree=tree)
-    for rid, q, accepted in (("mild", 0.3, [1]), ("strong", 0.95, list(range(1, 9)))):
-        qs = [q ** (j + 1) for j in range(8)]
-        c.observe_request(rid, 8, accepted, confidence([sum(qs[:j + 1]) for j in range(8)]))
-    assert c.fit.tree_cost() > 0.03
-    mild, strong = c.budget("mild"), c.budget("strong")
+    """Without graphs a tree step pays a fitted fixed cost beyond its rows (batch 1 on the CPU: a GEMM instead of a
+    GEMV). A tree worth a little more than its rows does not pay it and the step stays plain; a strong tree does;
+    a probe is verified whatever it costs; under graphs (price_tree_steps False) nothing changes."""
+    def controller(price: bool) -> BudgetController:
+        c = BudgetController(max_budget=8, prior_row_share=0.2)
+        c.price_tree_steps = price
+        for i in range(40):  # t_row 2 ms, t_tree 40 ms, a plain step 50 ms: the fixed cost is ~0.8 tokens
+            rows, tree = (1, False) if i % 3 else (3 + 2 * (i % 4), True)
+            c.observe_step(rows, 0.05 + 0.002 * rows + 0.04 * tree, tokens=1 + 2 * tree, tree=tree)
+        for rid, q, accepted in (("mild", 0.3, [1]), ("strong", 0.95, list(range(1, 9)))):
+            qs = [q ** (j + 1) for j in range(8)]
+            c.observe_request(rid, 8, accepted, confidence([sum(qs[:j + 1]) for j in range(8)]))
+        return c
+
+    priced = controller(True)
+    assert priced.fit.tree_cost() > 0.03
+    mild, strong = priced.budget("mild"), priced.budget("strong")
     assert mild >= 1 and strong >= 4  # each pays its rows and drafting ...
-    assert c.harmonize(["mild"], [mild]) == [0]  # ... the mild one not the step's fixed cost
-    assert c.uniform(["mild"], [mild], [8]) == [0]
-    assert c.harmonize(["strong"], [strong]) == [strong] and c.uniform(["strong"], [strong], [8]) != [0]
-    c.requests["mild"].probing = True
-    assert c.harmonize(["mild"], [mild]) == [mild] and c.uniform(["mild"], [mild], [8]) != [0]
-
-
-def test_under_graphs_the_fixed_cost_of_a_tree_step_is_fitted_apart():
-    """The steps of an H100 run at batch 16 under CUDA graphs (bench/step_kinds.py trace, 2026-12-06): plain steps
-    16 rows at ~0.96 ms, tree steps laid out at widths 2-17 (32-272 rows) at ~1.4-1.7 ms. Fitted on rows alone the
-    fixed part was spread over the rows, so a width-2 step looked ~0.1 ms dear where it cost ~0.5 ms more; fitted
-    apart, a row costs ~2 us and a tree step ~0.5 ms, and a step whose trees bring 2 tokens stays plain while one
-    whose trees bring 40 does not."""
-    c = BudgetController(max_budget=16)
-    c.observe_step(16, 0.0035, tokens=16)  # the first step: one-time costs in it (the prior)
-    widths = [2, 5, 2, 9, 4, 13, 3, 17, 6, 11]
-    for i in range(200):
-        tree = i % 5 == 4
-        width = widths[(i // 5) % len(widths)] if tree else 1
-        c.observe_step(16 * width, 0.00096 + tree * (0.0005 + 0.000002 * 16 * width), tokens=16 + 4 * tree, tree=tree)
-    assert c.fit.tree_cost() == pytest.approx(0.0005, rel=0.1)
-    assert c.fit.slope() == pytest.approx(0.000002, rel=0.1)
-    ids = [f"r{i}" for i in range(16)]
-    for rid in ids:
-        weak = [0.1] + [0.001] * 15
-        c.observe_curve(rid, confidence([sum(weak[:j + 1]) for j in range(16)]))
-    assert c.uniform(ids, [1] * 16, [16] * 16) == [0] * 16  # ~1.6 tokens against a ~8-token fixed cost
-    for rid in ids:
-        strong = [0.9 ** (j + 1) for j in range(16)]
-        c.observe_curve(rid, confidence([sum(strong[:j + 1]) for j in range(16)]))
-    assert all(c.uniform(ids, [8] * 16, [16] * 16))
+    assert priced.harmonize(["mild"], [mild]) == [0]  # ... the mild one not the step's fixed cost
+    assert priced.harmonize(["strong"], [strong]) == [strong]
+    priced.requests["mild"].probing = True
+    assert priced.harmonize(["mild"], [mild]) == [mild]
+    graphs = controller(False)
+    assert graphs.fit.tree_cost() == 0.0 and graphs.harmonize(["mild"], [graphs.budget("mild")]) != [0]
 
 
 def test_one_padded_width_for_the_step():

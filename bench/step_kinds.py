@@ -6,7 +6,8 @@ drafts first). --trace FILE writes every step as a JSON line (the run, its budge
 scheduling and graph, and the budget's threshold and fitted row and tree costs at that point), and --repeat N runs
 each configuration N times: for runs whose speed swings from one to the next. --host-times adds, per kind of step,
 the inclusive host time of the engine's methods a step (bench/host_timers.py's perf_counter wrappers). Each kind
-also reports its median host busy time: wall time less the wait for the device's results.
+also reports its median host busy time: wall time less the wait for the device's results, and its steps' summed
+time and tokens (a few slow tree steps move a run's throughput where medians hide them).
 
     python bench/step_kinds.py --model SmolLM2-135M-Instruct.Q4_1.gguf --device cuda --runs 16:0 1:1 1:0
     python bench/step_kinds.py --model ... --runs 16:0 --scheduling async --repeat 3 --trace steps.jsonl
@@ -106,6 +107,7 @@ def run(model, device, dtype, drafter, overlap, batch, temperature, max_tokens, 
     for kind, steps in sorted(kinds.items(), key=lambda kv: -len(kv[1])):
         phases = {a: round(statistics.median(s[2].get(a, 0.0) for s in steps), 3) for a in steps[0][2]}
         print(f"   {kind:70s} n={len(steps):4d} median {statistics.median(s[0] for s in steps):.3f} ms "
+              f"(all {sum(s[0] for s in steps):.1f} ms, {sum(s[1] for s in steps)} tokens) "
               f"tokens/step {sum(s[1] for s in steps) / len(steps):.2f} host busy "
               f"{statistics.median(s[3] for s in steps):.3f} ms {phases}", flush=True)
         if host_times is not None:

@@ -141,7 +141,7 @@ class BudgetController(StepBudgets):
             self.fit.seed([(r, seconds + t_row * (r - rows)) for r in (rows - spread, rows + spread)], PRIOR_WEIGHT / 2)
         if not fit:
             return
-        if self.pipelined:
+        if self.pipelined and not self.switches_ahead:  # (switches ahead: no switch is priced, switch_tokens)
             self.switch.observe(seconds - self.fit.predict(rows, tree and self.price_tree_steps), synchronous)
         self.last_tree = tree
         self.fit.add(rows, seconds, tree=tree and self.price_tree_steps)

@@ -21,6 +21,7 @@ import subprocess
 import sys
 import sysconfig
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -260,17 +261,27 @@ def _is_zombie(pid: int) -> bool:
         return True
 
 
-@pytest.fixture(scope="session")
-def server(tmp_path_factory):
-    """The main test server: n-gram speculation on. A small step token budget keeps trees cheap on CPU
-    when 64 requests run at once."""
-    s = start_server(tmp_path_factory.mktemp("server-logs"), "server", "--drafter", "ngram",
-                     "--max-num-batched-tokens", "512")
+@contextmanager
+def serving(log_dir, name: str, *flags: str, **kwargs):
+    """start_server() for the block's duration; the server must then stop cleanly (exit status 0)."""
+    s = start_server(log_dir, name, *flags, **kwargs)
     try:
         yield s
     finally:
         code = stop_server(s)
-    assert code == 0, f"server exited with {code}:\n{s.log_tail()}"
+    assert code == 0, f"{name} server exited with {code}:\n{s.log_tail()}"
+
+
+# The main test server: n-gram speculation on. A small step token budget keeps trees cheap on CPU when 64 requests
+# run at once.
+NGRAM_SERVER_FLAGS = ("--drafter", "ngram", "--max-num-batched-tokens", "512")
+
+
+@pytest.fixture(scope="session")
+def server(tmp_path_factory):
+    """The main test server (NGRAM_SERVER_FLAGS)."""
+    with serving(tmp_path_factory.mktemp("server-logs"), "server", *NGRAM_SERVER_FLAGS) as s:
+        yield s
 
 
 @pytest.fixture(scope="session")

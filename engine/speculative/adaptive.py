@@ -295,7 +295,11 @@ class BudgetController(StepBudgets):
         if chosen == 0 and nodes_above(stats.node_q[:self.max_budget], theta):
             # the drafter is confident but this request's record says it is wrong: verify a small tree now
             # and then, in case it has become right; at once when that record is only the engine's prior (a
-            # new request after a run of failing ones would otherwise wait up to two probe intervals)
+            # new request after a run of failing ones would otherwise wait up to two probe intervals); not in the
+            # step planned ahead of the one that carries its probe, whose outcome that step cannot know (on the
+            # H100 at batch 16, T = 1, each probe ran twice, every request paying a ~0.5 ms tree step for it)
+            if ahead and stats.probing:
+                return 0, _AT_ZERO
             if not stats.verified or (stats.steps_at_zero + 1 >= stats.probe_interval and self._aligned(ahead)):
                 return min(PROBE_BUDGET, self.max_budget), _PROBED
             return 0, _AT_ZERO

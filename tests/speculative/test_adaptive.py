@@ -383,6 +383,29 @@ def test_a_new_request_probes_its_own_tree_at_once():
     assert controller.budget("failing") == 0  # a request with a record of its own waits for the probe step
 
 
+def test_a_probe_is_not_repeated_in_the_step_planned_ahead_of_it():
+    """Under asynchronous scheduling the step after a probe is planned before the probe's results are read, and it
+    probed again: on the H100 at batch 16, T = 1, every probe ran twice, each time a ~0.5 ms tree step for all 16
+    requests (bench/step_kinds.py trace, 2026-12-05). The step planned ahead of a probe now leaves the request
+    plain; once the probe is observed the request is priced as usual (here: it failed, so it waits its probe
+    interval)."""
+    curve = [sum(0.9 ** d for d in range(1, min(j + 1, 7) + 1)) + 0.01 * max(0, j - 6) for j in range(16)]
+    controller = BudgetController(max_budget=16)
+    for _ in range(10):
+        controller.observe_request("failing", 7, [], confidence(curve))
+        controller.observe_step(8, 0.010, tokens=1)
+    controller.observe_request("new", 0, [], confidence(curve))  # a tree of its own, never verified: probes
+    controller.observe_step(8, 0.010, tokens=1)
+    assert controller.budget("new", dry=True, ahead=True) == PROBE_BUDGET
+    assert controller.budget("new", ahead=True) == PROBE_BUDGET  # counted: the step in flight carries the probe
+    assert controller.budget("new", dry=True, ahead=True) == 0  # the step after it, planned ahead
+    assert controller.budget("new", ahead=True) == 0
+    controller.observe_request("new", PROBE_BUDGET, [], confidence(curve))  # the probe's outcome: nothing accepted
+    controller.observe_step(8 * 5, 0.012, tokens=1, tree=True)
+    assert controller.requests["new"].verified and controller.budget("new", ahead=True) == 0  # waits its interval
+    assert controller.budget("new") == 0 and not controller.requests["new"].probing
+
+
 def test_the_engine_wide_record_decays_by_the_step_not_by_the_request():
     """At batch 64 a record decayed per observed request spans the last ~10 requests: ten failing probes after a
     step of 64 right trees outweighed it. Decayed per step, the record weighs a step's trees together."""

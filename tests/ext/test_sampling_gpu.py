@@ -61,25 +61,24 @@ def test_greedy_rows_equal_torch_argmax(dtype, vocab):
 def test_sampled_rows_agree_with_the_twin(dtype, rows, vocab):
     """fp32 exp on the GPU and the CPU may differ by an ulp. That moves a crossing only when the uniform lands
     within that much of a boundary, or when a token's weight sits on the min_p threshold (it is kept by one and
-    dropped by the other): >= 99.9% of the other rows pick the same token. A uniform just below 1 picks the
-    last kept token, whose mass can be far below the totals' rounding: there the kernel's token must be kept with
-    no more than 1e-9 of the mass after it."""
+    dropped by the other: such thresholds are moved off every weight first, so all rows are compared): >= 99.9%
+    of the rows pick the same token. A uniform just below 1 picks the last kept token, whose mass can be far
+    below the totals' rounding: there the kernel's token must be kept with no more than 1e-9 of the mass after
+    it."""
     r, gen = rng()
     logits, temperature, min_p, uniform = random_rows(gen, rows, vocab, dtype)
+    weights = relative_weights(logits, temperature)
+    min_p = off_the_weights(weights, min_p)
     k = max(1, rows // 20)
     uniform[:k] = 0.0  # the first kept token
     uniform[k:2 * k] = BELOW_ONE  # the last kept token
     got = kernel(logits, temperature, min_p, uniform)
     want = reference.sample_tokens(logits, temperature, min_p, uniform)
-    x = logits.double()
-    weights = torch.exp((x - x.amax(-1, keepdim=True)) / temperature.double()[:, None])  # e = p / max p
     kept = (weights > 0) & (weights >= min_p.double()[:, None])
-    on_threshold = ((weights / min_p.double()[:, None].clamp(min=1e-30) - 1).abs() < 1e-5).any(-1) & (min_p > 0)
     plain = torch.ones(rows, dtype=torch.bool)
     plain[k:2 * k] = False
-    plain &= ~on_threshold
     mismatches = int((got != want)[plain].sum())
-    assert int(plain.sum()) >= 0.5 * rows and mismatches <= max(1, int(plain.sum()) // 1000), (mismatches, rows)
+    assert mismatches <= max(1, int(plain.sum()) // 1000), (mismatches, rows, r)
     mass = torch.where(kept, weights, torch.zeros_like(weights))
     for row in range(k, 2 * k):
         token = int(got[row])
@@ -87,6 +86,31 @@ def test_sampled_rows_agree_with_the_twin(dtype, rows, vocab):
         assert bool(kept[row, token]) and after <= 1e-9 * float(mass[row].sum()), (row, token, after)
     chosen = logits.float().gather(1, got[:, None])[:, 0]
     assert torch.isfinite(chosen).all()
+
+
+def relative_weights(logits, temperature):
+    x = logits.double()
+    return torch.exp((x - x.amax(-1, keepdim=True)) / temperature.double()[:, None])  # [rows, vocab]: p / max p
+
+
+def on_threshold(weights, min_p):
+    """Rows with a token whose relative weight is within 1e-5 of the row's min_p (kept by one side, dropped by
+    the other after an ulp of difference in exp)."""
+    near = ((weights / min_p.double()[:, None].clamp(min=1e-30) - 1).abs() < 1e-5).any(-1)
+    return near & (min_p > 0)
+
+
+def off_the_weights(weights, min_p):
+    """min_p with each on-threshold row's value raised until no weight sits on it: towards the row's maximum the
+    weights thin out (at 1.3M tokens ~5% of rows have one on the threshold, and a 4-row case was sometimes left
+    with one row to compare)."""
+    min_p = min_p.clone()
+    for _ in range(50):
+        near = on_threshold(weights, min_p)
+        if not near.any():
+            return min_p
+        min_p[near] = (min_p[near] * 1.2).clamp(max=0.99)
+    raise AssertionError("min_p could not be moved off the weights")
 
 
 def expected_probs(logits, temperature, min_p):

@@ -7,6 +7,7 @@ import numpy as np
 import torch
 
 from engine.sampler import SampleOutput
+from engine.speculative.confidence import with_bins
 from engine.speculative.speculator import Walk
 
 
@@ -33,7 +34,7 @@ class HostResults:
             self.accept_len = take(num_reqs).astype(np.int64).tolist()
             self.accepted = take(num_reqs, width).astype(np.int64).tolist()
             self.emitted = take(num_reqs, width).astype(np.int64).tolist()
-        self.curves = take(*curve.shape).tolist() if curve is not None else []
+        self.curves = with_bins(take(*curve.shape)).tolist() if curve is not None else []  # [N, 2B]
         self._lp_index = {row: k for k, row in enumerate(out.logprob_rows)}
         self._chosen = take(len(out.logprob_rows)).tolist()
         n_top = out.top_ids.shape[1] if out.top_ids is not None else 0

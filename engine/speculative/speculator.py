@@ -19,7 +19,6 @@ import torch
 
 from engine.plan import ScheduledSeq
 from engine.speculative import verify
-from engine.speculative.confidence import node_confidence
 from engine.speculative.drafter import DraftRequest
 from engine.speculative.tree import DraftTree
 from engine.structured import ConstrainedTree
@@ -35,7 +34,9 @@ class TreeBatch:
     tree: DraftTree  # [N, W] rows, root first
     budgets: list[int]  # drafted nodes per request (host copy of what the scheduler granted)
     drafted: list[bool]  # the drafter ran for this request (False: a root-only tree, no proposal, no curve)
-    curve: torch.Tensor | None = None  # [N, 2B] the full-budget tree's node confidence (adaptive.node_confidence)
+    # the full-budget tree's node q [N, B] (eager trees: binned on the host, confidence.with_bins), or its node
+    # confidence [N, 2B] (whole-round graphs: confidence.node_confidence inside the graph; RoundCopy reads it)
+    curve: torch.Tensor | None = None
     tree_build_s: float = 0.0  # seconds building the trees from its proposal
     # structured output: request index -> its grammar-aware tree (rows' bitmasks), and nodes the grammar pruned
     constrained: dict = field(default_factory=dict)
@@ -217,7 +218,7 @@ class Speculator:
                          starts=proposal.starts, depth_offsets=proposal.depth_offsets)
 
     def curves(self, seqs: list[ScheduledSeq], ahead: tuple | None = None) -> tuple[torch.Tensor, DraftClock]:
-        """[M, 2B] node confidence of these requests' full-budget trees, verified by nobody this step (what the
+        """[M, B] node q of these requests' full-budget trees (binned on the host: confidence.with_bins), verified by nobody this step (what the
         adaptive budget reads to decide whether a request at budget 0 should verify a tree next step), and the
         drafter's clock. ahead: as propose()'s, for requests scheduled ahead of their newest token."""
         proposal = self.propose(seqs, ahead=ahead)
@@ -265,7 +266,7 @@ class Speculator:
 
     def _full_trees(self, proposal: "Proposal") -> tuple[DraftTree, torch.Tensor, dict]:
         """The proposal built into full-budget trees (best-first trees nest, so a request's own budget is a cut of
-        it), their node confidence (q and bin per node) and the grammar-aware trees of requests with structured
+        it), their node q [N, B] (the host bins them: confidence.with_bins) and the grammar-aware trees of requests with structured
         output (built on the host: their proposals come to the host, a sync that only steps with such requests
         pay)."""
         seqs, drafted = proposal.seqs, proposal.drafted
@@ -274,7 +275,7 @@ class Speculator:
         full = self.stage(proposal.full_budgets(self.max_budget))
         tree = DraftTree.from_topk(proposal.logprobs, proposal.token_ids, roots, full, self.max_budget)
         constrained = self._constrained_trees(seqs, proposal.logprobs, proposal.token_ids, tree, drafted)
-        return tree, node_confidence(tree.node_probabilities()), constrained
+        return tree, tree.node_probabilities(), constrained
 
     def _constrained_trees(self, seqs: list[ScheduledSeq], logprobs: torch.Tensor, token_ids: torch.Tensor,
                            tree: DraftTree, drafted: list[bool]) -> dict[int, ConstrainedTree]:

@@ -13,7 +13,7 @@ import torch
 from engine import LLM, SamplingParams
 from engine.speculative.adaptive import MIN_GAIN, PROBE_BUDGET, PROBE_EVERY, BudgetController
 from engine.speculative.request_record import nodes_above
-from engine.speculative.confidence import NUM_BINS, node_confidence
+from engine.speculative.confidence import NUM_BINS, node_confidence, with_bins
 from engine.speculative.oracle import OracleDrafter
 from tests.speculative.test_ddtree_e2e import golden_lookup, prompts
 
@@ -26,14 +26,17 @@ def confidence(curve: list[float]) -> list[float]:
     return node_confidence(cumulative.diff(prepend=cumulative.new_zeros(1))[None])[0].tolist()
 
 
-def test_node_confidence_bins_follow_frexp():
+@pytest.mark.parametrize("where", ["device", "host"])
+def test_node_confidence_bins_follow_frexp(where):
     """Bin k holds q in [2^-(k+1), 2^-k) (q = 1 in bin 0), the last bin everything smaller and q = 0: the binary
-    exponent as Python's math.frexp defines it, at and around every bin edge."""
+    exponent as Python's math.frexp defines it, at and around every bin edge; the same on the host (with_bins:
+    eager trees' q binned after the result copy) as on the device (node_confidence: inside whole-round graphs)."""
     import math
 
     edges = [2.0 ** -k for k in range(NUM_BINS + 2)]
     qs = [0.0, 1.0, 5e-324, 1e-300] + edges + [math.nextafter(e, 0.0) for e in edges] + [0.3, 0.117, 0.0158]
-    got = node_confidence(torch.tensor(qs, dtype=torch.float64)[None])[0].tolist()
+    q = torch.tensor(qs, dtype=torch.float64)[None]
+    got = (node_confidence(q) if where == "device" else torch.from_numpy(with_bins(q.numpy())))[0].tolist()
     assert got[:len(qs)] == qs
     expect = [min(NUM_BINS - 1, max(0, -math.frexp(q)[1])) if q > 0 else NUM_BINS - 1 for q in qs]
     assert got[len(qs):] == expect

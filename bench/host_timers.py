@@ -17,14 +17,14 @@ METHODS = {
     "engine.ahead:AheadLauncher": "plain trees _launch _plain",
     "engine.scheduler:Scheduler": "schedule schedule_ahead schedule_ahead_trees update wants_trees",
     "engine.runner:ModelRunner": "launch _launch_tree_ahead _launch_round _launch _decode_in_graph _run _forward "
-                                 "_sample collect _tree_results",
+                                 "_sample collect _tree_results _watch_ahead",
     "engine.runner:": "prepare_inputs",
     "engine.cuda_graphs:CudaGraphs": "run write_decode replay_rows set_layout bucket",
     "engine.plain_graphs:PlainGraphs": "plan run",
     "engine.graph_sampling:GraphSampling": "stage",
     "engine.step_results:ResultCopy": "__init__ wait",
     "engine.pending:PendingStep": "successors accepted_features sampled_tokens",
-    "engine.speculative.speculator:Speculator": "propose build confirm_ahead",
+    "engine.speculative.speculator:Speculator": "propose build confirm_ahead curves _full_trees",
     "engine.round_graphs:RoundGraphs": "run _stage_inputs",
     "engine.step_results:RoundCopy": "wait",
     "engine.speculative.adaptive:BudgetController": "observe_request budget harmonize should_draft budgets_of "

@@ -7,7 +7,10 @@ scheduling and graph, and the budget's threshold and fitted row and tree costs a
 each configuration N times: for runs whose speed swings from one to the next. --host-times adds, per kind of step,
 the inclusive host time of the engine's methods a step (bench/host_timers.py's perf_counter wrappers). Each kind
 also reports its median host busy time: wall time less the wait for the device's results, and its steps' summed
-time and tokens (a few slow tree steps move a run's throughput where medians hide them).
+time and tokens (a few slow tree steps move a run's throughput where medians hide them). --slow-steps F lists
+each kind's steps slower than F times its median, with the methods (all of them wrapped) that took longest
+beyond that kind's median step: where a heavy tail's time goes (on the H100 at batch 16 it found the n-gram
+engine's curve drafts at every 16th step).
 
     python bench/step_kinds.py --model SmolLM2-135M-Instruct.Q4_1.gguf --device cuda --runs 16:0 1:1 1:0
     python bench/step_kinds.py --model ... --runs 16:0 --scheduling async --repeat 3 --trace steps.jsonl
@@ -48,7 +51,7 @@ def step_record(label: str, index: int, stats, seconds: float, emitted: int, bud
 
 
 def run(model, device, dtype, drafter, overlap, batch, temperature, max_tokens, emulate=False, trace=None,
-        rep=0, host_times: list[str] | None = None) -> None:
+        rep=0, host_times: list[str] | None = None, slow_steps: float | None = None) -> None:
     label = f"batch {batch} T {temperature} async {overlap} {drafter}" + (f" #{rep}" if rep else "")
     name, _, variant = drafter.partition(":")  # ngram:noguard: the adaptive budget without its throughput guard
     dummy = isinstance(model, dict)  # a config: random weights of its shape, a self-repeating prompt of token ids
@@ -74,7 +77,9 @@ def run(model, device, dtype, drafter, overlap, batch, temperature, max_tokens, 
         core.add_request(prompt, SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=0.9, seed=i,
                                                 ignore_eos=True))
     # None: only the waits (host busy time); []: every method; labels: those and the waits
-    timers = step_timers(core, WAITS if host_times is None else (set(host_times) | WAITS) if host_times else None)
+    wrapped = None if slow_steps else WAITS if host_times is None else (set(host_times) | WAITS) if host_times else None
+    timers = step_timers(core, wrapped)
+    per_step = collections.defaultdict(list)  # kind -> (index, ms, method -> us): for --slow-steps
     host = collections.defaultdict(collections.Counter)  # kind of step -> method -> seconds (inclusive)
     kinds, tokens, t0, index = collections.defaultdict(list), 0, time.perf_counter(), 0
     probes = [host_speed_us()]  # the host's speed through the run (bench/host_timers.py host_speed_us)
@@ -98,6 +103,9 @@ def run(model, device, dtype, drafter, overlap, batch, temperature, max_tokens, 
         kinds[kind].append((seconds * 1e3, emitted, {k: v * 1e3 for k, v in stats.timings.items()},
                             (seconds - waited) * 1e3))
         host[kind].update({k: v - before.get(k, 0.0) for k, v in timers.seconds.items()})
+        if slow_steps:
+            per_step[kind].append((index - 1, seconds * 1e3, {k: (v - before.get(k, 0.0)) * 1e6
+                                                              for k, v in timers.seconds.items()}))
     timers.remove()
     elapsed, b = time.perf_counter() - t0, core.budgets
     print(f"== {label}: {tokens / elapsed:.0f} tok/s, "
@@ -113,13 +121,33 @@ def run(model, device, dtype, drafter, overlap, batch, temperature, max_tokens, 
         if host_times is not None:
             print("      host us/step: " + ", ".join(f"{k} {v / len(steps) * 1e6:.0f}"
                                                     for k, v in host[kind].most_common(40)), flush=True)
+    if slow_steps:
+        print_slow_steps(per_step, slow_steps)
+
+
+def print_slow_steps(per_step: dict, factor: float, num_steps: int = 12, num_methods: int = 8) -> None:
+    """Per kind of step, its steps slower than `factor` times the kind's median, each with the methods that took
+    longest beyond what they took in the kind's median step."""
+    for kind, rows in per_step.items():
+        median = statistics.median(ms for _, ms, _ in rows)
+        slow = [r for r in rows if r[1] > factor * median]
+        if not slow:
+            continue
+        typical = {k: statistics.median(d.get(k, 0.0) for _, _, d in rows) for k in {k for _, _, d in rows for k in d}}
+        print(f"   slow steps of {kind} (median {median:.3f} ms): {len(slow)}, "
+              f"{sum(ms - median for _, ms, _ in slow):.1f} ms beyond the median", flush=True)
+        for index, ms, d in slow[:num_steps]:
+            over = sorted(((v - typical.get(k, 0.0), k) for k, v in d.items()), reverse=True)[:num_methods]
+            print(f"      step {index}: {ms:.3f} ms; " + ", ".join(f"{k} +{us:.0f} us" for us, k in over if us > 0),
+                  flush=True)
 
 
 def step_timers(core, only: set[str] | None) -> HostTimers:
     """perf_counter wrappers around the engine's methods (bench/host_timers.py), the drafter's included, or only
     around those named."""
     drafter = core.speculator.drafter if core.speculator is not None else None
-    timers = HostTimers({type(drafter): "propose propose_ahead"} if drafter is not None else None, only)
+    timers = HostTimers({type(drafter): "propose propose_ahead _write _draft _send_back"} if drafter is not None
+                        else None, only)
     timers.active = True
     return timers
 
@@ -151,6 +179,9 @@ def main() -> None:
     p.add_argument("--host-times", nargs="*", default=None, metavar="CLASS.METHOD",
                    help="per kind of step, the inclusive host time of the engine's methods (bench/host_timers.py); "
                         "with labels, of those only (fewer wrappers: each costs ~1 us a call)")
+    p.add_argument("--slow-steps", type=float, default=None, metavar="FACTOR",
+                   help="list the steps slower than FACTOR times their kind's median and the methods that took "
+                        "longest beyond that kind's median step (every method wrapped)")
     args = p.parse_args()
     model = SMOLLM2_135M if args.smollm2_shape else TINY if args.tiny_shape else args.model
     with open(args.trace, "w") if args.trace else contextlib.nullcontext() as trace:
@@ -161,7 +192,7 @@ def main() -> None:
                     for rep in range(1, args.repeat + 1):
                         run(model, args.device, args.dtype, drafter, overlap, batch, temperature, args.max_tokens,
                             args.emulate, trace, rep if args.repeat > 1 else 0,
-                            args.host_times)
+                            args.host_times, args.slow_steps)
 
 
 if __name__ == "__main__":

@@ -55,7 +55,7 @@ class StepResult:
     tree_nodes: list[int] = field(default_factory=list)  # draft nodes verified per request
     accepted_per_position: list[int] = field(default_factory=list)  # index d: drafts accepted at depth d + 1
     # request_id -> its full-budget tree's node confidence: B draft probabilities q, then B confidence bins
-    # (engine.speculative.adaptive.node_confidence; adaptive budgets)
+    # (engine.speculative.confidence.node_confidence, on the host; adaptive budgets)
     curves: dict[str, list[float]] = field(default_factory=dict)
     # "replay" (a CUDA graph ran the forward), "eager: <why>" where graphs exist but could not serve the step,
     # "" without graphs

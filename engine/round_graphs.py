@@ -3,7 +3,7 @@ bucket (N requests x W rows: the forward graphs' buckets with W > 1, and root-on
 full-context plain-decoding forward) and a few copies:
 
   prologue  the best-first trees built from the drafter's proposal (full budget, then cut to each request's
-            budget), their node confidence, and the verify rows written into the forward graph's static buffers:
+            budget), their node q, and the verify rows written into the forward graph's static buffers:
             input ids, rope positions (root position + depth), cache slots (looked up in the block tables on
             the device), key counts and the tree mask;
   forward   the target forward's own graph (engine/cuda_graphs.py);
@@ -35,7 +35,6 @@ import torch
 from engine import graph_sampling
 from engine.graph_sampling import GREEDY, VARIANTS, GraphSampling
 from engine.plan import ScheduledSeq
-from engine.speculative.confidence import node_confidence
 from engine.speculative.speculator import Proposal, Speculator, Walk
 from engine.speculative.tree import DraftTree
 from engine.staging import Staging
@@ -52,11 +51,11 @@ class RoundStep:
     """A launched whole-round step's device outputs, cut to its requests (views of static buffers)."""
 
     tree: DraftTree  # [N, W_bucket]
-    curve: torch.Tensor  # [N, 2B] float64
+    curve: torch.Tensor  # [N, B] float64 node q
     tree_slots: torch.Tensor  # [N, W_bucket] int64
     walk: Walk
     starts: torch.Tensor  # [N] int64 root positions
-    packed: torch.Tensor  # [N, 1 + 2A + 2B] float64
+    packed: torch.Tensor  # [N, 1 + 2A + B] float64
     captured: list[torch.Tensor]  # the forward's captured layers, [N * W_bucket, hidden] each (views)
     width: int  # W_bucket
 
@@ -208,11 +207,11 @@ class RoundGraphs:
 
     def _prologue(self, n: int, w: int) -> tuple[DraftTree, torch.Tensor, torch.Tensor]:
         """Trees and verify rows of bucket (n, w) from the static inputs, into the forward's static buffers ->
-        (the trees cut to W rows, node confidence [n, 2B], cache slots [n, W])."""
+        (the trees cut to W rows, node q [n, B], cache slots [n, W])."""
         g, small = self.graphs, self.small[:, :n]
         budget_rows = max(self.max_budget, w - 1)  # a bucket wider than the largest tree pads it
         full = DraftTree.from_topk(self.logprobs[:n], self.token_ids[:n], small[ROOT], small[FULL], budget_rows)
-        curve = node_confidence(full.node_probabilities()[:, :self.max_budget])
+        curve = full.node_probabilities()[:, :self.max_budget]  # [n, B]: the host bins it (node_confidence)
         tree = full.truncated(small[BUDGET], w)
         starts, owned = small[START], small[OWNED]
         g.input_ids[:n * w].copy_(tree.input_ids().reshape(-1))

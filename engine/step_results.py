@@ -7,7 +7,7 @@ import numpy as np
 import torch
 
 from engine.sampler import SampleOutput
-from engine.speculative.confidence import with_bins
+from engine.speculative.confidence import node_confidence
 from engine.speculative.speculator import Walk
 
 
@@ -34,7 +34,7 @@ class HostResults:
             self.accept_len = take(num_reqs).astype(np.int64).tolist()
             self.accepted = take(num_reqs, width).astype(np.int64).tolist()
             self.emitted = take(num_reqs, width).astype(np.int64).tolist()
-        self.curves = with_bins(take(*curve.shape)).tolist() if curve is not None else []  # [N, 2B]
+        self.curves = node_confidence(take(*curve.shape)).tolist() if curve is not None else []  # [N, 2B]
         self._lp_index = {row: k for k, row in enumerate(out.logprob_rows)}
         self._chosen = take(len(out.logprob_rows)).tolist()
         n_top = out.top_ids.shape[1] if out.top_ids is not None else 0
@@ -44,7 +44,7 @@ class HostResults:
     @classmethod
     def of_round(cls, rows: np.ndarray, num_accepted: int) -> "HostResults":
         """The results of a whole-round graph (engine/round_graphs.py): per request one row of accept length,
-        accepted rows [A], emitted tokens [A] and node confidence (A = num_accepted); no sampled plain rows and
+        accepted rows [A], emitted tokens [A] and node q [B] (A = num_accepted); no sampled plain rows and
         no logprobs."""
         out = cls.__new__(cls)
         a = num_accepted
@@ -53,7 +53,7 @@ class HostResults:
         out.accept_len = ints[:, 0].tolist()
         out.accepted = ints[:, 1:1 + a].tolist()
         out.emitted = ints[:, 1 + a:].tolist()
-        out.curves = rows[:, 1 + 2 * a:].tolist()
+        out.curves = node_confidence(rows[:, 1 + 2 * a:]).tolist()
         return out
 
     def logprob(self, row: int, num_top: int) -> tuple[float, list[tuple[int, float]]]:
@@ -107,7 +107,7 @@ class ResultCopy(_HostCopy):
 
 
 class RoundCopy(_HostCopy):
-    """The one copy of a whole-round graph's packed results ([N, 1 + 2A + 2B] float64 on the device)."""
+    """The one copy of a whole-round graph's packed results ([N, 1 + 2A + B] float64 on the device)."""
 
     def __init__(self, packed: torch.Tensor, num_accepted: int):
         self.num_accepted = num_accepted

@@ -34,9 +34,7 @@ class TreeBatch:
     tree: DraftTree  # [N, W] rows, root first
     budgets: list[int]  # drafted nodes per request (host copy of what the scheduler granted)
     drafted: list[bool]  # the drafter ran for this request (False: a root-only tree, no proposal, no curve)
-    # the full-budget tree's node q [N, B] (eager trees: binned on the host, confidence.with_bins), or its node
-    # confidence [N, 2B] (whole-round graphs: confidence.node_confidence inside the graph; RoundCopy reads it)
-    curve: torch.Tensor | None = None
+    curve: torch.Tensor | None = None  # [N, B] the full-budget tree's node q (the host bins it: node_confidence)
     tree_build_s: float = 0.0  # seconds building the trees from its proposal
     # structured output: request index -> its grammar-aware tree (rows' bitmasks), and nodes the grammar pruned
     constrained: dict = field(default_factory=dict)
@@ -218,9 +216,10 @@ class Speculator:
                          starts=proposal.starts, depth_offsets=proposal.depth_offsets)
 
     def curves(self, seqs: list[ScheduledSeq], ahead: tuple | None = None) -> tuple[torch.Tensor, DraftClock]:
-        """[M, B] node q of these requests' full-budget trees (binned on the host: confidence.with_bins), verified by nobody this step (what the
-        adaptive budget reads to decide whether a request at budget 0 should verify a tree next step), and the
-        drafter's clock. ahead: as propose()'s, for requests scheduled ahead of their newest token."""
+        """[M, B] node q of these requests' full-budget trees, verified by nobody this step (binned on the host by
+        confidence.node_confidence, what the adaptive budget reads to decide whether a request at budget 0 should
+        verify a tree next step), and the drafter's clock. ahead: as propose()'s, for requests scheduled ahead of
+        their newest token."""
         proposal = self.propose(seqs, ahead=ahead)
         _, curve, _ = self._full_trees(proposal)
         return curve, proposal.clock
@@ -266,9 +265,9 @@ class Speculator:
 
     def _full_trees(self, proposal: "Proposal") -> tuple[DraftTree, torch.Tensor, dict]:
         """The proposal built into full-budget trees (best-first trees nest, so a request's own budget is a cut of
-        it), their node q [N, B] (the host bins them: confidence.with_bins) and the grammar-aware trees of requests with structured
-        output (built on the host: their proposals come to the host, a sync that only steps with such requests
-        pay)."""
+        it), their node q [N, B] (the host bins them: confidence.node_confidence) and the grammar-aware trees of
+        requests with structured output (built on the host: their proposals come to the host, a sync that only steps
+        with such requests pay)."""
         seqs, drafted = proposal.seqs, proposal.drafted
         roots = proposal.roots if proposal.roots is not None else self.stage([s.request.last_token_id for s in seqs])
         # the full budget's node probabilities tell the adaptive budget what a bigger tree would bring

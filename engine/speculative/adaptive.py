@@ -197,7 +197,10 @@ class BudgetController(StepBudgets):
         stats.predicted = DECAY * stats.predicted + predicted
         if accepted:
             stats.probe_interval, stats.failed_q = PROBE_EVERY, None
-        elif 0 < budget <= PROBE_BUDGET:  # a probe's size (or as small), and nothing accepted: probe less often
+        elif 0 < budget <= PROBE_BUDGET and predicted > 0:  # a probe's size (or as small), nothing accepted:
+            # probe less often. A probe chosen on an older tree whose own tree came out without mass tested
+            # nothing (the H100 at batch 16, T = 0: such probes kept doubling the wait while the text turned to
+            # copying)
             stats.probe_interval = min(2 * stats.probe_interval, MAX_PROBE_BACKOFF)
             stats.failed_q = predicted
         if predicted > 0:

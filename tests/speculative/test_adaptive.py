@@ -764,6 +764,27 @@ def test_failing_probes_back_off_and_an_accepted_one_restores_them():
     assert controller.requests["r"].probe_interval == PROBE_EVERY
 
 
+def test_a_probe_whose_tree_held_no_mass_does_not_back_off():
+    """A probe is chosen on the request's latest tree, which under asynchronous scheduling may be many steps old;
+    the tree drafted for the probe's own step can hold nothing (on the H100 at batch 16, T = 0, the probes of a
+    request whose first tree failed came out empty and doubled its wait each time). Such a probe tested nothing:
+    the wait stays, and a probe whose tree held mass and accepted nothing still doubles it."""
+    from engine.speculative.adaptive import PROBE_EVERY
+
+    controller = BudgetController(max_budget=8)
+    for _ in range(5):
+        controller.observe_step(8, 0.01, tokens=8)
+    qs = [0.6 ** (j + 1) for j in range(8)]
+    curve = confidence([sum(qs[:j + 1]) for j in range(8)])
+    empty = confidence([0.0] * 8)
+    controller.observe_request("r", 8, [], curve)  # its own tree failed
+    assert controller.requests["r"].probe_interval == PROBE_EVERY
+    controller.observe_request("r", PROBE_BUDGET, [], empty)
+    assert controller.requests["r"].probe_interval == PROBE_EVERY
+    controller.observe_request("r", PROBE_BUDGET, [], curve)
+    assert controller.requests["r"].probe_interval == 2 * PROBE_EVERY
+
+
 def random_step(rng: random.Random, requests: list[str], controllers) -> None:
     """One step's observations, the same for each controller: r0-r3 confident and never right (probed; one step
     in five their drafter finds nothing), r4 unsure and always right (its bins over-deliver, its few nodes just

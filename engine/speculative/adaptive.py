@@ -128,11 +128,15 @@ class BudgetController(StepBudgets):
         self.bins.decay(DECAY)
         if rows <= 0 or seconds <= 0:
             return
-        if self.fit.n == 0:  # the prior, from the first step whatever it is: t_row = share * T / rows
+        if self.fit.n == 0 and fit:  # the prior, from the first step that prices rows: t_row = share * T / rows
             # (optimistic, so the first trees get verified and the fit learns from them. Seeded by a decoding step's
             # few rows it priced a row at half that step, and no tree ever ran: plain steps of one width never
             # move the slope. A prompt found in the prefix cache makes the first step such a one, hence at least
-            # PRIOR_MIN_ROWS: on the H200 batch 16's 16 rows gave a threshold of 1.9 tokens a row, none verified)
+            # PRIOR_MIN_ROWS: on the H200 batch 16's 16 rows gave a threshold of 1.9 tokens a row, none verified.
+            # Not from a prefill step: its pseudo-steps sat at the prompt's rows and time, and against the decoding
+            # steps that followed they read as a row cost of a prefill's time by its rows. On the H100 at batch 16
+            # the slope climbed from 0.1 to 18 us a row over 23 plain steps after trees had measured ~0, and the
+            # threshold from 0.02 to 0.31 tokens, above the drafter's first nodes, so no probe ran)
             t_row = self.prior_row_share * seconds / max(rows, PRIOR_MIN_ROWS)
             # two pseudo-steps on either side of this one, as far: while the steps that follow have its width, they
             # give the prior's slope whatever their time (asymmetric, a first step slower than the next ones

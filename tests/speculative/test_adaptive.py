@@ -693,6 +693,26 @@ def test_a_first_step_of_few_rows_seeds_an_optimistic_prior():
     assert 0.5 * 0.0025 / 16 * 16 / 0.0008 > 1.5 > 0.5 * 0.0025 / PRIOR_MIN_ROWS * 16 / 0.0008  # (what it was)
 
 
+def test_a_prefill_step_does_not_seed_the_prior():
+    """The prior's pseudo-steps sit at the step that seeds them. Seeded by a prompt's prefill (81 rows, 9.7 ms),
+    they read, beside the decoding steps that followed, as the row cost of a prefill: on the H100 at batch 16
+    (`bench/gpu_serving.py`'s flow, graphs on, so tree steps are fitted as rows) the slope climbed from 0.1 to 18
+    us a row over 23 plain steps after two tree steps had measured ~0, and the threshold from 0.02 to 0.31 tokens:
+    above the drafter's first nodes, so for a request whose first tree had failed no probe ran. The steps below
+    are that run's first 31, as the trace logged them."""
+    controller = BudgetController(max_budget=16)
+    controller.pipelined, controller.price_tree_steps = True, False
+    # rows, ms, tokens, fit, tree, synchronous
+    trace = [(81, 9.683, 1, 0, 0, 1), (1, 4.927, 1, 1, 0, 1), (1, 0.805, 1, 1, 0, 0), (1, 1.672, 1, 1, 0, 0),
+             (4, 1.661, 4, 1, 1, 0), (16, 4.341, 16, 1, 0, 1), (96, 2.528, 16, 1, 1, 0), (256, 1.697, 16, 1, 1, 0)]
+    trace += [(16, 0.84, 16, 1, 0, 0)] * 23
+    for rows, ms, tokens, fit, tree, synchronous in trace:
+        controller.observe_step(rows, ms / 1e3, tokens, fit=bool(fit), tree=bool(tree), synchronous=bool(synchronous))
+    # the tree steps' own slope: 96 rows in 2.5 ms and 256 in 1.7 beside 16 in ~0.84 (the first, synchronous,
+    # pays its switch), a few us a row at most
+    assert controller.fit.slope() < 5e-6 and controller.threshold() < 0.1
+
+
 def test_under_asynchronous_scheduling_a_switch_into_trees_pays_its_synchronous_step():
     """A tree step after a plain one cannot run ahead of its predecessor's results (nor can the plain step after the
     trees): on the H200 at batch 1 such a step took ~1.9 ms against 0.83 ms run ahead, and sporadic trees of ~0.7
@@ -701,7 +721,7 @@ def test_under_asynchronous_scheduling_a_switch_into_trees_pays_its_synchronous_
     strong one does not, and once a tree step ran (the next can run ahead) the mild one is verified too."""
     controller = BudgetController(max_budget=8)
     controller.pipelined = True
-    controller.observe_step(64, 0.002, tokens=1, fit=False)  # (the prompt: seeds the prior)
+    controller.observe_step(64, 0.002, tokens=1, fit=False)  # (the prompt)
     for i in range(60):  # batch 1: ahead steps 0.83 ms; every 6th a synchronous one, 1.1 ms more
         synchronous = i % 6 == 0
         controller.observe_step(1, 0.00083 + 0.0011 * synchronous, tokens=1, synchronous=synchronous)

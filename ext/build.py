@@ -3,7 +3,8 @@ launches, plus every torch-free *.cu kernel file). No silent fallback: `load_ops
 `torch.ops.ddtree` or None, and then `load_error()` says why in one line.
 
 Ahead of time: `ddtree build-ext` (`build()`) compiles without a visible GPU for an explicit architecture list
-(default `8.0;9.0+PTX`: sm_80 and sm_90 machine code plus compute_90 PTX, which newer GPUs JIT-compile;
+(default `8.0;9.0a;9.0+PTX`: sm_80, sm_90a and sm_90 machine code plus compute_90 PTX, which newer GPUs
+JIT-compile;
 override with $DDTREE_CUDA_ARCH_LIST, same syntax as TORCH_CUDA_ARCH_LIST) into $DDTREE_EXT_DIR, else ext/lib/
 inside the package, where pip installs and the Docker image find it. A library directory holds ddtree_ext.so and
 build.json (torch and CUDA versions, source hash, architectures; ext/prebuilt.py reads and checks it).
@@ -121,6 +122,17 @@ def _cuda_home(nvcc_path: str) -> str:
     return str(home)
 
 
+def target_defines(targets: list[str]) -> list[str]:
+    """Macros the host passes see: DDTREE_SM90A when sm_90a machine code is built (the attention's warpgroup-MMA
+    tiles, ext/csrc/wgmma.cuh)."""
+    return ["-DDDTREE_SM90A"] if "sm_90a" in targets else []
+
+
+def device_arch(capability: tuple[int, int]) -> str:
+    """The architecture a JIT build targets for this device: its own, arch-specific on Hopper (9.0a: wgmma)."""
+    return "9.0a" if tuple(capability) == (9, 0) else f"{capability[0]}.{capability[1]}"
+
+
 def arch_list() -> str:
     """The ahead-of-time architecture list: $DDTREE_CUDA_ARCH_LIST, else DEFAULT_ARCH_LIST."""
     return os.environ.get("DDTREE_CUDA_ARCH_LIST") or DEFAULT_ARCH_LIST
@@ -212,7 +224,7 @@ def _compile(targets: list[str], verbose: bool) -> Path:
             name=NAME,
             sources=[str(s) for s in sources()],
             extra_cflags=["-O3"],
-            extra_cuda_cflags=NVCC_FLAGS + gencode_flags(targets),
+            extra_cuda_cflags=NVCC_FLAGS + gencode_flags(targets) + target_defines(targets),
             extra_include_paths=[str(CSRC)],
             build_directory=str(workspace),
             with_cuda=True,
@@ -349,7 +361,7 @@ def _load(verbose: bool):
     missing = toolchain_missing()
     if missing:
         return None, f"{found} and {missing}; run `ddtree build-ext` where the CUDA toolkit is installed", None
-    targets = parse_arch_list(os.environ.get("DDTREE_CUDA_ARCH_LIST") or f"{capability[0]}.{capability[1]}")
+    targets = parse_arch_list(os.environ.get("DDTREE_CUDA_ARCH_LIST") or device_arch(capability))
     logger.info("%s: JIT-building the CUDA extension for %s", found, ", ".join(targets))
     out = jit_dir()
     try:

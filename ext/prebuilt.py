@@ -12,7 +12,8 @@ from pathlib import Path
 
 LIB_NAME = "ddtree_ext.so"
 MANIFEST = "build.json"
-DEFAULT_ARCH_LIST = "8.0;9.0+PTX"  # sm_80 and sm_90 machine code, compute_90 PTX for newer GPUs
+# sm_80, sm_90a (Hopper's warpgroup MMAs) and sm_90 machine code, compute_90 PTX for newer GPUs
+DEFAULT_ARCH_LIST = "8.0;9.0a;9.0+PTX"
 
 
 # ---- architectures -----------------------------------------------------------------------------------------------

@@ -205,7 +205,7 @@ int ceil_div(int a, int b) { return (a + b - 1) / b; }
 }  // namespace
 
 AttnPlan attn_plan(DType dtype, int dk, int dv, int qa_dim, bool shared_kv, bool aligned, int group, int num_seqs,
-                   int num_kv_heads, int max_query_len, int max_seq_len, int num_sms, bool clusters) {
+                   int num_kv_heads, int max_query_len, int max_seq_len, int num_sms, bool clusters, bool wgmma) {
   AttnPlan plan{0, 0, 1, 1, 1, 0};
   const bool half = dtype == kBFloat16 || dtype == kFloat16;
   const bool gqa = half && aligned && !shared_kv && dk == dv && (dk == 64 || dk == 128);
@@ -213,7 +213,7 @@ AttnPlan attn_plan(DType dtype, int dk, int dv, int qa_dim, bool shared_kv, bool
   if (!gqa && !mla) return plan;
   plan.kind = gqa ? 1 : 2;
   const int rows = (max_query_len > 0 ? max_query_len : 1) * group;
-  plan.config = rows <= 16 ? 0 : 1;
+  plan.config = rows <= 16 ? 0 : (gqa && wgmma ? 2 : 1);
   plan.tile_rows = plan.config == 0 ? 16 : 64;
   const int bn = (mla && plan.config == 1) ? 32 : 64;
   plan.tiles_per_seq = ceil_div(rows, plan.tile_rows);

@@ -1,7 +1,7 @@
 // Tensor-core MLA (absorbed) instantiations: bf16/fp16 over a latent cache of 512 + 64 rope dims, the values
 // being the first 512 dims of the same rows (loaded once per tile). Config 0: 16 rows (<= 16 heads x tokens),
 // 4 column warps; config 1: 64 rows, 4 x 2 warps, 32-token KV tiles (shared memory holds Q 64x576).
-#include "attention_mma.cuh"
+#include "attention_mma_launch.cuh"
 
 namespace ddtree {
 

@@ -8,13 +8,16 @@
 // stages deep; positions past the split end are zero-filled (never read), so NaN in unused cache slots
 // cannot leak. Masking is applied only to tiles that reach the new tokens (the tree / causal block) or the
 // split end: the context prefix is fully visible.
+// WG (sm_90a, 64-row GQA tiles: one warpgroup, WM = 4, WN = 1): S and P V run as warpgroup MMAs (wgmma.cuh) from
+// the Q and P fragments in registers and the K / V tiles in 128B-swizzled shared memory; the rest is shared.
 #pragma once
 #include "attention_cluster.cuh"
 #include "common.cuh"
+#include "wgmma.cuh"
 
 namespace ddtree {
 
-template <int DK, int DV, int WM, int WN, int BN, bool SHARED_KV, int ELEM, int STAGES>
+template <int DK, int DV, int WM, int WN, int BN, bool SHARED_KV, int ELEM, int STAGES, bool WG = false>
 struct MmaCfg {
   static constexpr int BM = 16 * WM, NWARPS = WM * WN, NTHREADS = 32 * NWARPS;
   static constexpr int KSTR = DK + 8;                         // smem row strides (elements): +16 B per row
@@ -23,24 +26,36 @@ struct MmaCfg {
   static constexpr bool QREG = DK <= 128;                     // keep the Q fragments in registers
   static constexpr int S_COLS = BN / WN, S_NT = S_COLS / 8;   // S columns per warp, as n8 tiles
   static constexpr int O_COLS = DV / WN, O_NT = O_COLS / 8;   // output columns per warp, as n8 tiles
+  // (padded even for WG, whose BN x DK stages are smaller: a pass without sm_90a runs WG as mma.sync, kWG)
   static constexpr int Q_ELEMS = BM * KSTR, K_ELEMS = STAGES * BN * KSTR;
   // WN == 1: a warp owns whole rows, so P stays in registers (its S fragments are the PV A fragments)
   static constexpr int V_ELEMS = SHARED_KV ? 0 : STAGES * BN * VSTR, P_ELEMS = WN > 1 ? BM * PSTR : 0;
-  static constexpr size_t SMEM =
-      static_cast<size_t>(Q_ELEMS + K_ELEMS + V_ELEMS + P_ELEMS) * ELEM + 2 * WN * BM * sizeof(float);
+  static constexpr size_t ALIGN_SLACK = WG ? 1024 : 0;  // WG: swizzled tiles start 1024-byte aligned
+  static constexpr size_t SMEM = static_cast<size_t>(Q_ELEMS + K_ELEMS + V_ELEMS + P_ELEMS) * ELEM +
+                                 2 * WN * BM * sizeof(float) + ALIGN_SLACK;
   static_assert(S_NT % 2 == 0 && O_NT % 2 == 0 && DK % 16 == 0 && BN % 16 == 0, "tile shape");
   static_assert(SHARED_KV || DK == DV, "separate K and V caches share a head dim");
   static_assert(STAGES >= 2, "cp.async pipeline depth");
+  static_assert(!WG || (WM == 4 && WN == 1 && !SHARED_KV && BN == 64 && DK % 64 == 0 && (DV == 64 || DV == 128) &&
+                        Q_ELEMS * ELEM % 1024 == 0 && K_ELEMS * ELEM % 1024 == 0 && ELEM == 2),
+                "warpgroup tiles: 64 rows, 64 keys, one warpgroup, 1024-byte aligned stages");
 };
 
-template <typename T, int DK, int DV, int WM, int WN, int BN, bool SHARED_KV, int STAGES>
+template <typename T, int DK, int DV, int WM, int WN, int BN, bool SHARED_KV, int STAGES, bool WG>
 __global__ void __launch_bounds__(32 * WM * WN) attn_mma_kernel(const AttnParams p) {
-  using C = MmaCfg<DK, DV, WM, WN, BN, SHARED_KV, sizeof(T), STAGES>;
+  using C = MmaCfg<DK, DV, WM, WN, BN, SHARED_KV, sizeof(T), STAGES, WG>;
+  // A pass without sm_90a (sm_90 beside sm_90a in one library: the driver picks) runs WG tiles as mma.sync.
+  constexpr bool kWG = WG && kWgmmaCompiled;
   // The next kernel (the GEMV) may start at once; a combine kernel only after the KV loop (attention.cu)
   const bool combine_follows = p.num_splits > 1 && !p.cluster_combine;
   if (!combine_follows) pdl_trigger();
   constexpr int BM = C::BM, KSTR = C::KSTR, VSTR = C::VSTR, PSTR = C::PSTR, NTHREADS = C::NTHREADS;
-  extern __shared__ __align__(16) unsigned char smem_raw[];
+  extern __shared__ __align__(16) unsigned char smem_dyn[];
+  unsigned char* smem_raw = smem_dyn;
+  if constexpr (kWG) {  // the slack in C::SMEM: round the shared address up to 1024 bytes
+    const uint32_t a = static_cast<uint32_t>(__cvta_generic_to_shared(smem_dyn));
+    smem_raw += ((a + 1023u) & ~1023u) - a;
+  }
   T* Qs = reinterpret_cast<T*>(smem_raw);
   T* Ks = Qs + C::Q_ELEMS;
   T* Vs = SHARED_KV ? Ks : Ks + C::K_ELEMS;
@@ -119,10 +134,11 @@ __global__ void __launch_bounds__(32 * WM * WN) attn_mma_kernel(const AttnParams
     }
   }
   // Each thread gathers the same 16-byte columns of K and V for its tokens: one block-table lookup per token.
+  constexpr int KROW = kWG ? DK : KSTR, VROW = kWG ? DV : VSTR;  // a stage's elements per key (kWG: unpadded)
   auto load_kv = [&](int stage, int pos0) {
     constexpr int KCPR = DK / 8, CHUNKS = BN * KCPR;
-    T* ks = Ks + stage * BN * KSTR;
-    T* vs = Vs + stage * BN * VSTR;
+    T* ks = Ks + stage * BN * KROW;
+    T* vs = Vs + stage * BN * VROW;
 #pragma unroll
     for (int c0 = 0; c0 < CHUNKS; c0 += NTHREADS) {
       const int c = c0 + tid;
@@ -136,9 +152,16 @@ __global__ void __launch_bounds__(32 * WM * WN) attn_mma_kernel(const AttnParams
         const int off = p.block_shift >= 0 ? pos & (p.block_size - 1) : pos - blk * p.block_size;
         slot = static_cast<int64_t>(bt[blk]) * p.block_size + off;
       }
-      cp_async_16(ks + r * KSTR + col, static_cast<const T*>(p.k) + slot * p.k_stride_slot + static_cast<int64_t>(kvh) * p.k_stride_head + col, ok);
-      if constexpr (!SHARED_KV)
-        cp_async_16(vs + r * VSTR + col, static_cast<const T*>(p.v) + slot * p.v_stride_slot + static_cast<int64_t>(kvh) * p.v_stride_head + col, ok);
+      // kWG: column block col / 64 of the swizzled layout (wgmma.cuh), else padded rows
+      const uint32_t dst = kWG ? (col / 64) * BN * 128 + sw128_offset(r, (col % 64) / 8)
+                              : static_cast<uint32_t>((r * KSTR + col) * sizeof(T));
+      const T* k_src = static_cast<const T*>(p.k) + slot * p.k_stride_slot + static_cast<int64_t>(kvh) * p.k_stride_head;
+      cp_async_16(reinterpret_cast<unsigned char*>(ks) + dst, k_src + col, ok);
+      if constexpr (!SHARED_KV) {
+        const uint32_t vdst = kWG ? dst : static_cast<uint32_t>((r * VSTR + col) * sizeof(T));
+        const T* v_src = static_cast<const T*>(p.v) + slot * p.v_stride_slot + static_cast<int64_t>(kvh) * p.v_stride_head;
+        cp_async_16(reinterpret_cast<unsigned char*>(vs) + vdst, v_src + col, ok);
+      }
     }
   };
 
@@ -162,6 +185,7 @@ __global__ void __launch_bounds__(32 * WM * WN) attn_mma_kernel(const AttnParams
     if (it + STAGES - 1 < ntiles) load_kv((it + STAGES - 1) % STAGES, pos0 + (STAGES - 1) * BN);
     cp_async_commit();
     cp_async_wait<STAGES - 1>();
+    if constexpr (kWG) fence_proxy_async_shared();
     __syncthreads();
     if constexpr (C::QREG) {
       if (it == 0) {
@@ -175,9 +199,10 @@ __global__ void __launch_bounds__(32 * WM * WN) attn_mma_kernel(const AttnParams
     float s[C::S_NT][4];
 #pragma unroll
     for (int i = 0; i < C::S_NT; ++i) s[i][0] = s[i][1] = s[i][2] = s[i][3] = 0.f;
-    const T* ks = Ks + stage * BN * KSTR;
+    const T* ks = Ks + stage * BN * KROW;
+    if constexpr (kWG) wg_scores<T, DK, BN>(s, qf, ks);
 #pragma unroll
-    for (int kk = 0; kk < DK / 16; ++kk) {
+    for (int kk = 0; kk < (kWG ? 0 : DK / 16); ++kk) {
       uint32_t a[4];
       if constexpr (C::QREG) {
         a[0] = qf[kk][0]; a[1] = qf[kk][1]; a[2] = qf[kk][2]; a[3] = qf[kk][3];
@@ -297,9 +322,10 @@ __global__ void __launch_bounds__(32 * WM * WN) attn_mma_kernel(const AttnParams
     }
 
     // O += P V for this warp's 16 rows x O_COLS columns.
-    const T* vs = Vs + stage * BN * VSTR;
+    const T* vs = Vs + stage * BN * VROW;
+    if constexpr (kWG) wg_pv<T, DV, BN>(o, s, vs);
 #pragma unroll
-    for (int kk = 0; kk < BN / 16; ++kk) {
+    for (int kk = 0; kk < (kWG ? 0 : BN / 16); ++kk) {
       uint32_t a[4];
       if constexpr (WN > 1) {
         ldmatrix_x4(a, Ps + (rbase + (lane & 15)) * PSTR + kk * 16 + (lane >> 4) * 8);
@@ -369,32 +395,6 @@ __global__ void __launch_bounds__(32 * WM * WN) attn_mma_kernel(const AttnParams
       if (wn == 0 && tq == 0) p.lse_part[row] = l_r[hr] > 0.f ? m_r[hr] + log2f(l_r[hr]) : -CUDART_INF_F;
     }
   }
-}
-
-template <typename T, int DK, int DV, int WM, int WN, int BN, bool SHARED_KV, int STAGES>
-cudaError_t launch_attn_mma(const AttnParams& p, cudaStream_t stream) {
-  using C = MmaCfg<DK, DV, WM, WN, BN, SHARED_KV, sizeof(T), STAGES>;
-  auto kernel = attn_mma_kernel<T, DK, DV, WM, WN, BN, SHARED_KV, STAGES>;
-  cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(C::SMEM));
-  if (err != cudaSuccess) return err;
-  const dim3 grid(p.num_seqs * p.tiles_per_seq, p.num_kv_heads, p.num_splits);
-  // cluster_combine: the splits of a tile form one cluster (grid z = cluster z)
-  const unsigned cluster_z = p.cluster_combine ? static_cast<unsigned>(p.num_splits) : 1u;
-  return launch_ex(kernel, grid, dim3(C::NTHREADS), C::SMEM, cluster_z, stream, p.pdl != 0, p);
-}
-
-}  // namespace ddtree
-
-namespace ddtree {
-
-template <typename T, int DK, int DV, int WM, int WN, int BN, bool SHARED_KV, int STAGES>
-int attn_mma_occupancy() {
-  using C = MmaCfg<DK, DV, WM, WN, BN, SHARED_KV, sizeof(T), STAGES>;
-  auto kernel = attn_mma_kernel<T, DK, DV, WM, WN, BN, SHARED_KV, STAGES>;
-  if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(C::SMEM)) != cudaSuccess) return 1;
-  int blocks = 0;
-  if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kernel, C::NTHREADS, C::SMEM) != cudaSuccess) return 1;
-  return blocks > 0 ? blocks : 1;
 }
 
 }  // namespace ddtree

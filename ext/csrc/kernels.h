@@ -50,15 +50,18 @@ constexpr int kMaxClusterSplits = 8;  // the portable cluster size
 
 struct AttnPlan {
   int kind;          // 0 = SIMT (any dtype / head dim), 1 = tensor-core GQA, 2 = tensor-core MLA (576/512)
-  int config;        // tensor-core tile config: 0 = 16-row tiles (decode-shaped), 1 = 64-row tiles
+  int config;        // tensor-core tile config: 0 = 16-row tiles (decode-shaped), 1 = 64-row tiles,
+                     // 2 = GQA 64-row tiles as warpgroup MMAs (sm_90a)
   int tile_rows;     // packed (token, head) rows per CTA
   int tiles_per_seq, num_splits;
   int cluster_combine;  // AttnParams::cluster_combine
 };
 
 // Picks the kernel, tile and split-KV schedule from host-known maxima (no device reads).
+// wgmma: the device runs the sm_90a warpgroup tiles (compute capability 9.0 and attn_wgmma_built()).
 AttnPlan attn_plan(DType dtype, int dk, int dv, int qa_dim, bool shared_kv, bool aligned, int group,
-                   int num_seqs, int num_kv_heads, int max_query_len, int max_seq_len, int num_sms, bool clusters);
+                   int num_seqs, int num_kv_heads, int max_query_len, int max_seq_len, int num_sms, bool clusters,
+                   bool wgmma = false);
 // Runs the planned kernel (plus the split combine kernel); p.o_part / p.lse_part must be set when num_splits > 1
 // and the splits do not combine in a cluster.
 cudaError_t attn_launch(AttnParams p, const AttnPlan& plan, DType dtype, cudaStream_t stream);
@@ -66,6 +69,8 @@ cudaError_t attn_mma_gqa(const AttnParams& p, DType dtype, int config, cudaStrea
 cudaError_t attn_mma_mla(const AttnParams& p, DType dtype, int config, cudaStream_t stream);
 // Resident CTAs per SM of a tensor-core config (0 if not instantiated), for the split-KV schedule.
 int attn_mma_gqa_ctas_per_sm(DType dtype, int head_dim, int config);
+// Whether this library holds sm_90a machine code (the build's targets include 9.0a: -DDDTREE_SM90A).
+bool attn_wgmma_built();
 int attn_mma_mla_ctas_per_sm(DType dtype, int config);
 
 // ---- tree ops ---------------------------------------------------------------------------------------------

@@ -62,7 +62,8 @@ Tensor run_attention(ddtree::AttnParams& p, const Tensor& out, ddtree::DType dt,
                      int64_t max_query_len, int64_t max_seq_len) {
   const ddtree::AttnPlan plan = ddtree::attn_plan(dt, p.dk, p.dv, p.qa_dim, shared_kv, aligned, p.group, p.num_seqs,
                                                   p.num_kv_heads, static_cast<int>(max_query_len),
-                                                  static_cast<int>(max_seq_len), num_sms(), compute_major() >= 9);
+                                                  static_cast<int>(max_seq_len), num_sms(), compute_major() >= 9,
+                                                  wgmma_enabled());
   Tensor o_part, lse_part;
   if (plan.kind != 0 && plan.num_splits > 1 && !plan.cluster_combine) {
     o_part = at::empty({plan.num_splits, p.num_tokens, p.num_q_heads, p.dv}, out.options().dtype(at::kFloat));
@@ -333,6 +334,8 @@ Tensor pack_tree_mask(Tensor mask) {
   return bits;
 }
 
+bool attention_wgmma() { return wgmma_enabled(); }
+
 }  // namespace
 
 TORCH_LIBRARY(ddtree, m) {
@@ -350,6 +353,7 @@ TORCH_LIBRARY(ddtree, m) {
   m.def("kv_compact(Tensor(a!)[] caches, Tensor src_slots, Tensor dst_slots) -> ()");
   m.def("kv_compact_tree(Tensor(a!)[] caches, Tensor accepted_nodes, Tensor tree_slots) -> ()");
   m.def("pack_tree_mask(Tensor tree_mask) -> Tensor");
+  m.def("attention_wgmma() -> bool", &attention_wgmma);  // the current device's 64-row tiles are wgmma
   m.def("ngram_propose(Tensor(a!) history, Tensor rows, Tensor root_positions, Tensor? emitted, Tensor? num_new, "
         "Tensor? calibration, int horizon, int top_k, int vocab_size, int max_ngram, int max_matches, float backoff, "
         "float recency, float cal_prior) -> (Tensor, Tensor, Tensor)");

@@ -45,6 +45,33 @@ inline int compute_major() {
   return major;
 }
 
+inline int compute_minor() {
+  int device = 0, minor = 0;
+  cudaGetDevice(&device);
+  cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device);
+  return minor;
+}
+
+// The attention's warpgroup-MMA tiles (attention_mma.cuh, WG): on compute capability 9.0 with a library holding
+// sm_90a machine code, unless DDTREE_WGMMA=0 (for A/B measurements). A 9.0 device without it says so once: its
+// 64-row tiles then run as mma.sync. Cached per device.
+inline bool wgmma_enabled() {
+  static int cached[64] = {};  // 0 not asked yet, 1 off, 2 on
+  int device = 0;
+  cudaGetDevice(&device);
+  if (device < 0 || device >= 64) return false;
+  if (cached[device] == 0) {
+    const char* env = std::getenv("DDTREE_WGMMA");
+    const bool off = env != nullptr && std::string(env) == "0";
+    const bool hopper = compute_major() == 9 && compute_minor() == 0;
+    if (hopper && !off && !ddtree::attn_wgmma_built())
+      TORCH_WARN_ONCE("ddtree: this CUDA extension was built without sm_90a (DDTREE_CUDA_ARCH_LIST lacks 9.0a), so "
+                      "tree-verify and prefill attention run mma.sync tiles, not warpgroup MMAs");
+    cached[device] = hopper && !off && ddtree::attn_wgmma_built() ? 2 : 1;
+  }
+  return cached[device] == 2;
+}
+
 // Programmatic dependent launch (common.cuh) for the layer kernels: on sm_90 and newer unless DDTREE_PDL=0 (for
 // A/B measurements). Cached per device: it is asked on every launch.
 inline bool pdl_enabled() {

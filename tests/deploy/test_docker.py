@@ -137,7 +137,7 @@ def test_dockerfile_prebuilds_the_extension_with_the_cli():
     assert "ddtree build-ext" in build and '".[cuda]"' in build  # the cuda extra brings ninja
     assert cli_parser().parse_args(["build-ext"]).command == "build-ext"
     targets = ext_build.parse_arch_list(dockerfile_args()["DDTREE_CUDA_ARCH_LIST"])
-    assert {"sm_80", "sm_90", "compute_90"} <= set(targets)
+    assert {"sm_80", "sm_90a", "sm_90", "compute_90"} <= set(targets)  # sm_90a: the warpgroup attention
     assert any(k == "ENV" and "DDTREE_CUDA_ARCH_LIST=${DDTREE_CUDA_ARCH_LIST}" in a for k, a in stage("build"))
     runtime = stage("runtime")
     base = next(a for s, k, a in dockerfile_instructions() if k == "FROM" and s == "runtime")

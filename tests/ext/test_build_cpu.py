@@ -119,6 +119,15 @@ def test_arch_lists():
         prebuilt.parse_arch_list("sm_90")
 
 
+def test_hopper_builds_carry_the_warpgroup_attention():
+    """A JIT build on a 9.0 device targets sm_90a (wgmma); the host passes learn it from -DDDTREE_SM90A, which
+    the ahead-of-time default list gets too."""
+    assert build.device_arch((9, 0)) == "9.0a" and build.device_arch((8, 9)) == "8.9"
+    assert build.device_arch((10, 0)) == "10.0"
+    assert build.target_defines(prebuilt.parse_arch_list(prebuilt.DEFAULT_ARCH_LIST)) == ["-DDDTREE_SM90A"]
+    assert build.target_defines(prebuilt.parse_arch_list("8.0;9.0+PTX")) == []
+
+
 def test_check_dir_and_search_order(tmp_path, monkeypatch):
     monkeypatch.setenv("DDTREE_EXT_DIR", str(tmp_path))
     assert build.search_dirs() == [tmp_path] and build.output_dir() == tmp_path == build.jit_dir()
@@ -138,7 +147,7 @@ def test_check_dir_and_search_order(tmp_path, monkeypatch):
 def test_manifest_records_this_build():
     m = prebuilt.make_manifest(prebuilt.parse_arch_list(prebuilt.DEFAULT_ARCH_LIST), build.expected())
     assert m["torch"] == torch.__version__ and m["source_hash"] == build.source_hash()
-    assert m["archs"] == ["sm_80", "sm_90", "compute_90"] and m["arch_list"] == "8.0;9.0+PTX"
+    assert m["archs"] == ["sm_80", "sm_90a", "sm_90", "compute_90"] and m["arch_list"] == "8.0;9.0a;9.0+PTX"
     assert prebuilt.check_manifest(m, build.expected()) is None
 
 
@@ -230,7 +239,7 @@ def test_load_reason_of_a_failed_build(fake_cuda_torch, monkeypatch):
     monkeypatch.setattr(build, "ninja", lambda: "/usr/bin/ninja")
 
     def failing(targets, verbose):
-        assert targets == ["sm_90"]  # a JIT build targets the device alone
+        assert targets == ["sm_90a"]  # a JIT build targets the device alone (Hopper: arch-specific)
         raise build.BuildError("the build failed: sampling.cu(3): error: boom")
 
     monkeypatch.setattr(build, "_compile", failing)

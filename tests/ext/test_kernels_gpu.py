@@ -123,6 +123,12 @@ GQA_CASES = [
     # verify-shaped 64-row tiles (Qwen3-8B's heads) over a few KV splits: splits left empty by a short sequence,
     # a tile no row of the shorter tree reaches
     (torch.bfloat16, 128, 32, 8, 16, [(600, 17, "tree"), (40, 9, "tree")]),
+    # 64-row tiles as warpgroup MMAs on sm_90a: many KV tiles and splits, fp16 and head dim 64, causal prefill
+    # chunks with and without context, a partial last tile (34 rows)
+    (torch.bfloat16, 128, 32, 8, 16, [(6000, 65, "tree"), (2000, 17, "tree")]),
+    (torch.float16, 64, 8, 2, 16, [(0, 200, "chain"), (3000, 300, "chain")]),
+    (torch.float16, 128, 32, 8, 64, [(1500, 33, "tree")]),
+    (torch.bfloat16, 64, 4, 2, 16, [(777, 17, "tree"), (64, 1, "decode")]),
 ]
 
 
@@ -140,6 +146,16 @@ def test_paged_attention_gqa(case):
     assert ops.cuda_calls()["paged_attention"] == before + 1
     ref64, reflo = attention_refs(q, k_cache, v_cache, meta, dense, tables, scale)
     assert_attention_close(out, ref64, reflo, f"gqa{case} {dtype} d{d} bs{bs}")
+
+
+def test_hopper_runs_the_warpgroup_attention_tiles():
+    """On compute capability 9.0 the library the session built (9.0a) plans 64-row tiles as wgmma, unless
+    DDTREE_WGMMA=0 turns them off; elsewhere never."""
+    import os
+
+    hopper = torch.cuda.get_device_capability() == (9, 0)
+    expected = hopper and os.environ.get("DDTREE_WGMMA") != "0"
+    assert torch.ops.ddtree.attention_wgmma() is expected
 
 
 def test_decode_attention_combines_its_splits_in_one_launch():

@@ -62,7 +62,7 @@ def test_build_without_gpu_then_load_without_compiler(tmp_path):
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-6000:]
     assert sorted(p.name for p in out.iterdir()) == ["build.json", "ddtree_ext.so"]
     manifest = json.loads((out / "build.json").read_text())
-    assert manifest["archs"] == ["sm_80", "sm_90", "compute_90"], manifest
+    assert manifest["archs"] == ["sm_80", "sm_90a", "sm_90", "compute_90"], manifest
     assert manifest["torch"] == torch.__version__ and manifest["cuda"] == torch.version.cuda
     assert manifest["source_hash"] == build.source_hash()
 

@@ -1,5 +1,4 @@
 // Tensor-core (mma.sync m16n8k16, bf16/fp16) paged attention for tree verify, decode and chunked prefill.
-//
 // One CTA = one (sequence, query tile, kv head, KV split). Query rows are packed (token, head-in-group), so
 // GQA heads sharing a kv head, and MLA's heads sharing the one latent head, read each KV tile once. Warps
 // form a WM x WN grid: warp (wm, wn) computes S for rows wm*16.. and KV columns wn*BN/WN.., the row max and
@@ -8,7 +7,7 @@
 // stages deep; positions past the split end are zero-filled (never read), so NaN in unused cache slots
 // cannot leak. Masking is applied only to tiles that reach the new tokens (the tree / causal block) or the
 // split end: the context prefix is fully visible.
-// WG (sm_90a, 64-row GQA tiles: one warpgroup, WM = 4, WN = 1): S and P V run as warpgroup MMAs (wgmma.cuh) from
+// WG (sm_90a, GQA, a warpgroup per 64 rows, WN = 1): S and P V run as warpgroup MMAs (wgmma.cuh) from
 // the Q and P fragments in registers and the K / V tiles in 128B-swizzled shared memory; the rest is shared.
 #pragma once
 #include "attention_cluster.cuh"
@@ -26,26 +25,25 @@ struct MmaCfg {
   static constexpr bool QREG = DK <= 128;                     // keep the Q fragments in registers
   static constexpr int S_COLS = BN / WN, S_NT = S_COLS / 8;   // S columns per warp, as n8 tiles
   static constexpr int O_COLS = DV / WN, O_NT = O_COLS / 8;   // output columns per warp, as n8 tiles
-  // (padded even for WG, whose BN x DK stages are smaller: a pass without sm_90a runs WG as mma.sync, kWG)
   static constexpr int Q_ELEMS = BM * KSTR, K_ELEMS = STAGES * BN * KSTR;
   // WN == 1: a warp owns whole rows, so P stays in registers (its S fragments are the PV A fragments)
   static constexpr int V_ELEMS = SHARED_KV ? 0 : STAGES * BN * VSTR, P_ELEMS = WN > 1 ? BM * PSTR : 0;
-  static constexpr size_t ALIGN_SLACK = WG ? 1024 : 0;  // WG: swizzled tiles start 1024-byte aligned
+  // WG: swizzled tiles start 1024-byte aligned; stages stay padded (a pass without sm_90a runs WG as mma.sync)
+  static constexpr size_t ALIGN_SLACK = WG ? 1024 : 0;
   static constexpr size_t SMEM = static_cast<size_t>(Q_ELEMS + K_ELEMS + V_ELEMS + P_ELEMS) * ELEM +
                                  2 * WN * BM * sizeof(float) + ALIGN_SLACK;
   static_assert(S_NT % 2 == 0 && O_NT % 2 == 0 && DK % 16 == 0 && BN % 16 == 0, "tile shape");
   static_assert(SHARED_KV || DK == DV, "separate K and V caches share a head dim");
   static_assert(STAGES >= 2, "cp.async pipeline depth");
-  static_assert(!WG || (WM == 4 && WN == 1 && !SHARED_KV && BN == 64 && DK % 64 == 0 && (DV == 64 || DV == 128) &&
+  static_assert(!WG || (WM % 4 == 0 && WN == 1 && !SHARED_KV && BN == 64 && DK % 64 == 0 && (DV == 64 || DV == 128) &&
                         Q_ELEMS * ELEM % 1024 == 0 && K_ELEMS * ELEM % 1024 == 0 && ELEM == 2),
-                "warpgroup tiles: 64 rows, 64 keys, one warpgroup, 1024-byte aligned stages");
+                "warpgroup tiles: 64 rows a warpgroup, 64 keys, 1024-byte aligned stages");
 };
 
 template <typename T, int DK, int DV, int WM, int WN, int BN, bool SHARED_KV, int STAGES, bool WG>
 __global__ void __launch_bounds__(32 * WM * WN) attn_mma_kernel(const AttnParams p) {
   using C = MmaCfg<DK, DV, WM, WN, BN, SHARED_KV, sizeof(T), STAGES, WG>;
-  // A pass without sm_90a (sm_90 beside sm_90a in one library: the driver picks) runs WG tiles as mma.sync.
-  constexpr bool kWG = WG && kWgmmaCompiled;
+  constexpr bool kWG = WG && kWgmmaCompiled;  // a pass without sm_90a (sm_90 beside it) runs WG as mma.sync
   // The next kernel (the GEMV) may start at once; a combine kernel only after the KV loop (attention.cu)
   const bool combine_follows = p.num_splits > 1 && !p.cluster_combine;
   if (!combine_follows) pdl_trigger();
@@ -155,11 +153,13 @@ __global__ void __launch_bounds__(32 * WM * WN) attn_mma_kernel(const AttnParams
       // kWG: column block col / 64 of the swizzled layout (wgmma.cuh), else padded rows
       const uint32_t dst = kWG ? (col / 64) * BN * 128 + sw128_offset(r, (col % 64) / 8)
                               : static_cast<uint32_t>((r * KSTR + col) * sizeof(T));
-      const T* k_src = static_cast<const T*>(p.k) + slot * p.k_stride_slot + static_cast<int64_t>(kvh) * p.k_stride_head;
+      const T* k_src =
+          static_cast<const T*>(p.k) + slot * p.k_stride_slot + static_cast<int64_t>(kvh) * p.k_stride_head;
       cp_async_16(reinterpret_cast<unsigned char*>(ks) + dst, k_src + col, ok);
       if constexpr (!SHARED_KV) {
         const uint32_t vdst = kWG ? dst : static_cast<uint32_t>((r * VSTR + col) * sizeof(T));
-        const T* v_src = static_cast<const T*>(p.v) + slot * p.v_stride_slot + static_cast<int64_t>(kvh) * p.v_stride_head;
+        const T* v_src =
+            static_cast<const T*>(p.v) + slot * p.v_stride_slot + static_cast<int64_t>(kvh) * p.v_stride_head;
         cp_async_16(reinterpret_cast<unsigned char*>(vs) + vdst, v_src + col, ok);
       }
     }
@@ -188,7 +188,7 @@ __global__ void __launch_bounds__(32 * WM * WN) attn_mma_kernel(const AttnParams
     if constexpr (kWG) fence_proxy_async_shared();
     __syncthreads();
     if constexpr (C::QREG) {
-      if (it == 0) {
+      if (it == 0 || kWG) {  // kWG: every tile (kept across tiles, head dim 64's Q fragments came back corrupted)
 #pragma unroll
         for (int kk = 0; kk < DK / 16; ++kk)
           ldmatrix_x4(qf[kk], Qs + (rbase + (lane & 15)) * KSTR + kk * 16 + (lane >> 4) * 8);

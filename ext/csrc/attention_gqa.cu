@@ -11,8 +11,8 @@ namespace ddtree {
 template <typename T, int D>
 static cudaError_t gqa(const AttnParams& p, int config, cudaStream_t stream) {
   if (config == 0) return launch_attn_mma<T, D, D, 1, 4, 64, false, 3>(p, stream);
-  if (config == 2) return launch_attn_mma<T, D, D, 4, 1, 64, false, 2, true>(p, stream);
-  if (config == 3) return launch_attn_mma<T, D, D, 8, 1, 64, false, 2, true>(p, stream);
+  if (config == 2) return launch_attn_mma<T, D, D, 4, 1, 64, false, 3, true>(p, stream);
+  if (config == 3) return launch_attn_mma<T, D, D, 8, 1, 64, false, 3, true>(p, stream);
   return launch_attn_mma<T, D, D, 4, 1, 64, false, 2>(p, stream);
 }
 
@@ -20,8 +20,8 @@ template <typename T, int D>
 static int gqa_occupancy(int config) {
   static const int occ[4] = {attn_mma_occupancy<T, D, D, 1, 4, 64, false, 3>(),
                              attn_mma_occupancy<T, D, D, 4, 1, 64, false, 2>(),
-                             attn_mma_occupancy<T, D, D, 4, 1, 64, false, 2, true>(),
-                             attn_mma_occupancy<T, D, D, 8, 1, 64, false, 2, true>()};
+                             attn_mma_occupancy<T, D, D, 4, 1, 64, false, 3, true>(),
+                             attn_mma_occupancy<T, D, D, 8, 1, 64, false, 3, true>()};
   return occ[config < 0 || config > 3 ? 1 : config];
 }
 

@@ -11,6 +11,7 @@
 // the Q and P fragments in registers and the K / V tiles in 128B-swizzled shared memory; the rest is shared.
 #pragma once
 #include "attention_cluster.cuh"
+#include "attention_store.cuh"
 #include "common.cuh"
 #include "wgmma.cuh"
 
@@ -172,52 +173,15 @@ __global__ void __launch_bounds__(32 * WM * WN) attn_mma_kernel(const AttnParams
   float m_r[2] = {-CUDART_INF_F, -CUDART_INF_F}, l_r[2] = {0.f, 0.f};
   const int ntiles = (s_end - s_begin + BN - 1) / BN;
   const int rbase = wm * 16;
+  auto load_q = [&](uint32_t (&frag)[C::QREG ? DK / 16 : 1][4]) {
+#pragma unroll
+    for (int kk = 0; kk < (C::QREG ? DK / 16 : 0); ++kk)
+      ldmatrix_x4(frag[kk], Qs + (rbase + (lane & 15)) * KSTR + kk * 16 + (lane >> 4) * 8);
+  };
 
-  // STAGES-deep cp.async pipeline: group g carries tile g (group 0 also the Q tile); empty groups keep the
-  // count uniform, so wait_group<STAGES-1> always means "tile it has landed".
-#pragma unroll
-  for (int st = 0; st < STAGES - 1; ++st) {
-    if (st < ntiles) load_kv(st, s_begin + st * BN);
-    cp_async_commit();
-  }
-  for (int it = 0; it < ntiles; ++it) {
-    const int stage = it % STAGES, pos0 = s_begin + it * BN;
-    if (it + STAGES - 1 < ntiles) load_kv((it + STAGES - 1) % STAGES, pos0 + (STAGES - 1) * BN);
-    cp_async_commit();
-    cp_async_wait<STAGES - 1>();
-    if constexpr (kWG) fence_proxy_async_shared();
-    __syncthreads();
-    if constexpr (C::QREG) {
-      if (it == 0 || kWG) {  // kWG: every tile (kept across tiles, head dim 64's Q fragments came back corrupted)
-#pragma unroll
-        for (int kk = 0; kk < DK / 16; ++kk)
-          ldmatrix_x4(qf[kk], Qs + (rbase + (lane & 15)) * KSTR + kk * 16 + (lane >> 4) * 8);
-      }
-    }
-
-    // S = Q K^T for this warp's 16 rows x S_COLS columns.
-    float s[C::S_NT][4];
-#pragma unroll
-    for (int i = 0; i < C::S_NT; ++i) s[i][0] = s[i][1] = s[i][2] = s[i][3] = 0.f;
-    const T* ks = Ks + stage * BN * KROW;
-    if constexpr (kWG) wg_scores<T, DK, BN>(s, qf, ks);
-#pragma unroll
-    for (int kk = 0; kk < (kWG ? 0 : DK / 16); ++kk) {
-      uint32_t a[4];
-      if constexpr (C::QREG) {
-        a[0] = qf[kk][0]; a[1] = qf[kk][1]; a[2] = qf[kk][2]; a[3] = qf[kk][3];
-      } else {
-        ldmatrix_x4(a, Qs + (rbase + (lane & 15)) * KSTR + kk * 16 + (lane >> 4) * 8);
-      }
-#pragma unroll
-      for (int nt = 0; nt < C::S_NT; nt += 2) {
-        const int n0 = wn * C::S_COLS + nt * 8;
-        uint32_t b[4];
-        ldmatrix_x4(b, ks + (n0 + ((lane >> 4) << 3) + (lane & 7)) * KSTR + kk * 16 + ((lane >> 3) & 1) * 8);
-        mma16816<T>(s[nt], a, b[0], b[1]);
-        mma16816<T>(s[nt + 1], a, b[2], b[3]);
-      }
-    }
+  // One tile's scores scaled and masked, the running max updated (corr rescales o and l) and P = exp2(S - max)
+  // left in s (WN > 1: in shared memory for the P V warps); rs = the warp's row sums of P.
+  auto softmax_tile = [&](float (&s)[C::S_NT][4], int pos0, float (&corr)[2], float (&rs)[2]) {
 #pragma unroll
     for (int nt = 0; nt < C::S_NT; ++nt)
 #pragma unroll
@@ -270,7 +234,7 @@ __global__ void __launch_bounds__(32 * WM * WN) attn_mma_kernel(const AttnParams
         mx[hr] = v;
       }
     }
-    float corr[2], mu[2];
+    float mu[2];
 #pragma unroll
     for (int hr = 0; hr < 2; ++hr) {
       const float mn = fmaxf(m_r[hr], mx[hr]);
@@ -278,7 +242,7 @@ __global__ void __launch_bounds__(32 * WM * WN) attn_mma_kernel(const AttnParams
       corr[hr] = exp2f(m_r[hr] - mu[hr]);
       m_r[hr] = mn;
     }
-    float rs[2] = {0.f, 0.f};
+    rs[0] = rs[1] = 0.f;
     T* prow = Ps + (rbase + g) * PSTR + wn * C::S_COLS + tq * 2;
 #pragma unroll
     for (int nt = 0; nt < C::S_NT; ++nt) {
@@ -298,53 +262,99 @@ __global__ void __launch_bounds__(32 * WM * WN) attn_mma_kernel(const AttnParams
       rs[hr] += __shfl_xor_sync(0xffffffffu, rs[hr], 1);
       rs[hr] += __shfl_xor_sync(0xffffffffu, rs[hr], 2);
     }
-    if constexpr (WN > 1) {
-      if (tq == 0) {
-        red_sum[wn * BM + rbase + g] = rs[0];
-        red_sum[wn * BM + rbase + g + 8] = rs[1];
-      }
-    }
-#pragma unroll
-    for (int nt = 0; nt < C::O_NT; ++nt) {
-      o[nt][0] *= corr[0]; o[nt][1] *= corr[0];
-      o[nt][2] *= corr[1]; o[nt][3] *= corr[1];
-    }
-    if constexpr (WN > 1) __syncthreads();  // P and the partial sums are visible
-#pragma unroll
-    for (int hr = 0; hr < 2; ++hr) {
-      float tot = rs[hr];
-      if constexpr (WN > 1) {
-        tot = 0.f;
-#pragma unroll
-        for (int w = 0; w < WN; ++w) tot += red_sum[w * BM + rbase + g + hr * 8];
-      }
-      l_r[hr] = l_r[hr] * corr[hr] + tot;
-    }
+  };
 
-    // O += P V for this warp's 16 rows x O_COLS columns.
-    const T* vs = Vs + stage * BN * VROW;
-    if constexpr (kWG) wg_pv<T, DV, BN>(o, s, vs);
+  if constexpr (kWG) {
+    wg_kv_loop<T, DK, DV, BN, STAGES>(ntiles, s_begin, Ks, Vs, load_kv, load_q, softmax_tile, o, l_r);
+  } else {
+    // STAGES-deep cp.async pipeline: group g carries tile g (group 0 also the Q tile); empty groups keep the
+    // count uniform, so wait_group<STAGES-1> always means "tile it has landed".
 #pragma unroll
-    for (int kk = 0; kk < (kWG ? 0 : BN / 16); ++kk) {
-      uint32_t a[4];
-      if constexpr (WN > 1) {
-        ldmatrix_x4(a, Ps + (rbase + (lane & 15)) * PSTR + kk * 16 + (lane >> 4) * 8);
-      } else {
-        a[0] = Num<T>::pack2(s[2 * kk][0], s[2 * kk][1]);
-        a[1] = Num<T>::pack2(s[2 * kk][2], s[2 * kk][3]);
-        a[2] = Num<T>::pack2(s[2 * kk + 1][0], s[2 * kk + 1][1]);
-        a[3] = Num<T>::pack2(s[2 * kk + 1][2], s[2 * kk + 1][3]);
-      }
-#pragma unroll
-      for (int nt = 0; nt < C::O_NT; nt += 2) {
-        const int n0 = wn * C::O_COLS + nt * 8;
-        uint32_t b[4];
-        ldmatrix_x4_trans(b, vs + (kk * 16 + (lane & 7) + ((lane >> 3) & 1) * 8) * VSTR + n0 + (lane >> 4) * 8);
-        mma16816<T>(o[nt], a, b[0], b[1]);
-        mma16816<T>(o[nt + 1], a, b[2], b[3]);
-      }
+    for (int st = 0; st < STAGES - 1; ++st) {
+      if (st < ntiles) load_kv(st, s_begin + st * BN);
+      cp_async_commit();
     }
-    __syncthreads();  // everyone is done with this stage, P and the exchange buffers
+    for (int it = 0; it < ntiles; ++it) {
+      const int stage = it % STAGES, pos0 = s_begin + it * BN;
+      if (it + STAGES - 1 < ntiles) load_kv((it + STAGES - 1) % STAGES, pos0 + (STAGES - 1) * BN);
+      cp_async_commit();
+      cp_async_wait<STAGES - 1>();
+      __syncthreads();
+      if constexpr (C::QREG) {
+        if (it == 0) load_q(qf);
+      }
+
+      // S = Q K^T for this warp's 16 rows x S_COLS columns.
+      float s[C::S_NT][4];
+#pragma unroll
+      for (int i = 0; i < C::S_NT; ++i) s[i][0] = s[i][1] = s[i][2] = s[i][3] = 0.f;
+      const T* ks = Ks + stage * BN * KROW;
+#pragma unroll
+      for (int kk = 0; kk < DK / 16; ++kk) {
+        uint32_t a[4];
+        if constexpr (C::QREG) {
+          a[0] = qf[kk][0]; a[1] = qf[kk][1]; a[2] = qf[kk][2]; a[3] = qf[kk][3];
+        } else {
+          ldmatrix_x4(a, Qs + (rbase + (lane & 15)) * KSTR + kk * 16 + (lane >> 4) * 8);
+        }
+#pragma unroll
+        for (int nt = 0; nt < C::S_NT; nt += 2) {
+          const int n0 = wn * C::S_COLS + nt * 8;
+          uint32_t b[4];
+          ldmatrix_x4(b, ks + (n0 + ((lane >> 4) << 3) + (lane & 7)) * KSTR + kk * 16 + ((lane >> 3) & 1) * 8);
+          mma16816<T>(s[nt], a, b[0], b[1]);
+          mma16816<T>(s[nt + 1], a, b[2], b[3]);
+        }
+      }
+      float corr[2], rs[2];
+      softmax_tile(s, pos0, corr, rs);
+      if constexpr (WN > 1) {
+        if (tq == 0) {
+          red_sum[wn * BM + rbase + g] = rs[0];
+          red_sum[wn * BM + rbase + g + 8] = rs[1];
+        }
+      }
+#pragma unroll
+      for (int nt = 0; nt < C::O_NT; ++nt) {
+        o[nt][0] *= corr[0]; o[nt][1] *= corr[0];
+        o[nt][2] *= corr[1]; o[nt][3] *= corr[1];
+      }
+      if constexpr (WN > 1) __syncthreads();  // P and the partial sums are visible
+#pragma unroll
+      for (int hr = 0; hr < 2; ++hr) {
+        float tot = rs[hr];
+        if constexpr (WN > 1) {
+          tot = 0.f;
+#pragma unroll
+          for (int w = 0; w < WN; ++w) tot += red_sum[w * BM + rbase + g + hr * 8];
+        }
+        l_r[hr] = l_r[hr] * corr[hr] + tot;
+      }
+
+      // O += P V for this warp's 16 rows x O_COLS columns.
+      const T* vs = Vs + stage * BN * VROW;
+#pragma unroll
+      for (int kk = 0; kk < BN / 16; ++kk) {
+        uint32_t a[4];
+        if constexpr (WN > 1) {
+          ldmatrix_x4(a, Ps + (rbase + (lane & 15)) * PSTR + kk * 16 + (lane >> 4) * 8);
+        } else {
+          a[0] = Num<T>::pack2(s[2 * kk][0], s[2 * kk][1]);
+          a[1] = Num<T>::pack2(s[2 * kk][2], s[2 * kk][3]);
+          a[2] = Num<T>::pack2(s[2 * kk + 1][0], s[2 * kk + 1][1]);
+          a[3] = Num<T>::pack2(s[2 * kk + 1][2], s[2 * kk + 1][3]);
+        }
+#pragma unroll
+        for (int nt = 0; nt < C::O_NT; nt += 2) {
+          const int n0 = wn * C::O_COLS + nt * 8;
+          uint32_t b[4];
+          ldmatrix_x4_trans(b, vs + (kk * 16 + (lane & 7) + ((lane >> 3) & 1) * 8) * VSTR + n0 + (lane >> 4) * 8);
+          mma16816<T>(o[nt], a, b[0], b[1]);
+          mma16816<T>(o[nt + 1], a, b[2], b[3]);
+        }
+      }
+      __syncthreads();  // everyone is done with this stage, P and the exchange buffers
+    }
   }
   if (combine_follows) pdl_trigger();
 
@@ -371,30 +381,7 @@ __global__ void __launch_bounds__(32 * WM * WN) attn_mma_kernel(const AttnParams
     }
   }
 #endif
-#pragma unroll
-  for (int hr = 0; hr < 2; ++hr) {
-    const int pr = row0 + rbase + g + hr * 8;
-    if (pr >= rows_total) continue;
-    const int t = q0 + pr / p.group, h = kvh * p.group + pr % p.group;
-    const float inv = l_r[hr] > 0.f ? 1.f / l_r[hr] : 0.f;
-    if (p.num_splits == 1) {
-      T* orow = static_cast<T*>(p.out) + static_cast<int64_t>(t) * p.o_stride_t + static_cast<int64_t>(h) * p.o_stride_h;
-#pragma unroll
-      for (int nt = 0; nt < C::O_NT; ++nt) {
-        const int col = wn * C::O_COLS + nt * 8 + tq * 2;
-        *reinterpret_cast<uint32_t*>(orow + col) = Num<T>::pack2(o[nt][hr * 2] * inv, o[nt][hr * 2 + 1] * inv);
-      }
-    } else {
-      const int64_t row = (static_cast<int64_t>(split) * p.num_tokens + t) * p.num_q_heads + h;
-      float* orow = p.o_part + row * DV;
-#pragma unroll
-      for (int nt = 0; nt < C::O_NT; ++nt) {
-        const int col = wn * C::O_COLS + nt * 8 + tq * 2;
-        *reinterpret_cast<float2*>(orow + col) = make_float2(o[nt][hr * 2] * inv, o[nt][hr * 2 + 1] * inv);
-      }
-      if (wn == 0 && tq == 0) p.lse_part[row] = l_r[hr] > 0.f ? m_r[hr] + log2f(l_r[hr]) : -CUDART_INF_F;
-    }
-  }
+  store_tile_rows<T, DV, C::O_NT>(p, o, m_r, l_r, row0 + rbase + g, rows_total, q0, kvh, split, wn * C::O_COLS, tq);
 }
 
 }  // namespace ddtree

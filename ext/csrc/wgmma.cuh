@@ -44,11 +44,6 @@ __device__ __forceinline__ void wgmma_commit() {
   asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
 #endif
 }
-__device__ __forceinline__ void wgmma_wait_all() {
-#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-  asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
-#endif
-}
 // Shared memory written by cp.async (the generic proxy) made visible to wgmma's reads (the async proxy); each
 // writing thread fences before the barrier that publishes the tile.
 __device__ __forceinline__ void fence_proxy_async_shared() {
@@ -56,7 +51,7 @@ __device__ __forceinline__ void fence_proxy_async_shared() {
   asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
 #endif
 }
-// Accumulators are written asynchronously until wgmma_wait_all(): this pins every later read (and every earlier
+// Accumulators are written asynchronously until wgmma_wait<n>(): this pins every later read (and every earlier
 // write) of `d` to its side of the wait, which the compiler cannot see through the asm.
 template <int NT>
 __device__ __forceinline__ void wgmma_pin(float (&d)[NT][4]) {
@@ -147,37 +142,99 @@ __device__ __forceinline__ void wgmma_rs(float (&d)[N / 8][4], const uint32_t (&
   else wgmma_m64n128k16_rs<T, TRANS_B>(d, a, desc_b);
 }
 
-// The attention tile's two products (attention_mma.cuh, WG), each waited for before it returns.
-// S[64 x BN] = Q K^T: the Q fragments qf[DK / 16] in registers, the K stage `ks` swizzled, read K-major.
-template <typename T, int DK, int BN>
-__device__ __forceinline__ void wg_scores(float (&s)[BN / 8][4], const uint32_t (&qf)[DK / 16][4], const T* ks) {
-  wgmma_fence();
-#pragma unroll
-  for (int kk = 0; kk < DK / 16; ++kk)  // 16 head dims a call: column block kk / 4, 32 bytes into its rows
-    wgmma_rs<T, BN, 0>(s, qf[kk], sw128_desc(ks + (kk / 4) * BN * 64 + (kk % 4) * 16, 16, 1024));
-  wgmma_commit();
-  wgmma_wait_all();
-  wgmma_pin(s);
+template <int N>
+__device__ __forceinline__ void wgmma_wait() {  // at most N of this warp's latest wgmma groups still pending
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
+#endif
 }
 
-// O[64 x DV] += P V: P = the softmaxed scores s (fp32, the S accumulators' layout, which is the A fragments'),
-// the V stage `vs` swizzled, read MN-major (transposed): 16 keys a call, column blocks BN * 128 bytes apart.
-template <typename T, int DV, int BN>
-__device__ __forceinline__ void wg_pv(float (&o)[DV / 8][4], const float (&s)[BN / 8][4], const T* vs) {
-  uint32_t pa[BN / 16][4];  // all packed before the MMAs: no register writes between them
+// The warpgroup tiles' KV loop (attention_mma.cuh, kWG), software-pipelined over three stages: tile it's softmax
+// runs while P V of tile it - 1 is on the tensor cores, S of tile it + 1 is issued together with P V of tile it,
+// and tile it + 2 loads meanwhile. S = Q K^T reads the Q fragments (reloaded every tile) and the K stage K-major;
+// P V reads P packed from the S accumulators' layout (which is the A fragments') and the V stage MN-major
+// (transposed): 16 keys a call, column blocks BN * 128 bytes apart. load_kv(stage, pos0) issues a tile's
+// cp.async copies; load_q(qf) the Q fragments; softmax(s, pos0, corr, rs) the tile's online softmax (P in s).
+template <typename T, int DK, int DV, int BN, int STAGES, typename LoadKV, typename LoadQ, typename Softmax>
+__device__ __forceinline__ void wg_kv_loop(int ntiles, int s_begin, const T* Ks, const T* Vs, LoadKV& load_kv,
+                                           LoadQ& load_q, Softmax& softmax, float (&o)[DV / 8][4], float (&l_r)[2]) {
+  static_assert(STAGES == 3, "S of the next tile, P V of this one, the tile after loading");
+  float s[BN / 8][4];
+  uint32_t qf[DK / 16][4], pa[BN / 16][4];
+  auto zero_s = [&] {
 #pragma unroll
-  for (int kk = 0; kk < BN / 16; ++kk) {
-    pa[kk][0] = Num<T>::pack2(s[2 * kk][0], s[2 * kk][1]);
-    pa[kk][1] = Num<T>::pack2(s[2 * kk][2], s[2 * kk][3]);
-    pa[kk][2] = Num<T>::pack2(s[2 * kk + 1][0], s[2 * kk + 1][1]);
-    pa[kk][3] = Num<T>::pack2(s[2 * kk + 1][2], s[2 * kk + 1][3]);
-  }
-  wgmma_pin(o);
+    for (int i = 0; i < BN / 8; ++i) s[i][0] = s[i][1] = s[i][2] = s[i][3] = 0.f;
+  };
+  auto issue_s = [&](int stage) {  // 16 head dims a call: column block kk / 4, 32 bytes into its rows
+    const T* ks = Ks + stage * BN * DK;
+#pragma unroll
+    for (int kk = 0; kk < DK / 16; ++kk)
+      wgmma_rs<T, BN, 0>(s, qf[kk], sw128_desc(ks + (kk / 4) * BN * 64 + (kk % 4) * 16, 16, 1024));
+  };
+  load_kv(0, s_begin);  // group 0 also carries the Q tile
+  cp_async_commit();
+  if (ntiles > 1) load_kv(1, s_begin + BN);
+  cp_async_commit();
+  cp_async_wait<1>();
+  fence_proxy_async_shared();
+  __syncthreads();
+  load_q(qf);
+  zero_s();
   wgmma_fence();
-#pragma unroll
-  for (int kk = 0; kk < BN / 16; ++kk) wgmma_rs<T, DV, 1>(o, pa[kk], sw128_desc(vs + kk * 16 * 64, BN * 128, 1024));
+  issue_s(0);
   wgmma_commit();
-  wgmma_wait_all();
+  wgmma_wait<0>();
+  wgmma_pin(s);
+  // Tile it's softmax (overlapping P V of tile it - 1), then, that P V done, P packed and o, l rescaled.
+  auto softmax_and_pack = [&](int it) {
+    float corr[2], rs[2];
+    softmax(s, s_begin + it * BN, corr, rs);
+    wgmma_wait<0>();
+    wgmma_pin(o);
+#pragma unroll
+    for (int kk = 0; kk < BN / 16; ++kk) {
+      pa[kk][0] = Num<T>::pack2(s[2 * kk][0], s[2 * kk][1]);
+      pa[kk][1] = Num<T>::pack2(s[2 * kk][2], s[2 * kk][3]);
+      pa[kk][2] = Num<T>::pack2(s[2 * kk + 1][0], s[2 * kk + 1][1]);
+      pa[kk][3] = Num<T>::pack2(s[2 * kk + 1][2], s[2 * kk + 1][3]);
+    }
+#pragma unroll
+    for (int nt = 0; nt < DV / 8; ++nt) {
+      o[nt][0] *= corr[0]; o[nt][1] *= corr[0];
+      o[nt][2] *= corr[1]; o[nt][3] *= corr[1];
+    }
+    l_r[0] = l_r[0] * corr[0] + rs[0];
+    l_r[1] = l_r[1] * corr[1] + rs[1];
+    wgmma_pin(o);
+  };
+  auto issue_pv = [&](int it) {
+    const T* vs = Vs + (it % STAGES) * BN * DV;
+#pragma unroll
+    for (int kk = 0; kk < BN / 16; ++kk) wgmma_rs<T, DV, 1>(o, pa[kk], sw128_desc(vs + kk * 16 * 64, BN * 128, 1024));
+    wgmma_commit();
+  };
+  // Every wgmma below is issued unconditionally between its fence and its wait (a conditional one makes ptxas
+  // serialize them all, C7514): the last tile is peeled.
+  for (int it = 0; it + 1 < ntiles; ++it) {
+    softmax_and_pack(it);
+    cp_async_wait<0>();  // tile it + 1 has landed
+    fence_proxy_async_shared();
+    __syncthreads();  // ... for every warp, and every warpgroup is done with tile it - 1's stage
+    if (it + 2 < ntiles) load_kv((it + 2) % STAGES, s_begin + (it + 2) * BN);
+    cp_async_commit();
+    load_q(qf);
+    zero_s();
+    wgmma_fence();
+    issue_s((it + 1) % STAGES);
+    wgmma_commit();
+    issue_pv(it);
+    wgmma_wait<1>();  // S of tile it + 1 (committed before this P V)
+    wgmma_pin(s);
+  }
+  softmax_and_pack(ntiles - 1);
+  wgmma_fence();
+  issue_pv(ntiles - 1);
+  wgmma_wait<0>();
   wgmma_pin(o);
 }
 

@@ -1,8 +1,6 @@
 // Paged attention entry points: the schedule (attn_plan), the SIMT kernel that serves every dtype and head
 // dim (fp32 engines, odd head sizes), and the split-KV combine. The tensor-core kernels live in
 // attention_mma.cuh (instantiated in attention_gqa.cu and attention_mla.cu).
-#include <cstdlib>
-
 #include "common.cuh"
 
 namespace ddtree {
@@ -204,13 +202,6 @@ cudaError_t launch_combine(const AttnParams& p, cudaStream_t stream) {
 
 int ceil_div(int a, int b) { return (a + b - 1) / b; }
 
-bool getenv_wg64() {  // DDTREE_WG128=0: 64-row warpgroup tiles only (A/B measurements)
-  static const bool off = [] {
-    const char* env = std::getenv("DDTREE_WG128");
-    return env != nullptr && env[0] == '0';
-  }();
-  return off;
-}
 
 }  // namespace
 
@@ -223,10 +214,9 @@ AttnPlan attn_plan(DType dtype, int dk, int dv, int qa_dim, bool shared_kv, bool
   if (!gqa && !mla) return plan;
   plan.kind = gqa ? 1 : 2;
   const int rows = (max_query_len > 0 ? max_query_len : 1) * group;
-  // warpgroup tiles: two warpgroups share each KV tile past 64 rows (a tree of 16 at 4 heads a kv head: 68 rows),
-  // halving the KV reads a row
-  plan.config = rows <= 16 ? 0 : (gqa && wgmma ? (rows > 64 && !getenv_wg64() ? 3 : 2) : 1);
-  plan.tile_rows = plan.config == 0 ? 16 : (plan.config == 3 ? 128 : 64);
+  // past 64 rows (a 16-node tree at 4 heads a kv head: 68), warpgroup tiles of 128 rows (attention_gqa.cu)
+  plan.config = rows <= 16 ? 0 : (gqa && wgmma && rows > 64 ? 2 : 1);
+  plan.tile_rows = plan.config == 0 ? 16 : (plan.config == 2 ? 128 : 64);
   const int bn = (mla && plan.config == 1) ? 32 : 64;
   plan.tiles_per_seq = ceil_div(rows, plan.tile_rows);
   // Split KV so the grid fills the resident CTA slots in one wave (a partial second wave costs a whole

@@ -1,7 +1,9 @@
 // Tensor-core GQA instantiations: bf16/fp16, head_dim 64/128; config 0 = 16-row tiles split over 4 column
 // warps (decode-shaped: at most 16 packed rows per sequence; 3 cp.async stages, since it is memory-bound),
-// config 1 = 64-row tiles, one warp per 16 rows, 2 stages; configs 2 and 3 = 64- and 128-row tiles as warpgroup
-// MMAs, one and two warpgroups (sm_90a builds on compute capability 9.0 only: attn_wgmma_built()).
+// config 1 = 64-row tiles, one warp per 16 rows, 2 stages; config 2 = 128-row tiles as warpgroup MMAs, two
+// warpgroups sharing each KV tile, 3 stages (sm_90a builds on compute capability 9.0 only: attn_wgmma_built()).
+// 64-row warpgroup tiles (one CTA an SM at 3 stages) were 3-5% slower than config 1 on 17-64 rows (trees of 8-16
+// nodes on H100, docs/BENCHMARKS.md 2026-12-06), so warpgroups serve only past 64 rows.
 // (An 80-row config for the 68 packed rows of a B = 16 tree, one tile instead of 64 + 4 rows, was measured slower:
 // the two tiles run at once and the small one's reads hit L2; docs/BENCHMARKS.md, 2026-12-04.)
 #include "attention_mma_launch.cuh"
@@ -11,18 +13,16 @@ namespace ddtree {
 template <typename T, int D>
 static cudaError_t gqa(const AttnParams& p, int config, cudaStream_t stream) {
   if (config == 0) return launch_attn_mma<T, D, D, 1, 4, 64, false, 3>(p, stream);
-  if (config == 2) return launch_attn_mma<T, D, D, 4, 1, 64, false, 3, true>(p, stream);
-  if (config == 3) return launch_attn_mma<T, D, D, 8, 1, 64, false, 3, true>(p, stream);
+  if (config == 2) return launch_attn_mma<T, D, D, 8, 1, 64, false, 3, true>(p, stream);
   return launch_attn_mma<T, D, D, 4, 1, 64, false, 2>(p, stream);
 }
 
 template <typename T, int D>
 static int gqa_occupancy(int config) {
-  static const int occ[4] = {attn_mma_occupancy<T, D, D, 1, 4, 64, false, 3>(),
+  static const int occ[3] = {attn_mma_occupancy<T, D, D, 1, 4, 64, false, 3>(),
                              attn_mma_occupancy<T, D, D, 4, 1, 64, false, 2>(),
-                             attn_mma_occupancy<T, D, D, 4, 1, 64, false, 3, true>(),
                              attn_mma_occupancy<T, D, D, 8, 1, 64, false, 3, true>()};
-  return occ[config < 0 || config > 3 ? 1 : config];
+  return occ[config < 0 || config > 2 ? 1 : config];
 }
 
 bool attn_wgmma_built() {

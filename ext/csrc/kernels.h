@@ -51,7 +51,7 @@ constexpr int kMaxClusterSplits = 8;  // the portable cluster size
 struct AttnPlan {
   int kind;          // 0 = SIMT (any dtype / head dim), 1 = tensor-core GQA, 2 = tensor-core MLA (576/512)
   int config;        // tensor-core tile config: 0 = 16-row tiles (decode-shaped), 1 = 64-row tiles,
-                     // 2 / 3 = GQA 64- / 128-row tiles as warpgroup MMAs (sm_90a)
+                     // 2 = GQA 128-row tiles as warpgroup MMAs (sm_90a)
   int tile_rows;     // packed (token, head) rows per CTA
   int tiles_per_seq, num_splits;
   int cluster_combine;  // AttnParams::cluster_combine

@@ -123,8 +123,8 @@ GQA_CASES = [
     # verify-shaped 64-row tiles (Qwen3-8B's heads) over a few KV splits: splits left empty by a short sequence,
     # a tile no row of the shorter tree reaches
     (torch.bfloat16, 128, 32, 8, 16, [(600, 17, "tree"), (40, 9, "tree")]),
-    # 64-row tiles as warpgroup MMAs on sm_90a: many KV tiles and splits, fp16 and head dim 64, causal prefill
-    # chunks with and without context, a partial last tile (34 rows)
+    # 128-row warpgroup tiles on sm_90a (past 64 packed rows): many KV tiles and splits, fp16 and head dim 64,
+    # causal prefill chunks with and without context; 64-row mma.sync tiles beside them (34 rows)
     (torch.bfloat16, 128, 32, 8, 16, [(6000, 65, "tree"), (2000, 17, "tree")]),
     (torch.float16, 64, 8, 2, 16, [(0, 200, "chain"), (3000, 300, "chain")]),
     (torch.float16, 128, 32, 8, 64, [(1500, 33, "tree")]),
@@ -149,8 +149,8 @@ def test_paged_attention_gqa(case):
 
 
 def test_hopper_runs_the_warpgroup_attention_tiles():
-    """On compute capability 9.0 the library the session built (9.0a) plans 64-row tiles as wgmma, unless
-    DDTREE_WGMMA=0 turns them off; elsewhere never."""
+    """On compute capability 9.0 the library the session built (9.0a) runs tiles past 64 packed rows as wgmma,
+    unless DDTREE_WGMMA=0 turns them off; elsewhere never."""
     import os
 
     hopper = torch.cuda.get_device_capability() == (9, 0)

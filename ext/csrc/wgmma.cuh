@@ -80,66 +80,39 @@ __device__ __forceinline__ void wgmma_pin(float (&d)[NT][4]) {
   "+f"(d[14][0]), "+f"(d[14][1]), "+f"(d[14][2]), "+f"(d[14][3]), "+f"(d[15][0]), "+f"(d[15][1]), "+f"(d[15][2]), \
   "+f"(d[15][3])
 
-template <typename T, int TRANS_B>
-__device__ __forceinline__ void wgmma_m64n64k16_rs(float (&d)[8][4], const uint32_t (&a)[4], uint64_t desc_b) {
-#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-  if constexpr (std::is_same<T, __half>::value) {
-    asm volatile(
-        "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 "
-        "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,"
-        "%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31}, "
-        "{%32,%33,%34,%35}, %36, p, 1, 1, %38;\n}\n"
-        : DDTREE_WGMMA_D64(d)
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(1), "n"(TRANS_B));
-  } else {
-    asm volatile(
-        "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 "
-        "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,"
-        "%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31}, "
-        "{%32,%33,%34,%35}, %36, p, 1, 1, %38;\n}\n"
-        : DDTREE_WGMMA_D64(d)
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(1), "n"(TRANS_B));
-  }
-#endif
-}
-
-template <typename T, int TRANS_B>
-__device__ __forceinline__ void wgmma_m64n128k16_rs(float (&d)[16][4], const uint32_t (&a)[4], uint64_t desc_b) {
-#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-  if constexpr (std::is_same<T, __half>::value) {
-    asm volatile(
-        "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16 "
-        "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,"
-        "%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31,"
-        "%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47,"
-        "%48,%49,%50,%51,%52,%53,%54,%55,%56,%57,%58,%59,%60,%61,%62,%63}, "
-        "{%64,%65,%66,%67}, %68, p, 1, 1, %70;\n}\n"
-        : DDTREE_WGMMA_D128(d)
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(1), "n"(TRANS_B));
-  } else {
-    asm volatile(
-        "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 "
-        "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,"
-        "%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31,"
-        "%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47,"
-        "%48,%49,%50,%51,%52,%53,%54,%55,%56,%57,%58,%59,%60,%61,%62,%63}, "
-        "{%64,%65,%66,%67}, %68, p, 1, 1, %70;\n}\n"
-        : DDTREE_WGMMA_D128(d)
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(1), "n"(TRANS_B));
-  }
-#endif
-}
+// One register-A wgmma: outputs OUTS (the accumulators' "+f" list), then a[4], desc_b, scale-d = 1, trans-b, whose
+// operand numbers follow the accumulators'.
+#define DDTREE_WGMMA_RS(SHAPE, TY, DREGS, AREGS, DESC, SCALE, TRANS, OUTS)                                  \
+  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %" SCALE ", 0;\n"                                           \
+               "wgmma.mma_async.sync.aligned." SHAPE ".f32." TY "." TY " {" DREGS "}, " AREGS ", %" DESC      \
+               ", p, 1, 1, %" TRANS ";\n}\n"                                                                 \
+               : OUTS                                                                                        \
+               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(1), "n"(TRANS_B))
+#define DDTREE_WGMMA_R32 \
+  "%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25," \
+  "%26,%27,%28,%29,%30,%31"
+#define DDTREE_WGMMA_R64 \
+  DDTREE_WGMMA_R32 ",%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47,%48,%49,%50,%51," \
+  "%52,%53,%54,%55,%56,%57,%58,%59,%60,%61,%62,%63"
 
 // d[N / 8][4] (+)= a (the warpgroup's 64 x 16 A fragments, one m16k16 fragment a warp) x B (16 x N, descriptor).
 template <typename T, int N, int TRANS_B>
 __device__ __forceinline__ void wgmma_rs(float (&d)[N / 8][4], const uint32_t (&a)[4], uint64_t desc_b) {
   static_assert(N == 64 || N == 128, "wgmma widths instantiated here");
-  if constexpr (N == 64) wgmma_m64n64k16_rs<T, TRANS_B>(d, a, desc_b);
-  else wgmma_m64n128k16_rs<T, TRANS_B>(d, a, desc_b);
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  constexpr bool kHalf = std::is_same<T, __half>::value;
+  if constexpr (N == 64 && kHalf) {
+    DDTREE_WGMMA_RS("m64n64k16", "f16", DDTREE_WGMMA_R32, "{%32,%33,%34,%35}", "36", "37", "38", DDTREE_WGMMA_D64(d));
+  } else if constexpr (N == 64) {
+    DDTREE_WGMMA_RS("m64n64k16", "bf16", DDTREE_WGMMA_R32, "{%32,%33,%34,%35}", "36", "37", "38", DDTREE_WGMMA_D64(d));
+  } else if constexpr (kHalf) {
+    DDTREE_WGMMA_RS("m64n128k16", "f16", DDTREE_WGMMA_R64, "{%64,%65,%66,%67}", "68", "69", "70",
+                    DDTREE_WGMMA_D128(d));
+  } else {
+    DDTREE_WGMMA_RS("m64n128k16", "bf16", DDTREE_WGMMA_R64, "{%64,%65,%66,%67}", "68", "69", "70",
+                    DDTREE_WGMMA_D128(d));
+  }
+#endif
 }
 
 template <int N>

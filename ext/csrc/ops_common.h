@@ -52,39 +52,38 @@ inline int compute_minor() {
   return minor;
 }
 
-// The attention's warpgroup-MMA tiles (attention_mma.cuh, WG): on compute capability 9.0 with a library holding
-// sm_90a machine code, unless DDTREE_WGMMA=0 (for A/B measurements). A 9.0 device without it says so once: its
-// 64-row tiles then run as mma.sync. Cached per device.
-inline bool wgmma_enabled() {
-  static int cached[64] = {};  // 0 not asked yet, 1 off, 2 on
+// A per-device switch, decided once per device by `decide` (it is asked on every launch): unless the
+// environment variable `env` is "0" (A/B measurements), decide() says whether the device takes the feature.
+template <typename Decide>
+inline bool device_switch(int (&cached)[64], const char* env, Decide decide) {  // cached: 0 not asked, 1 off, 2 on
   int device = 0;
   cudaGetDevice(&device);
   if (device < 0 || device >= 64) return false;
   if (cached[device] == 0) {
-    const char* env = std::getenv("DDTREE_WGMMA");
-    const bool off = env != nullptr && std::string(env) == "0";
-    const bool hopper = compute_major() == 9 && compute_minor() == 0;
-    if (hopper && !off && !ddtree::attn_wgmma_built())
-      TORCH_WARN_ONCE("ddtree: this CUDA extension was built without sm_90a (DDTREE_CUDA_ARCH_LIST lacks 9.0a), so "
-                      "tree-verify and prefill attention run mma.sync tiles, not warpgroup MMAs");
-    cached[device] = hopper && !off && ddtree::attn_wgmma_built() ? 2 : 1;
+    const char* value = std::getenv(env);
+    cached[device] = !(value != nullptr && std::string(value) == "0") && decide() ? 2 : 1;
   }
   return cached[device] == 2;
 }
 
-// Programmatic dependent launch (common.cuh) for the layer kernels: on sm_90 and newer unless DDTREE_PDL=0 (for
-// A/B measurements). Cached per device: it is asked on every launch.
+// The attention's warpgroup-MMA tiles (attention_mma.cuh, WG): on compute capability 9.0 with a library holding
+// sm_90a machine code, unless DDTREE_WGMMA=0. A 9.0 device without it says so once: its tiles past 64 rows then
+// run as mma.sync.
+inline bool wgmma_enabled() {
+  static int cached[64] = {};
+  return device_switch(cached, "DDTREE_WGMMA", [] {
+    const bool hopper = compute_major() == 9 && compute_minor() == 0;
+    if (hopper && !ddtree::attn_wgmma_built())
+      TORCH_WARN_ONCE("ddtree: this CUDA extension was built without sm_90a (DDTREE_CUDA_ARCH_LIST lacks 9.0a), so "
+                      "tree-verify and prefill attention run mma.sync tiles, not warpgroup MMAs");
+    return hopper && ddtree::attn_wgmma_built();
+  });
+}
+
+// Programmatic dependent launch (common.cuh) for the layer kernels: on sm_90 and newer unless DDTREE_PDL=0.
 inline bool pdl_enabled() {
-  static int cached[64] = {};  // 0 not asked yet, 1 off, 2 on
-  int device = 0;
-  cudaGetDevice(&device);
-  if (device < 0 || device >= 64) return false;
-  if (cached[device] == 0) {
-    const char* env = std::getenv("DDTREE_PDL");
-    const bool off = env != nullptr && std::string(env) == "0";
-    cached[device] = !off && compute_major() >= 9 ? 2 : 1;
-  }
-  return cached[device] == 2;
+  static int cached[64] = {};
+  return device_switch(cached, "DDTREE_PDL", [] { return compute_major() >= 9; });
 }
 
 inline bool aligned16(const at::Tensor& t) { return reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0; }

@@ -406,8 +406,9 @@ def main() -> None:
     args = p.parse_args()
     assert build.load_ops() is not None, "the CUDA extension did not build"
     props = torch.cuda.get_device_properties(0)
+    tiles = "wgmma" if torch.ops.ddtree.attention_wgmma() else "mma.sync"
     print(f"# ddtree kernels on {props.name} ({props.multi_processor_count} SMs), torch {torch.__version__}, "
-          f"{datetime.datetime.now().isoformat(timespec='minutes')}")
+          f"{datetime.datetime.now().isoformat(timespec='minutes')}; attention tiles past 64 rows: {tiles}")
     bw, flops = ceilings()
     print(f"ceilings: copy {bw / 1e12:.2f} TB/s (read + write), bf16 GEMM 8192^3 {flops / 1e12:.0f} TFLOP/s")
     record("ceilings", TBps=bw / 1e12, TFLOPs=flops / 1e12)

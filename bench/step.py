@@ -143,6 +143,14 @@ def llm_vocab(model: str, load_format: str) -> int:
     return int(read_config(model)["vocab_size"]) if os.path.isdir(model) else 49152
 
 
+def attention_tiles(device: str) -> str:
+    """What runs the attention's tiles past 64 rows on this device (DDTREE_WGMMA=0 A/B runs say mma.sync)."""
+    from ext import build
+
+    ops = build.load_ops() if device.startswith("cuda") else None
+    return "cpu" if ops is None else ("wgmma" if ops.attention_wgmma() else "mma.sync")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_shape_args(p)
@@ -196,6 +204,7 @@ def main() -> None:
         for length, batch in ((n, b) for n in args.lengths for b in args.batch):
             r = dict(bench="step", shape=("qwen3-8b" if args.qwen3_8b else "smollm2" if args.smollm2 else
                                           args.dummy_config or model), eager=args.enforce_eager, async_scheduling=overlap,
+                     attention_tiles=attention_tiles(args.device),
                      drafter=(args.drafter + (" chain" if args.chain else "")) if budget else "none", L=length, B=budget,
                      N=batch, **measure(llm, length, args.steps, args.warmup, args.top_ops if overlap else 0,
                                           args.top_kernels if overlap else 0, batch))

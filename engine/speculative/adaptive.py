@@ -9,10 +9,9 @@ the gain of node j as c * q_j (c blended with the engine-wide ratio, so a new re
 drafter has been worth), from the request's latest tree (the runner builds it at the full budget and
 returns each node's q and confidence bin). A verify row costs t_row seconds; the engine's throughput is
 tokens / T (decayed sums over decoding steps); a row is worth adding when its gain >= t_row * tokens / T. t_row
-comes from a decayed least-squares fit of the step time on the number of rows over decoding steps (a step with
-a prefill chunk is counted but not fitted: the chunk's rows share one weight read, and fitted they priced verify
-rows too low), started from a prior that the first step of any kind seeds. The budget is the prefix of
-the best-first order (every prefix is a tree) with the largest total gain net of that threshold, capped by the
+comes from a decayed least-squares fit of the step time on the rows of decoding steps (a prefill chunk's step is
+counted, never fitted: its rows share one weight read), from a prior the first fitted step seeds. The budget is
+the best-first order's prefix (every prefix is a tree) with the largest gain net of that threshold, capped by the
 configured budget.
 
 One factor per request is not enough: a drafter's confidence is rarely off by the same factor at every level (an
@@ -69,8 +68,7 @@ SPIKE_CLIP = 4.0  # a drafter call counts at most this many times the running pe
 MIN_DRAFT_CALLS = 1  # drafter calls measured before their cost counts (the first is discarded)
 
 
-# what counting a budget does to the request's probe state (BudgetController._choose)
-_PROBED, _AT_ZERO, _CHOSEN = "probed", "at zero", "chosen"
+_PROBED, _AT_ZERO, _CHOSEN = "probed", "at zero", "chosen"  # a counted budget's effect on the probe state
 
 
 class BudgetController(StepBudgets):
@@ -115,8 +113,8 @@ class BudgetController(StepBudgets):
     def observe_step(self, rows: int, seconds: float, tokens: int, fit: bool = True, tree: bool = False,
                      synchronous: bool = False) -> None:
         """One engine step: rows through the target, its wall time, tokens it produced. fit=False: the step is
-        counted (probes follow the step count) and may seed the prior, but does not price rows (the engine's steps
-        with a prefill chunk). synchronous: under asynchronous scheduling, the step could not run ahead of its
+        counted (probes follow the step count) but neither prices rows nor seeds the prior (the engine's steps with
+        a prefill chunk). synchronous: under asynchronous scheduling, the step could not run ahead of its
         predecessor's results (its time includes its scheduling)."""
         self.clock += 1
         self.version += 1

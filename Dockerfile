@@ -16,8 +16,8 @@ ARG PYTHON_CPU_IMAGE=python:3.11-slim-bookworm
 ARG TORCH_VERSION=2.13.0
 ARG TORCH_CUDA_INDEX=https://download.pytorch.org/whl/cu130
 ARG TORCH_CPU_INDEX=https://download.pytorch.org/whl/cpu
-# Architectures of the prebuilt extension: sm_80, sm_90a (warpgroup-MMA attention) and sm_90 machine code,
-# compute_90 PTX for newer GPUs.
+# Architectures of the prebuilt extension: sm_80 and sm_90a (warpgroup-MMA attention) machine code, compute_90 PTX
+# for newer GPUs (the build leaves sm_90's machine code out beside sm_90a's).
 ARG DDTREE_CUDA_ARCH_LIST=8.0;9.0a;9.0+PTX
 # 1 fails the build when the extension cannot be built; 0 ships an image whose CUDA engine only starts with
 # --reference-kernels (the slow PyTorch references on the GPU).

@@ -3,8 +3,7 @@ launches, plus every torch-free *.cu kernel file). No silent fallback: `load_ops
 `torch.ops.ddtree` or None, and then `load_error()` says why in one line.
 
 Ahead of time: `ddtree build-ext` (`build()`) compiles without a visible GPU for an explicit architecture list
-(default `8.0;9.0a;9.0+PTX`: sm_80, sm_90a and sm_90 machine code plus compute_90 PTX, which newer GPUs
-JIT-compile;
+(default `8.0;9.0a;9.0+PTX`: sm_80 and sm_90a machine code plus compute_90 PTX, which newer GPUs JIT-compile;
 override with $DDTREE_CUDA_ARCH_LIST, same syntax as TORCH_CUDA_ARCH_LIST) into $DDTREE_EXT_DIR, else ext/lib/
 inside the package, where pip installs and the Docker image find it. A library directory holds ddtree_ext.so and
 build.json (torch and CUDA versions, source hash, architectures; ext/prebuilt.py reads and checks it).

@@ -12,7 +12,8 @@ from pathlib import Path
 
 LIB_NAME = "ddtree_ext.so"
 MANIFEST = "build.json"
-# sm_80, sm_90a (Hopper's warpgroup MMAs) and sm_90 machine code, compute_90 PTX for newer GPUs
+# sm_80 and sm_90a (Hopper's warpgroup MMAs) machine code, compute_90 PTX for newer GPUs (gencode_flags leaves the
+# listed sm_90 machine code out)
 DEFAULT_ARCH_LIST = "8.0;9.0a;9.0+PTX"
 
 
@@ -38,9 +39,13 @@ def parse_arch_list(text: str) -> list[str]:
 
 
 def gencode_flags(targets: list[str]) -> list[str]:
-    """['sm_80', 'compute_90'] -> nvcc -gencode flags (machine code for sm_*, PTX for compute_*)."""
+    """['sm_80', 'compute_90'] -> nvcc -gencode flags (machine code for sm_*, PTX for compute_*). Generic machine
+    code beside the same version's arch-specific one (sm_90 with sm_90a) is left out: the device would hold two
+    cubins and the driver picks one, and only the arch-specific one runs the warpgroup attention."""
     flags = []
     for t in targets:
+        if t.startswith("sm_") and (t + "a" in targets or t + "f" in targets):
+            continue
         kind, num = t.split("_", 1)
         flags.append(f"-gencode=arch=compute_{num},code={'sm' if kind == 'sm' else 'compute'}_{num}")
     return flags

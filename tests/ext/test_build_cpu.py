@@ -126,6 +126,10 @@ def test_hopper_builds_carry_the_warpgroup_attention():
     assert build.device_arch((10, 0)) == "10.0"
     assert build.target_defines(prebuilt.parse_arch_list(prebuilt.DEFAULT_ARCH_LIST)) == ["-DDDTREE_SM90A"]
     assert build.target_defines(prebuilt.parse_arch_list("8.0;9.0+PTX")) == []
+    # one cubin for a 9.0 device: the arch-specific one (the driver would pick between two)
+    assert prebuilt.gencode_flags(prebuilt.parse_arch_list(prebuilt.DEFAULT_ARCH_LIST)) == [
+        "-gencode=arch=compute_80,code=sm_80", "-gencode=arch=compute_90a,code=sm_90a",
+        "-gencode=arch=compute_90,code=compute_90"]
 
 
 def test_check_dir_and_search_order(tmp_path, monkeypatch):

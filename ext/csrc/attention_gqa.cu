@@ -2,8 +2,8 @@
 // warps (decode-shaped: at most 16 packed rows per sequence; 3 cp.async stages, since it is memory-bound),
 // config 1 = 64-row tiles, one warp per 16 rows, 2 stages; config 2 = 128-row tiles as warpgroup MMAs, two
 // warpgroups sharing each KV tile, 3 stages (sm_90a builds on compute capability 9.0 only: attn_wgmma_built()).
-// 64-row warpgroup tiles (one CTA an SM at 3 stages) were 3-5% slower than config 1 on 17-64 rows (trees of 8-16
-// nodes on H100, docs/BENCHMARKS.md 2026-12-06), so warpgroups serve only past 64 rows.
+// 64-row warpgroup tiles were 3-5% slower than config 1 on 17-64 rows (trees of 8-16 nodes on an H100, cause not
+// established; docs/BENCHMARKS.md 2026-12-06), so warpgroups serve only past 64 rows.
 // (An 80-row config for the 68 packed rows of a B = 16 tree, one tile instead of 64 + 4 rows, was measured slower:
 // the two tiles run at once and the small one's reads hit L2; docs/BENCHMARKS.md, 2026-12-04.)
 #include "attention_mma_launch.cuh"

@@ -166,7 +166,6 @@ __global__ void __launch_bounds__(32 * WM * WN) attn_mma_kernel(const AttnParams
     }
   };
 
-  uint32_t qf[C::QREG ? DK / 16 : 1][4];
   float o[C::O_NT][4];
 #pragma unroll
   for (int i = 0; i < C::O_NT; ++i) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.f;
@@ -267,6 +266,7 @@ __global__ void __launch_bounds__(32 * WM * WN) attn_mma_kernel(const AttnParams
   if constexpr (kWG) {
     wg_kv_loop<T, DK, DV, BN, STAGES>(ntiles, s_begin, Ks, Vs, load_kv, load_q, softmax_tile, o, l_r);
   } else {
+    uint32_t qf[C::QREG ? DK / 16 : 1][4];  // loaded once: mma.sync reads them synchronously
     // STAGES-deep cp.async pipeline: group g carries tile g (group 0 also the Q tile); empty groups keep the
     // count uniform, so wait_group<STAGES-1> always means "tile it has landed".
 #pragma unroll

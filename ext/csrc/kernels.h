@@ -61,7 +61,7 @@ struct AttnPlan {
 // wgmma: the device runs the sm_90a warpgroup tiles (compute capability 9.0 and attn_wgmma_built()).
 AttnPlan attn_plan(DType dtype, int dk, int dv, int qa_dim, bool shared_kv, bool aligned, int group,
                    int num_seqs, int num_kv_heads, int max_query_len, int max_seq_len, int num_sms, bool clusters,
-                   bool wgmma = false);
+                   bool wgmma);
 // Runs the planned kernel (plus the split combine kernel); p.o_part / p.lse_part must be set when num_splits > 1
 // and the splits do not combine in a cluster.
 cudaError_t attn_launch(AttnParams p, const AttnPlan& plan, DType dtype, cudaStream_t stream);

@@ -202,6 +202,20 @@ cudaError_t launch_combine(const AttnParams& p, cudaStream_t stream) {
 
 int ceil_div(int a, int b) { return (a + b - 1) / b; }
 
+// KV splits for a grid of `ctas` tiles that fills `slots` resident CTAs more than once: the count whose waves end
+// soonest, a CTA's time taken as its KV tiles plus kSplitTiles for its start, its partials and their combine. At 192
+// CTAs on 132 slots (8 requests' 65-node trees at 4 heads a kv head: 3 tiles of 128 rows each, 8 kv heads) one
+// split runs 2 waves of the whole length, two splits 3 waves of half of it. A split must win by kSplitGain.
+constexpr int kSplitTiles = 2;
+constexpr double kSplitGain = 0.9;
+int split_waves(int ctas, int slots, int kv_tiles, int max_splits) {
+  auto cost = [&](int s) { return static_cast<double>(ceil_div(ctas * s, slots)) * (ceil_div(kv_tiles, s) + kSplitTiles); };
+  int best = 2;
+  for (int s = 3; s <= max_splits && s <= 8; ++s)
+    if (cost(s) < cost(best)) best = s;
+  return best <= max_splits && cost(best) < kSplitGain * cost(1) ? best : 1;
+}
+
 
 }  // namespace
 
@@ -220,14 +234,16 @@ AttnPlan attn_plan(DType dtype, int dk, int dv, int qa_dim, bool shared_kv, bool
   const int bn = (mla && plan.config == 1) ? 32 : 64;
   plan.tiles_per_seq = ceil_div(rows, plan.tile_rows);
   // Split KV so the grid fills the resident CTA slots in one wave (a partial second wave costs a whole
-  // CTA time); splits keep >= 2 KV tiles each.
+  // CTA time); splits keep >= 2 KV tiles each. A grid already past one wave is split where that ends its last wave
+  // sooner (split_waves).
   const int ctas = num_seqs * plan.tiles_per_seq * num_kv_heads;
   const int per_sm = gqa ? attn_mma_gqa_ctas_per_sm(dtype, dk, plan.config) : attn_mma_mla_ctas_per_sm(dtype, plan.config);
   const int slots = per_sm * num_sms;
-  int splits = ctas >= slots ? 1 : slots / (ctas > 0 ? ctas : 1);
   const int max_by_len = max_seq_len / (2 * bn) > 1 ? max_seq_len / (2 * bn) : 1;
-  splits = splits < max_by_len ? splits : max_by_len;
-  splits = splits < 64 ? splits : 64;
+  const int max_splits = max_by_len < 64 ? max_by_len : 64;
+  int splits = ctas >= slots ? split_waves(ctas, slots, ceil_div(max_seq_len, bn), max_splits)
+                             : slots / (ctas > 0 ? ctas : 1);
+  splits = splits < max_splits ? splits : max_splits;
   splits = splits > 1 ? splits : 1;
   const int split_tokens = ceil_div(ceil_div(max_seq_len > 0 ? max_seq_len : 1, splits), bn) * bn;
   plan.num_splits = ceil_div(max_seq_len > 0 ? max_seq_len : 1, split_tokens);

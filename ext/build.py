@@ -193,8 +193,12 @@ def _first_line(e: BaseException) -> str:
 # ---- building ---------------------------------------------------------------------------------------------------
 
 def workspace_dir(targets: list[str]) -> Path:
-    """ninja's incremental workspace for one architecture list (object files; never shipped)."""
-    return cache_dir() / ("build-" + "-".join(targets))
+    """ninja's incremental workspace for one architecture list and one source folder (object files; never shipped).
+    Per folder because two checkouts building at once in one workspace race: each installs the library the
+    workspace holds when its own compile returns, which can be the other's (two trees built side by side for an A/B
+    run came out as one library, twice: docs/BENCHMARKS.md 2026-12-04 12:04 and 2026-12-06 07:19)."""
+    folder = hashlib.sha256(str(CSRC.resolve()).encode()).hexdigest()[:10]
+    return cache_dir() / ("build-" + "-".join(targets) + "-" + folder)
 
 
 def _compile(targets: list[str], verbose: bool) -> Path:

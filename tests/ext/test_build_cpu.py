@@ -148,6 +148,18 @@ def test_check_dir_and_search_order(tmp_path, monkeypatch):
     assert build.output_dir() == build.package_lib_dir() and build.jit_dir() == tmp_path / "cache" / "ext"
 
 
+def test_each_source_folder_builds_in_its_own_workspace(tmp_path, monkeypatch):
+    """Two checkouts (an A/B pair) building at once must not share ninja's workspace; one checkout keeps its own
+    across rebuilds (incremental)."""
+    monkeypatch.setenv("DDTREE_CACHE", str(tmp_path))
+    targets = prebuilt.parse_arch_list("9.0a")
+    here = build.workspace_dir(targets)
+    assert here == build.workspace_dir(targets) and here.parent == tmp_path / "ext"
+    assert here.name.startswith("build-sm_90a-")
+    monkeypatch.setattr(build, "CSRC", tmp_path / "other" / "csrc")
+    assert build.workspace_dir(targets) != here and build.workspace_dir(targets).parent == here.parent
+
+
 def test_manifest_records_this_build():
     m = prebuilt.make_manifest(prebuilt.parse_arch_list(prebuilt.DEFAULT_ARCH_LIST), build.expected())
     assert m["torch"] == torch.__version__ and m["source_hash"] == build.source_hash()

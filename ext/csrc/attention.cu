@@ -209,7 +209,9 @@ int ceil_div(int a, int b) { return (a + b - 1) / b; }
 constexpr int kSplitTiles = 2;
 constexpr double kSplitGain = 0.9;
 int split_waves(int ctas, int slots, int kv_tiles, int max_splits) {
-  auto cost = [&](int s) { return static_cast<double>(ceil_div(ctas * s, slots)) * (ceil_div(kv_tiles, s) + kSplitTiles); };
+  auto cost = [&](int s) {
+    return static_cast<double>(ceil_div(ctas * s, slots)) * (ceil_div(kv_tiles, s) + kSplitTiles);
+  };
   int best = 2;
   for (int s = 3; s <= max_splits && s <= 8; ++s)
     if (cost(s) < cost(best)) best = s;

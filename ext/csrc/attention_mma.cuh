@@ -264,10 +264,7 @@ __global__ void __launch_bounds__(32 * WM * WN) attn_mma_kernel(const AttnParams
   };
 
   if constexpr (kWG) {
-    if (row0 + (warp / 4) * 64 < rows_total)  // this warpgroup has rows (warpgroup-uniform)
-      wg_kv_loop<T, DK, DV, BN, STAGES, true>(ntiles, s_begin, Ks, Vs, load_kv, load_q, softmax_tile, o, l_r);
-    else
-      wg_kv_loop<T, DK, DV, BN, STAGES, false>(ntiles, s_begin, Ks, Vs, load_kv, load_q, softmax_tile, o, l_r);
+    wg_kv_loop<T, DK, DV, BN, STAGES>(ntiles, s_begin, Ks, Vs, load_kv, load_q, softmax_tile, o, l_r);
   } else {
     uint32_t qf[C::QREG ? DK / 16 : 1][4];  // loaded once: mma.sync reads them synchronously
     // STAGES-deep cp.async pipeline: group g carries tile g (group 0 also the Q tile); empty groups keep the

@@ -128,9 +128,7 @@ __device__ __forceinline__ void wgmma_wait() {  // at most N of this warp's late
 // P V reads P packed from the S accumulators' layout (which is the A fragments') and the V stage MN-major
 // (transposed): 16 keys a call, column blocks BN * 128 bytes apart. load_kv(stage, pos0) issues a tile's
 // cp.async copies; load_q(qf) the Q fragments; softmax(s, pos0, corr, rs) the tile's online softmax (P in s).
-// MMA = false: a warpgroup whose rows are all padding (the last tile of 4 * 65 rows holds 4) only loads its share
-// of the tiles and meets the barriers, leaving the tensor cores and the SFUs to the other warpgroup.
-template <typename T, int DK, int DV, int BN, int STAGES, bool MMA, typename LoadKV, typename LoadQ, typename Softmax>
+template <typename T, int DK, int DV, int BN, int STAGES, typename LoadKV, typename LoadQ, typename Softmax>
 __device__ __forceinline__ void wg_kv_loop(int ntiles, int s_begin, const T* Ks, const T* Vs, LoadKV& load_kv,
                                            LoadQ& load_q, Softmax& softmax, float (&o)[DV / 8][4], float (&l_r)[2]) {
   static_assert(STAGES == 3, "S of the next tile, P V of this one, the tile after loading");
@@ -153,16 +151,6 @@ __device__ __forceinline__ void wg_kv_loop(int ntiles, int s_begin, const T* Ks,
   cp_async_wait<1>();
   fence_proxy_async_shared();
   __syncthreads();
-  if constexpr (!MMA) {  // the same loads and barriers as the loop below
-    for (int it = 0; it + 1 < ntiles; ++it) {
-      cp_async_wait<0>();
-      fence_proxy_async_shared();
-      __syncthreads();
-      if (it + 2 < ntiles) load_kv((it + 2) % STAGES, s_begin + (it + 2) * BN);
-      cp_async_commit();
-    }
-    return;
-  }
   load_q(qf);
   zero_s();
   wgmma_fence();

@@ -129,8 +129,7 @@ GQA_CASES = [
     (torch.float16, 64, 8, 2, 16, [(0, 200, "chain"), (3000, 300, "chain")]),
     (torch.float16, 128, 32, 8, 64, [(1500, 33, "tree")]),
     (torch.bfloat16, 64, 4, 2, 16, [(777, 17, "tree"), (64, 1, "decode")]),
-    # more 128-row tiles than CTA slots (8 x 3 x 8 = 192 on 132 SMs): KV split so the waves end sooner; each
-    # request's third tile has 4 rows, so its second warpgroup only loads
+    # more 128-row tiles than CTA slots (8 x 3 x 8 = 192 on 132 SMs): KV split so the waves end sooner
     (torch.bfloat16, 128, 32, 8, 16, [(1500 + 50 * i, 65, "tree") for i in range(8)]),
 ]
 

@@ -159,8 +159,9 @@ def attention_metas(num_reqs, ctx, b, block_size, perm, rot, gen):
 
 def bench_gqa(bw: float, flops: float, quick: bool) -> None:
     print("\n## 3. GQA verify attention, one Qwen3-8B layer (32 q / 8 kv heads, d = 128, bf16), paged")
-    print("bytes R*4096*L (K+V once), FLOPs R*16384*L*(B+1); ratio = time / time(B=0) at the same L, R, page")
-    print(f"{'page':>4} {'R':>2} {'L':>6} {'B':>4} {'ms':>8} {'TB/s':>6} {'TFLOP/s':>8} {'ratio':>6}")
+    print("bytes R*4096*L (K+V once), FLOPs R*16384*L*(B+1); ratio = time / time(B=0) at the same L, R, page; "
+          "plan = tile rows x tiles a sequence x KV splits")
+    print(f"{'page':>4} {'R':>2} {'L':>6} {'B':>4} {'ms':>8} {'TB/s':>6} {'TFLOP/s':>8} {'ratio':>6} {'plan':>10}")
     gen = torch.Generator().manual_seed(0)
     hkv, d, hq = 8, 128, 32
     cases = [(16, r_, L) for r_ in (1, 8) for L in (4096, 32768, 131072)] + [(64, 1, 32768), (64, 8, 4096)]
@@ -184,8 +185,10 @@ def bench_gqa(bw: float, flops: float, quick: bool) -> None:
             decode_ms = t if b == 0 else decode_ms
             tbs = r_ * 4096 * L / (t * 1e-3) / 1e12
             tfl = r_ * 16384 * L * (b + 1) / (t * 1e-3) / 1e12
-            print(f"{page:>4} {r_:>2} {L:>6} {b:>4} {t:8.4f} {tbs:6.2f} {tfl:8.1f} {t / decode_ms:6.2f}")
-            record("gqa", page=page, R=r_, L=L, B=b, ms=t, spread_ms=spread, TBps=tbs, TFLOPs=tfl,
+            _, _, rows, tiles, splits, _ = torch.ops.ddtree.attention_plan(d, hq // hkv, r_, hkv, b + 1, L + b + 1)
+            plan = f"{rows}x{tiles}x{splits}"
+            print(f"{page:>4} {r_:>2} {L:>6} {b:>4} {t:8.4f} {tbs:6.2f} {tfl:8.1f} {t / decode_ms:6.2f} {plan:>10}")
+            record("gqa", page=page, R=r_, L=L, B=b, ms=t, spread_ms=spread, TBps=tbs, TFLOPs=tfl, plan=plan,
                    ratio=t / decode_ms, pct_bw=100 * tbs * 1e12 / bw, pct_flops=100 * tfl * 1e12 / flops)
     del pools
     torch.cuda.empty_cache()

@@ -336,6 +336,18 @@ Tensor pack_tree_mask(Tensor mask) {
 
 bool attention_wgmma() { return wgmma_enabled(); }
 
+// The schedule paged_attention picks on this device for a bf16 GQA step of these shapes (bench/kernels.py prints it
+// beside each time): [kind, config, tile_rows, tiles_per_seq, num_splits, cluster_combine].
+std::vector<int64_t> attention_plan(int64_t head_dim, int64_t group, int64_t num_seqs, int64_t num_kv_heads,
+                                    int64_t max_query_len, int64_t max_seq_len) {
+  const int d = static_cast<int>(head_dim);
+  const ddtree::AttnPlan p = ddtree::attn_plan(ddtree::kBFloat16, d, d, d, false, true, static_cast<int>(group),
+                                               static_cast<int>(num_seqs), static_cast<int>(num_kv_heads),
+                                               static_cast<int>(max_query_len), static_cast<int>(max_seq_len),
+                                               num_sms(), compute_major() >= 9, wgmma_enabled());
+  return {p.kind, p.config, p.tile_rows, p.tiles_per_seq, p.num_splits, p.cluster_combine};
+}
+
 }  // namespace
 
 TORCH_LIBRARY(ddtree, m) {
@@ -353,7 +365,9 @@ TORCH_LIBRARY(ddtree, m) {
   m.def("kv_compact(Tensor(a!)[] caches, Tensor src_slots, Tensor dst_slots) -> ()");
   m.def("kv_compact_tree(Tensor(a!)[] caches, Tensor accepted_nodes, Tensor tree_slots) -> ()");
   m.def("pack_tree_mask(Tensor tree_mask) -> Tensor");
-  m.def("attention_wgmma() -> bool", &attention_wgmma);  // the current device's 64-row tiles are wgmma
+  m.def("attention_wgmma() -> bool", &attention_wgmma);  // tiles past 64 rows run as wgmma on this device
+  m.def("attention_plan(int head_dim, int group, int num_seqs, int num_kv_heads, int max_query_len, int max_seq_len) "
+        "-> int[]", &attention_plan);
   m.def("ngram_propose(Tensor(a!) history, Tensor rows, Tensor root_positions, Tensor? emitted, Tensor? num_new, "
         "Tensor? calibration, int horizon, int top_k, int vocab_size, int max_ngram, int max_matches, float backoff, "
         "float recency, float cal_prior) -> (Tensor, Tensor, Tensor)");

@@ -160,6 +160,18 @@ def test_hopper_runs_the_warpgroup_attention_tiles():
     assert torch.ops.ddtree.attention_wgmma() is expected
 
 
+def test_attention_plan_reports_the_schedule():
+    """torch.ops.ddtree.attention_plan (printed by bench/kernels.py): decode rows in 16-row tiles, a 65-node tree's
+    260 rows in 128-row warpgroup tiles where they run (else 64-row tiles), and on a 132-SM Hopper the 192 CTAs of 8
+    such trees split in two (tests/ext/test_attention_plan_cpu.py checks the rule itself on the host)."""
+    wg = torch.ops.ddtree.attention_wgmma()
+    kind, config, rows, tiles, splits, _ = torch.ops.ddtree.attention_plan(128, 4, 8, 8, 65, 32833)
+    assert (kind, config, rows, tiles) == ((1, 2, 128, 3) if wg else (1, 1, 64, 5))
+    if wg and torch.cuda.get_device_properties(0).multi_processor_count == 132:
+        assert splits == 2
+    assert torch.ops.ddtree.attention_plan(128, 4, 1, 8, 1, 4096)[:3] == [1, 0, 16]
+
+
 def test_decode_attention_combines_its_splits_in_one_launch():
     """On sm_90 a batch-1 decode (SmolLM2's heads, 512 tokens: four KV splits) is one kernel: the splits combine
     through the cluster's shared memory, no attn_combine_kernel, and the result is the same attention."""

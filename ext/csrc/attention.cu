@@ -236,15 +236,16 @@ AttnPlan attn_plan(DType dtype, int dk, int dv, int qa_dim, bool shared_kv, bool
   const int bn = (mla && plan.config == 1) ? 32 : 64;
   plan.tiles_per_seq = ceil_div(rows, plan.tile_rows);
   // Split KV so the grid fills the resident CTA slots in one wave (a partial second wave costs a whole
-  // CTA time); splits keep >= 2 KV tiles each. A grid already past one wave is split where that ends its last wave
-  // sooner (split_waves).
+  // CTA time); splits keep >= 2 KV tiles each. A grid of compute-bound tiles (verify, prefill) already past one wave
+  // is split where that ends its last wave sooner (split_waves); memory-bound decode tiles are not (a partial last
+  // wave of them gets the bandwidth the others leave, so the wave count prices them wrongly; not measured).
   const int ctas = num_seqs * plan.tiles_per_seq * num_kv_heads;
   const int per_sm = gqa ? attn_mma_gqa_ctas_per_sm(dtype, dk, plan.config) : attn_mma_mla_ctas_per_sm(dtype, plan.config);
   const int slots = per_sm * num_sms;
   const int max_by_len = max_seq_len / (2 * bn) > 1 ? max_seq_len / (2 * bn) : 1;
   const int max_splits = max_by_len < 64 ? max_by_len : 64;
-  int splits = ctas >= slots ? split_waves(ctas, slots, ceil_div(max_seq_len, bn), max_splits)
-                             : slots / (ctas > 0 ? ctas : 1);
+  int splits = ctas < slots ? slots / (ctas > 0 ? ctas : 1)
+                            : (plan.config == 0 ? 1 : split_waves(ctas, slots, ceil_div(max_seq_len, bn), max_splits));
   splits = splits < max_splits ? splits : max_splits;
   splits = splits > 1 ? splits : 1;
   const int split_tokens = ceil_div(ceil_div(max_seq_len > 0 ? max_seq_len : 1, splits), bn) * bn;

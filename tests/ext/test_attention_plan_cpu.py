@@ -57,6 +57,11 @@ def test_a_grid_past_one_wave_splits_where_its_waves_end_sooner(plan):
         (2, 3, 2), (2, 3, 2), (2, 1, 1), (2, 1, 1)]
 
 
+def test_decode_tiles_past_one_wave_stay_whole(plan):
+    """80 requests' decode rows are 640 CTAs on 528 slots (4 an SM): memory-bound, so not split by the wave count."""
+    assert plan((4, 80, 1, 32768), (4, 200, 1, 32768)) == [(0, 1, 1), (0, 1, 1)]
+
+
 def test_a_grid_within_one_wave_fills_it_and_short_contexts_stay_whole(plan):
     """Under one wave the splits fill the slots (24 CTAs: 5 splits of 32k keys); a split keeps at least two KV tiles
     (200 keys: one split whatever the grid); decode-shaped tiles (16 rows, 4 an SM) and 64-row tiles (2 an SM) fill

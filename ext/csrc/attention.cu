@@ -205,7 +205,8 @@ int ceil_div(int a, int b) { return (a + b - 1) / b; }
 // KV splits for a grid of `ctas` tiles that fills `slots` resident CTAs more than once: the count whose waves end
 // soonest, a CTA's time taken as its KV tiles plus kSplitTiles for its start, its partials and their combine. At 192
 // CTAs on 132 slots (8 requests' 65-node trees at 4 heads a kv head: 3 tiles of 128 rows each, 8 kv heads) one
-// split runs 2 waves of the whole length, two splits 3 waves of half of it. A split must win by kSplitGain.
+// split runs 2 waves of the whole length, two splits 3 waves of half of it. At most 8 splits (the combine reads every
+// split's partials), and a split must win by kSplitGain.
 constexpr int kSplitTiles = 2;
 constexpr double kSplitGain = 0.9;
 int split_waves(int ctas, int slots, int kv_tiles, int max_splits) {

@@ -98,18 +98,19 @@ def decode(args) -> None:
                                     ignore_eos=True)
                 llm.engine.budgets.reset()  # each configuration learns its own costs and acceptance
                 llm.generate([prompt], SamplingParams(max_tokens=8, temperature=temperature))  # warm-up
-                t0 = time.perf_counter()
-                outs = llm.generate([prompt] * batch, sp)
-                elapsed = time.perf_counter() - t0
-                tokens = sum(len(o.token_ids) for o in outs)
-                spec = outs[0].stats.get("spec", {})
-                print(json.dumps({"bench": "decode", "model": os.path.basename(str(args.model)), "drafter": name,
-                                  "budget": args.budget if drafter != "none" else 0, "batch": batch,
-                                  "temperature": temperature, "tokens_per_s": round(tokens / elapsed, 1),
-                                  "steps": outs[0].stats["steps"],
-                                  "mean_accept_length": round(spec.get("mean_accept_length", 1.0), 2),
-                                  "host_probe_us": round(host_speed_us(3))}),
-                      flush=True)
+                for rnd in range(args.rounds):  # rounds after the first keep what the budget and its guard learned
+                    t0 = time.perf_counter()
+                    outs = llm.generate([prompt] * batch, sp)
+                    elapsed = time.perf_counter() - t0
+                    tokens = sum(len(o.token_ids) for o in outs)
+                    spec = outs[0].stats.get("spec", {})
+                    print(json.dumps({"bench": "decode", "model": os.path.basename(str(args.model)), "drafter": name,
+                                      "budget": args.budget if drafter != "none" else 0, "batch": batch,
+                                      "temperature": temperature, "round": rnd,
+                                      "tokens_per_s": round(tokens / elapsed, 1), "steps": outs[0].stats["steps"],
+                                      "mean_accept_length": round(spec.get("mean_accept_length", 1.0), 2),
+                                      "host_probe_us": round(host_speed_us(3))}),
+                          flush=True)
 
 
 def main() -> None:
@@ -120,6 +121,9 @@ def main() -> None:
     p.add_argument("--batch", type=int, nargs="+", default=[1, 16])
     p.add_argument("--budget", type=int, default=16)
     p.add_argument("--max-tokens", type=int, default=256)
+    p.add_argument("--rounds", type=int, default=1,
+                   help="batches run back to back per configuration after one reset: round 0 pays the adaptive "
+                        "budget's and its guard's learning, later rounds show the state a running server reaches")
     p.add_argument("--drafters", nargs="+", default=["none", "ngram"],
                    help="none, ngram, ngram:noguard (the adaptive budget without its throughput guard)")
     args = p.parse_args()

@@ -205,20 +205,19 @@ int ceil_div(int a, int b) { return (a + b - 1) / b; }
 // KV splits for a grid of `ctas` tiles that fills `slots` resident CTAs more than once: the count whose waves end
 // soonest, a CTA's time taken as its KV tiles plus kSplitTiles for its start, its partials and their combine. At 192
 // CTAs on 132 slots (8 requests' 65-node trees at 4 heads a kv head: 3 tiles of 128 rows each, 8 kv heads) one
-// split runs 2 waves of the whole length, two splits 3 waves of half of it. At most 8 splits (the combine reads every
-// split's partials), and a split must win by kSplitGain.
-constexpr int kSplitTiles = 2;
+// split runs 2 waves of the whole length, two splits 3 waves of half of it. At most kWaveSplits (the combine reads
+// every split's partials), and a split must win by kSplitGain.
+constexpr int kSplitTiles = 2, kWaveSplits = 8;
 constexpr double kSplitGain = 0.9;
 int split_waves(int ctas, int slots, int kv_tiles, int max_splits) {
   auto cost = [&](int s) {
     return static_cast<double>(ceil_div(ctas * s, slots)) * (ceil_div(kv_tiles, s) + kSplitTiles);
   };
-  int best = 2;
-  for (int s = 3; s <= max_splits && s <= 8; ++s)
+  int best = 1;
+  for (int s = 2; s <= max_splits && s <= kWaveSplits; ++s)
     if (cost(s) < cost(best)) best = s;
-  return best <= max_splits && cost(best) < kSplitGain * cost(1) ? best : 1;
+  return cost(best) < kSplitGain * cost(1) ? best : 1;
 }
-
 
 }  // namespace
 

@@ -58,12 +58,19 @@ void fill_metadata(ddtree::AttnParams& p, const Tensor& qsl, const Tensor& seq_l
   p.tree_words = tree_bits.has_value() ? static_cast<int>(tree_bits->size(1)) : 0;
 }
 
+// The schedule of an attention launch on the current device (its SM count, clusters, warpgroup tiles): what
+// run_attention launches and attention_plan reports.
+ddtree::AttnPlan device_plan(ddtree::DType dt, int dk, int dv, int qa_dim, bool shared_kv, bool aligned, int group,
+                             int num_seqs, int num_kv_heads, int64_t max_query_len, int64_t max_seq_len) {
+  return ddtree::attn_plan(dt, dk, dv, qa_dim, shared_kv, aligned, group, num_seqs, num_kv_heads,
+                           static_cast<int>(max_query_len), static_cast<int>(max_seq_len), num_sms(),
+                           compute_major() >= 9, wgmma_enabled());
+}
+
 Tensor run_attention(ddtree::AttnParams& p, const Tensor& out, ddtree::DType dt, bool shared_kv, bool aligned,
                      int64_t max_query_len, int64_t max_seq_len) {
-  const ddtree::AttnPlan plan = ddtree::attn_plan(dt, p.dk, p.dv, p.qa_dim, shared_kv, aligned, p.group, p.num_seqs,
-                                                  p.num_kv_heads, static_cast<int>(max_query_len),
-                                                  static_cast<int>(max_seq_len), num_sms(), compute_major() >= 9,
-                                                  wgmma_enabled());
+  const ddtree::AttnPlan plan = device_plan(dt, p.dk, p.dv, p.qa_dim, shared_kv, aligned, p.group, p.num_seqs,
+                                            p.num_kv_heads, max_query_len, max_seq_len);
   Tensor o_part, lse_part;
   if (plan.kind != 0 && plan.num_splits > 1 && !plan.cluster_combine) {
     o_part = at::empty({plan.num_splits, p.num_tokens, p.num_q_heads, p.dv}, out.options().dtype(at::kFloat));
@@ -341,10 +348,9 @@ bool attention_wgmma() { return wgmma_enabled(); }
 std::vector<int64_t> attention_plan(int64_t head_dim, int64_t group, int64_t num_seqs, int64_t num_kv_heads,
                                     int64_t max_query_len, int64_t max_seq_len) {
   const int d = static_cast<int>(head_dim);
-  const ddtree::AttnPlan p = ddtree::attn_plan(ddtree::kBFloat16, d, d, d, false, true, static_cast<int>(group),
-                                               static_cast<int>(num_seqs), static_cast<int>(num_kv_heads),
-                                               static_cast<int>(max_query_len), static_cast<int>(max_seq_len),
-                                               num_sms(), compute_major() >= 9, wgmma_enabled());
+  const ddtree::AttnPlan p = device_plan(ddtree::kBFloat16, d, d, d, false, true, static_cast<int>(group),
+                                         static_cast<int>(num_seqs), static_cast<int>(num_kv_heads), max_query_len,
+                                         max_seq_len);
   return {p.kind, p.config, p.tile_rows, p.tiles_per_seq, p.num_splits, p.cluster_combine};
 }
 

@@ -103,12 +103,12 @@ def decode(args) -> None:
                     outs = llm.generate([prompt] * batch, sp)
                     elapsed = time.perf_counter() - t0
                     tokens = sum(len(o.token_ids) for o in outs)
-                    spec = outs[0].stats.get("spec", {})
+                    steps = sum(o.stats["steps"] for o in outs)  # every request's, not the first one's
                     print(json.dumps({"bench": "decode", "model": os.path.basename(str(args.model)), "drafter": name,
                                       "budget": args.budget if drafter != "none" else 0, "batch": batch,
                                       "temperature": temperature, "round": rnd,
-                                      "tokens_per_s": round(tokens / elapsed, 1), "steps": outs[0].stats["steps"],
-                                      "mean_accept_length": round(spec.get("mean_accept_length", 1.0), 2),
+                                      "tokens_per_s": round(tokens / elapsed, 1), "steps": round(steps / len(outs), 1),
+                                      "mean_accept_length": round(tokens / steps, 2),
                                       "host_probe_us": round(host_speed_us(3))}),
                           flush=True)
 

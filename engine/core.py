@@ -14,7 +14,8 @@ import torch
 from engine.ahead import AheadLauncher, Launched, trees_blocked
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
-from engine.cuda_graphs import BATCH_SIZES, CudaGraphs, buckets_up_to, scratch_blocks_needed, supports_graphs
+from engine.cuda_graphs import (BATCH_SIZES, CudaGraphs, buckets_up_to, graph_shape, scratch_blocks_needed,
+                                supports_graphs)
 from engine.detokenizer import OutputText
 from engine.draft_first import DraftFirst
 from engine.memory import AllocatorWatch, measure_cuda_peak, plan_kv_cache
@@ -192,6 +193,7 @@ class EngineCore:
                                       emulate=emulate)
         self.runner.uniform_trees = self.scheduler.uniform_trees = self.speculator is not None
         self.budgets.price_tree_steps = False  # the uniform width prices a graph step (BudgetController.uniform)
+        self.budgets.costs.shape_of = graph_shape  # ... at its shape's measured time (step_costs.py)
         self._price_switches()
 
     def _price_switches(self) -> None:

@@ -43,6 +43,12 @@ def bucket_of(values: tuple[int, ...], n: int) -> int | None:
     return next((v for v in values if v >= n), None)
 
 
+def graph_shape(num_seqs: int, width: int) -> tuple[int, int]:
+    """The (batch, width) buckets a decoding step of num_seqs requests at `width` rows each runs as (beyond the
+    largest bucket: the sizes themselves)."""
+    return bucket_of(BATCH_SIZES, num_seqs) or num_seqs, bucket_of(WIDTHS, width) or width
+
+
 def buckets_up_to(values: tuple[int, ...], n: int) -> list[int]:
     """The buckets of `values` that serve sizes up to n: every one below n and the one that holds n (which can be
     larger than n; when none does, the largest, already among those below n)."""

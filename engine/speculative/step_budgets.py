@@ -27,7 +27,11 @@ class StepBudgets:
         else:
             rows = sum(width if s.spec_budget else s.num_new_tokens for s in plan.seqs)
         tokens = sum(len(t) for t in result.new_token_ids.values())
-        self.observe_step(rows, seconds, tokens, fit=decoding, tree=width > 1, synchronous=synchronous)
+        warm_up = _warming_up(plan)
+        self.observe_step(rows, seconds, tokens, fit=decoding and not warm_up, tree=width > 1, synchronous=synchronous)
+        if decoding and uniform_layout and not synchronous and not warm_up:
+            leaving = width == 1 and plan.seqs[0].root_on_device  # a root-only round: trees' predecessor in flight
+            self.costs.observe(len(plan.seqs), width, seconds, leaving)
         if decoding:
             self.guard.observe(len(plan.seqs), tokens, seconds if cycle_seconds is None else cycle_seconds, width > 1)
         self.observe_draft(result.num_drafted, draft_seconds)
@@ -92,17 +96,31 @@ class StepBudgets:
             return budgets
         caps = [max(0, c) for c in caps]
         gains, probes = self._step_gains(request_ids, budgets, caps)
-        return uniform_width(gains, caps, self.threshold(), self.draft_tokens(), probes, self.switch_tokens())
+        n = len(request_ids)
+        return uniform_width(gains, caps, self.threshold(), self.draft_tokens(), probes, self.switch_tokens(n),
+                             self._width_costs(n, max(caps, default=0)))
 
-    def switch_tokens(self) -> float:
-        """Tokens of throughput a tree step after a plain one costs beyond its rows under asynchronous scheduling
-        when it cannot run ahead of its predecessor's results (its scheduling and drafting leave the device
-        idle), nor the plain step after the trees. Priced once, at the switch into trees (SwitchCost). Nothing
-        when the engine launches tree steps ahead of any decoding step (`switches_ahead`: a drafter that drafts
-        from the device, under CUDA graphs)."""
+    def _width_costs(self, num_seqs: int, top: int) -> list[float] | None:
+        """What each width 0..top costs a step of num_seqs requests in tokens, as measured per graph shape
+        (step_costs.py; None: priced by rows, theta a row). Kept until the next observation."""
+        key = (self.version, num_seqs, top)
+        if self._widths is None or self._widths[0] != key:
+            seconds = self.costs.width_seconds(num_seqs, top, self._row_seconds())
+            self._widths = (key, None if seconds is None else [self._in_tokens(s) for s in seconds])
+        return self._widths[1]
+
+    def switch_tokens(self, num_seqs: int = 0) -> float:
+        """Tokens of throughput a tree step after a plain one costs beyond its rows, priced once at the switch into
+        trees. Under asynchronous scheduling a tree step that cannot run ahead of its predecessor's results (its
+        scheduling and drafting leave the device idle) costs more, and so does the plain step after the trees
+        (SwitchCost). When the engine launches tree steps ahead of any decoding step (`switches_ahead`: a drafter
+        that drafts from the device, under CUDA graphs) no switch is synchronous, but trees are left by a
+        root-only round, whose measured extra at this batch (step_costs.py) the entering step pays."""
         after_tree = self.last_tree if self._after is None else self._after
-        if not self.pipelined or after_tree or self.switches_ahead:
+        if not self.pipelined or after_tree:
             return 0.0
+        if self.switches_ahead:
+            return self._in_tokens(self.costs.extra(num_seqs, 1, leaving=True) or 0.0)
         return self._in_tokens(self.switch.seconds())
 
     @contextmanager
@@ -130,3 +148,17 @@ class StepBudgets:
             gains.append(self._gains(source, standing, length) if length > 0 and source is not None else [])
             probes.append(budget if budget and own and self._is_probe(stats) else 0)
         return gains, probes
+
+
+WARM_UP_TOKENS = 3  # a request with fewer output tokens is still warming up (its drafter just took in its prompt)
+
+
+def _warming_up(plan) -> bool:
+    """A batch's first steps: 8 or more requests, a quarter of them with fewer than WARM_UP_TOKENS output tokens.
+    Their time is the drafter taking in the prompts (on an H100 a batch-64 plain step took 8-11 ms there against
+    1.3 later), so they neither price rows nor count as a shape's step time."""
+    n = len(plan.seqs)
+    if n < 8:
+        return False
+    young = sum(1 for s in plan.seqs if s.request.num_output_tokens < WARM_UP_TOKENS)
+    return 4 * young >= n

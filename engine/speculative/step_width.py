@@ -39,7 +39,8 @@ def common_width(gains: list[list[float]], budgets: list[int], theta: float,
 
 
 def uniform_width(gains: list[list[float]], caps: list[int], theta: float, draft_cost: float,
-                  fixed: list[int] | None = None, switch_cost: float = 0.0) -> list[int]:
+                  fixed: list[int] | None = None, switch_cost: float = 0.0,
+                  width_costs: list[float] | None = None) -> list[int]:
     """The nodes each request verifies in a step laid out uniformly (CUDA graphs: once a step verifies any tree,
     every decoding request in it is laid out at the step's width, budget 0 or not, so each of the n requests pays
     w rows). gains[i]: request i's expected accepted tokens per node, best-first, over up to caps[i] nodes;
@@ -47,7 +48,9 @@ def uniform_width(gains: list[list[float]], caps: list[int], theta: float, draft
     fixed[i]: a probe's budget (0: none), which the width must hold. The width w (0 = a plain step) maximizes
     sum_i max(0, gain_i(min(w, cap_i)) - draft_cost) - theta * w * n (a probe counts whatever its gain), less
     switch_cost for any w > 0 (tokens a tree step costs beyond its rows: BudgetController.switch_tokens); each
-    request then verifies min(w, cap_i) nodes when they beat its drafting cost (a probe always), else none."""
+    request then verifies min(w, cap_i) nodes when they beat its drafting cost (a probe always), else none.
+    width_costs[w]: what width w costs the whole step in tokens, for w = 0..max(caps), in place of theta * w * n
+    (a step's measured price under CUDA graphs: step_costs.py)."""
     n = len(gains)
     fixed = fixed or [0] * n
     floor, top = max(fixed, default=0), max(caps, default=0)
@@ -64,7 +67,8 @@ def uniform_width(gains: list[list[float]], caps: list[int], theta: float, draft
     for w, column in enumerate(zip(*rows)):
         if w < max(1, floor):
             continue
-        net = sum(filter((0.0).__lt__, column)) - theta * w * n - switch_cost
+        cost = theta * w * n if width_costs is None else width_costs[w]
+        net = sum(filter((0.0).__lt__, column)) - cost - switch_cost
         if probes:
             net += sum(column[i] for i in probes if column[i] <= 0)
         if net > best_net:

@@ -227,7 +227,7 @@ def guard_switching_engine(tiny_checkpoints, ps, ref, overlap: bool, monkeypatch
     monkeypatch.setattr(BudgetController, "draft_tokens", lambda self: 0.0)
     monkeypatch.setattr(BudgetController, "threshold", lambda self: MIN_GAIN)
     monkeypatch.setattr(CostFit, "tree_cost", lambda self: 0.0)
-    monkeypatch.setattr(BudgetController, "switch_tokens", lambda self: 0.0)
+    monkeypatch.setattr(BudgetController, "switch_tokens", lambda self, num_seqs=0: 0.0)
     folder, _ = tiny_checkpoints("llama")
     if device == "cpu":
         return tree_engine(folder, ps, ref, overlap, budget=6, adaptive=True).engine

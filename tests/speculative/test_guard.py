@@ -170,7 +170,7 @@ def test_the_engine_turns_off_trees_whose_cost_its_step_timer_cannot_see(tiny_ch
     monkeypatch.setattr(BudgetController, "draft_tokens", lambda self: 0.0)
     monkeypatch.setattr(BudgetController, "threshold", lambda self: MIN_GAIN)
     monkeypatch.setattr(CostFit, "tree_cost", lambda self: 0.0)  # (nor a noisy tree step's fitted fixed cost)
-    monkeypatch.setattr(BudgetController, "switch_tokens", lambda self: 0.0)
+    monkeypatch.setattr(BudgetController, "switch_tokens", lambda self, num_seqs=0: 0.0)
     folder, _ = tiny_checkpoints("llama")
     ref = [o.token_ids for o in LLM(folder, dtype="fp32").generate(
         prompts(), SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True))]

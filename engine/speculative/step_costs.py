@@ -1,0 +1,109 @@
+"""Measured step times per CUDA-graph shape: what a tree round costs beyond a plain step at the same batch, as the
+engine ran it (device, host and drafting together), for the adaptive budget's uniform width (step_budgets.py).
+
+Why measured and not fitted. Under CUDA graphs a step's time is set by its captured shape (batch bucket x width
+bucket), not by its rows: on an H100 with the embedded model a tree round at batch 64 took 2.80 ms against 1.34 for
+a plain step, of which ~1.4 ms is per-request host work of a round (scheduling ahead, the drafter's call, the
+budget's bookkeeping), whatever the width. A line fitted on rows priced that round at ~23 tokens of throughput
+where it cost ~70, so every round lost (docs/BENCHMARKS.md, 2026-12-06). Graph shapes are few and their times
+steady, so a decayed mean per shape is the price. A width not measured yet is priced by its rows at the fitted
+slope plus the least fixed part any measured shape showed (its extra beyond its rows' price): optimistic, so it
+gets tried and measured.
+
+What is not counted: a shape's first step (its first replay pays one-time costs), synchronous steps (their time
+holds the host's scheduling that a step launched ahead hides; the switch cost prices those), and the caller skips a
+batch's warm-up steps (the drafter taking in many prompts made a batch-64 plain step 8-11 ms). A tree shape's record
+ages by the plain steps at its batch (STALE_DECAY) and is not believed below MIN_TREE_WEIGHT: a round measured dear
+under a slow host is priced by its rows again after ~70 plain steps, so it gets re-measured. The round that leaves
+trees (every budget 0, run as root-only trees because its predecessor's results are still on the device) is kept
+as its own shape: the step that enters trees pays it."""
+from __future__ import annotations
+
+from typing import Callable, Hashable
+
+DECAY = 0.9  # per observed step of the same shape
+STALE_DECAY = 0.99  # a tree shape's weight, per plain step at its batch
+MIN_PLAIN_WEIGHT = 1.5  # a plain shape's decayed weight before its mean is used (two steps)
+MIN_TREE_WEIGHT = 0.5  # a tree shape's weight below which its mean is not believed
+SPIKE_CLIP = 4.0  # one step counts at most this many times its shape's mean (a GC pause, a busy host)
+LEAVING = 0  # the width slot of the round that leaves trees
+# what any tree costs a step at a batch whose plain step is not measured yet: so much that only probes run there
+# until it is (three plain steps). Priced by rows instead, a batch-64 run on an H100 verified trees in 27 of its
+# first 30 steps at twice a plain step's time: each tree round was followed by the root-only round leaving it, so
+# no plain step was ever measured to hold them against.
+UNMEASURED_PLAIN = 1.0
+
+
+class StepCosts:
+    def __init__(self, shape_of: Callable[[int, int], tuple[Hashable, int]] | None = None):
+        """shape_of(num_seqs, width): the graph shape a decoding step runs as, (batch bucket, width bucket); None
+        (no CUDA graphs): nothing is measured and every price is None."""
+        self.shape_of = shape_of
+        self.reset()
+
+    def reset(self) -> None:
+        self.means: dict[tuple, list[float]] = {}  # shape -> [decayed weight, decayed sum of seconds]
+        self.seen: set[tuple] = set()  # shapes whose first step has passed
+
+    def observe(self, num_seqs: int, width: int, seconds: float, leaving: bool = False) -> None:
+        """One decoding step launched ahead of its predecessor's results: its requests, its rows per request
+        (1: plain) and its wall time. leaving: a root-only round after trees."""
+        if self.shape_of is None or seconds <= 0:
+            return
+        batch, bucket = self.shape_of(num_seqs, width)
+        key = (batch, LEAVING if leaving else bucket)
+        if key not in self.seen:
+            self.seen.add(key)
+            return
+        record = self.means.setdefault(key, [0.0, 0.0])
+        if record[0] > 0:
+            seconds = min(seconds, SPIKE_CLIP * record[1] / record[0])
+        record[0], record[1] = DECAY * record[0] + 1.0, DECAY * record[1] + seconds
+        if key[1] == 1:
+            for (b, w), other in self.means.items():
+                if b == batch and w != 1:
+                    other[0] *= STALE_DECAY
+                    other[1] *= STALE_DECAY
+
+    def _mean(self, key: tuple, min_weight: float) -> float | None:
+        record = self.means.get(key)
+        return record[1] / record[0] if record is not None and record[0] >= min_weight else None
+
+    def extra(self, num_seqs: int, width: int, leaving: bool = False) -> float | None:
+        """Seconds a step of `width` rows a request (or the leaving round) costs beyond a plain step at this batch,
+        as measured; None when either is not measured."""
+        if self.shape_of is None:
+            return None
+        batch, bucket = self.shape_of(num_seqs, width)
+        plain = self._mean((batch, 1), MIN_PLAIN_WEIGHT)
+        tree = self._mean((batch, LEAVING if leaving else bucket), MIN_TREE_WEIGHT)
+        return None if plain is None or tree is None else max(0.0, tree - plain)
+
+    def least_fixed(self, row_seconds: float) -> float:
+        """The least fixed part any measured tree shape showed: its extra over a plain step at its batch beyond its
+        padded rows' price at row_seconds a row (0 when none is measured)."""
+        fixed = []
+        for (batch, width), (weight, total) in self.means.items():
+            plain = self._mean((batch, 1), MIN_PLAIN_WEIGHT)
+            if width > 1 and weight > 0 and plain is not None:
+                fixed.append(max(0.0, total / weight - plain - row_seconds * (width - 1) * batch))
+        return min(fixed, default=0.0)
+
+    def width_seconds(self, num_seqs: int, top: int, row_seconds: float) -> list[float] | None:
+        """Seconds each width w = 0..top nodes a request costs a step of num_seqs requests beyond a plain one:
+        measured where its shape is, else its rows at row_seconds plus least_fixed(); UNMEASURED_PLAIN while the
+        plain step at this batch is not measured. None without graphs."""
+        if self.shape_of is None:
+            return None
+        if self._mean((self.shape_of(num_seqs, 1)[0], 1), MIN_PLAIN_WEIGHT) is None:
+            return [0.0] + [UNMEASURED_PLAIN] * top
+        fixed = None
+        out = [0.0]
+        for w in range(1, top + 1):
+            measured = self.extra(num_seqs, w + 1)
+            if measured is None:
+                if fixed is None:
+                    fixed = self.least_fixed(row_seconds)
+                measured = row_seconds * w * num_seqs + fixed
+            out.append(measured)
+        return out

@@ -1,0 +1,160 @@
+"""Measured step costs per CUDA-graph shape (engine/speculative/step_costs.py) and the uniform width priced by them.
+
+The numbers replay an H100's batch-64 run of the embedded model (bench/step_kinds.py --trace, 2026-12-06): plain
+steps 1.34 ms for 64 tokens, tree rounds 2.7-2.8 ms whatever their width (host-bound), the root-only round that
+leaves trees 2.56 ms. A line fitted on rows priced those rounds at a fraction of their cost, and every round lost."""
+from __future__ import annotations
+
+import pytest
+
+from engine.cuda_graphs import graph_shape
+from engine.plan import ScheduledSeq, StepPlan, StepResult
+from engine.request import Request
+from engine import SamplingParams
+from engine.speculative.adaptive import BudgetController
+from engine.speculative.step_costs import STALE_DECAY, StepCosts
+from tests.speculative.test_adaptive import confidence
+
+PLAIN_MS, LEAVING_MS = 1.34, 2.56
+ROUND_MS = {2: 2.70, 5: 2.75, 17: 2.80}  # width (rows a request) -> a round's time at batch 64
+
+
+def test_a_shapes_first_step_is_not_counted_and_a_plain_mean_needs_two_steps():
+    costs = StepCosts(graph_shape)
+    costs.observe(64, 1, 0.011)  # its first replay: not counted
+    costs.observe(64, 17, 0.0028)
+    costs.observe(64, 17, 0.0028)
+    costs.observe(64, 1, 0.00134)
+    assert costs.extra(64, 17) is None  # one plain step: not yet believed
+    costs.observe(64, 1, 0.00134)
+    assert costs.extra(64, 17) == pytest.approx(0.00146)
+    assert costs.extra(60, 16) == pytest.approx(0.00146)  # the same buckets: the same graph
+    assert costs.extra(64, 9) is None and costs.extra(32, 17) is None  # other shapes: not measured
+    assert StepCosts(None).extra(64, 17) is None and StepCosts(None).width_seconds(64, 16, 1e-6) is None
+
+
+def test_the_leaving_round_is_its_own_shape_and_a_spike_counts_a_bounded_step():
+    costs = StepCosts(graph_shape)
+    for _ in range(4):
+        costs.observe(64, 1, 0.00134)
+        costs.observe(64, 1, 0.00256, leaving=True)
+    assert costs.extra(64, 1) == 0.0
+    assert costs.extra(64, 1, leaving=True) == pytest.approx(0.00122)
+    before = costs.extra(64, 1, leaving=True)
+    costs.observe(64, 1, 0.5, leaving=True)  # a GC pause: at most 4x the mean
+    assert before < costs.extra(64, 1, leaving=True) < before + 4 * 0.00256
+
+
+def test_a_dear_round_is_priced_by_its_rows_again_after_a_run_of_plain_steps():
+    """A round measured dear is not chosen again, so its record would never change; aged by the plain steps at its
+    batch it stops counting after ~70 of them and the width is priced by rows plus the least fixed part."""
+    costs = StepCosts(graph_shape)
+    for _ in range(2):  # (the first not counted) one round measured
+        costs.observe(64, 17, 0.0028)
+    for _ in range(3):
+        costs.observe(64, 1, 0.00134)
+    assert costs.extra(64, 17) is not None
+    steps = 0
+    while costs.extra(64, 17) is not None:
+        costs.observe(64, 1, 0.00134)
+        steps += 1
+    assert 60 < steps < 80 and STALE_DECAY ** (steps + 2) < 0.5
+    # priced by rows again: 16 nodes x 64 requests at 1 ns, plus the fixed part the stale record still shows
+    seconds = costs.width_seconds(64, 16, 1e-9)
+    assert seconds[16] == pytest.approx(16 * 64 * 1e-9 + (0.0028 - 0.00134 - 16 * 64 * 1e-9), rel=0.02)
+
+
+def test_an_unmeasured_width_pays_its_rows_and_the_least_fixed_part_seen():
+    costs = StepCosts(graph_shape)
+    for _ in range(3):
+        costs.observe(64, 1, 0.00134)
+        costs.observe(64, 2, 0.0027)
+        costs.observe(64, 17, 0.0028)
+    t_row = 1e-6
+    fixed = min(0.0027 - 0.00134 - 1 * 64 * t_row, 0.0028 - 0.00134 - 16 * 64 * t_row)
+    assert costs.least_fixed(t_row) == pytest.approx(fixed)
+    seconds = costs.width_seconds(64, 16, t_row)
+    assert seconds[0] == 0.0 and seconds[1] == pytest.approx(0.0027 - 0.00134)
+    assert seconds[4] == pytest.approx(4 * 64 * t_row + fixed)  # width 5: not measured
+    assert seconds[16] == pytest.approx(0.0028 - 0.00134)
+
+
+def test_no_tree_is_priced_before_a_plain_step_at_its_batch_is_measured():
+    """Without a plain step to hold it against, a round's price is unknown; priced by rows, a batch-64 run on an
+    H100 verified trees in 27 of its first 30 steps (each tree round followed by the root-only round leaving it, so
+    no plain step was measured). Until three plain steps ran at the batch, any width costs UNMEASURED_PLAIN:
+    trees stay off, and a probe still holds its width."""
+    from engine.speculative.step_costs import UNMEASURED_PLAIN
+    from engine.speculative.step_width import uniform_width
+
+    costs = StepCosts(graph_shape)
+    for _ in range(3):
+        costs.observe(64, 17, 0.0037)
+        costs.observe(64, 1, 0.0035, leaving=True)
+    assert costs.width_seconds(64, 4, 1e-9) == [0.0] + [UNMEASURED_PLAIN] * 4
+    costs.observe(64, 1, 0.0014)
+    costs.observe(64, 1, 0.0014)
+    assert costs.width_seconds(64, 4, 1e-9) == [0.0] + [UNMEASURED_PLAIN] * 4  # one counted: not yet
+    costs.observe(64, 1, 0.0014)
+    assert costs.width_seconds(64, 16, 1e-9)[16] == pytest.approx(0.0023)
+    tokens = [UNMEASURED_PLAIN * 47e3] * 5
+    tokens[0] = 0.0
+    strong = [[0.9] * 4] * 64
+    assert uniform_width(strong, [4] * 64, 0.02, 0.0, width_costs=tokens) == [0] * 64
+    assert uniform_width(strong, [4] * 64, 0.02, 0.0, [4] + [0] * 63, width_costs=tokens) == [4] * 64
+
+
+def _controller(measured: bool) -> BudgetController:
+    """A controller after the H100 trace's steps at batch 64 under graphs (asynchronous, tree steps launched
+    ahead of any step): plain steps, rounds of three widths, the root-only rounds that left them."""
+    controller = BudgetController(max_budget=16)
+    controller.pipelined, controller.switches_ahead, controller.price_tree_steps = True, True, False
+    if measured:
+        controller.costs.shape_of = graph_shape
+    for _ in range(3):
+        for width, ms in ROUND_MS.items():
+            controller.observe_step(64 * width, ms / 1e3, tokens=83, tree=True)
+            controller.costs.observe(64, width, ms / 1e3)
+        controller.observe_step(64, LEAVING_MS / 1e3, tokens=64)
+        controller.costs.observe(64, 1, LEAVING_MS / 1e3, leaving=True)
+        for _ in range(8):
+            controller.observe_step(64, PLAIN_MS / 1e3, tokens=64)
+            controller.costs.observe(64, 1, PLAIN_MS / 1e3)
+    return controller
+
+
+@pytest.mark.parametrize("measured", [False, True])
+def test_rounds_that_cost_more_than_they_bring_stay_plain_at_batch_64(measured):
+    """64 requests whose trees expect ~0.4 accepted drafts each (~26 tokens a round) against a round's measured
+    ~1.4 ms extra (~70 tokens at 64 tokens / 1.34 ms) and the leaving round's ~1.2 ms: plain. Priced by the fitted
+    row slope (the rounds' widths cost about the same, so the slope is small) the same step chose trees; that is
+    what lost on the H100. Trees that expect ~3 drafts a request (~190 tokens) still run."""
+    controller = _controller(measured)
+    assert controller.threshold() < 0.1  # the fitted slope: ~1.3 us a row (the trace: 1.3-3)
+    ids = [f"r{i}" for i in range(64)]
+    mild = [0.25, 0.1, 0.05] + [0.001] * 13
+    strong = [0.97 ** (j + 1) for j in range(16)]
+    for qs, wants_trees in ((mild, not measured), (strong, True)):
+        for rid in ids:
+            controller.observe_curve(rid, confidence([sum(qs[:j + 1]) for j in range(16)]))
+        got = controller.uniform(ids, [4] * 64, [16] * 64)
+        assert any(got) == wants_trees, (qs[:3], got[:4])
+
+
+def test_warm_up_steps_are_neither_fitted_nor_measured():
+    """The first decoding steps of a batch of new requests take the drafter's intake of their prompts (an H100 at
+    batch 64: 11.3 and 7.9 ms against 1.3 ms later): seeding the plain mean there made every round look cheap."""
+    controller = BudgetController(max_budget=16)
+    controller.costs.shape_of = graph_shape
+    requests = [Request([1, 2, 3], SamplingParams(max_tokens=50), request_id=f"r{i}") for i in range(64)]
+    plan = StepPlan([ScheduledSeq(r, 1, True) for r in requests])
+    result = StepResult(new_token_ids={r.request_id: [7] for r in requests})
+    for _ in range(3):  # one output token each: warming up
+        controller.observe_engine_step(plan, result, 0.0113, 0.0, synchronous=False, uniform_layout=True)
+    assert controller.fit.n == 0 and not controller.costs.means and not controller.costs.seen
+    for r in requests:
+        r.output_token_ids = [5, 6, 7]
+    for _ in range(3):
+        controller.observe_engine_step(plan, result, 0.00134, 0.0, synchronous=False, uniform_layout=True)
+    assert controller.fit.n > 0 and controller.costs.means[(64, 1)][1] / controller.costs.means[(64, 1)][0] == \
+        pytest.approx(0.00134)

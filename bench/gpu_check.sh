@@ -37,7 +37,8 @@ fi
 GGUF=$(python3 -c "from engine.model.embedded import embedded_gguf_path as p; print(p())" 2>/dev/null)
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,memory.used --format=csv,noheader | tee "$OUT/gpu.txt"
 if [ ! -f "$DDTREE_EXT_DIR/ddtree_ext.so" ]; then
-  arch=$(python3 -c "import torch; print('%d.%d' % torch.cuda.get_device_capability())")
+  # the device's own architecture as a JIT build would choose it (9.0a on Hopper: the warpgroup-MMA tiles)
+  arch=$(python3 -c "import torch, ext.build as b; print(b.device_arch(torch.cuda.get_device_capability()))")
   python3 -c "from ext.build import build; print(build('$DDTREE_EXT_DIR', '$arch'))" >"$OUT/build.log" 2>&1 \
     || { tail -30 "$OUT/build.log"; exit 1; }
 fi

@@ -363,6 +363,10 @@ class BudgetController(StepBudgets):
         reliability, scale = self._bin_reliability(), self._standing(stats, standing)
         count = self.max_budget if own else num_nodes  # a request's own: all of them, kept for the other caller
         gains = [q * reliability[k] * scale for q, k in zip(stats.node_q[:count], stats.node_bins)]
+        if scale * self.bins.ceiling(self._engine_ratio()) > 1.0:  # a node is accepted at most once: never above 1
+            # (a copying request's record above the engine's put its nodes at up to ~1.5 tokens each, and at
+            # batch 64 on an H100 a few such requests kept choosing tree rounds that cost more than they brought)
+            gains = [min(1.0, g) for g in gains]
         if own:
             stats.gains = (self.version, gains)
         return gains[:num_nodes]

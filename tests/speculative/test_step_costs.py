@@ -158,3 +158,23 @@ def test_warm_up_steps_are_neither_fitted_nor_measured():
         controller.observe_engine_step(plan, result, 0.00134, 0.0, synchronous=False, uniform_layout=True)
     assert controller.fit.n > 0 and controller.costs.means[(64, 1)][1] / controller.costs.means[(64, 1)][0] == \
         pytest.approx(0.00134)
+
+
+def test_a_nodes_expected_gain_never_exceeds_one_token():
+    """A node is accepted at most once, so its expected gain is at most 1, however far a request's record stands
+    above the engine's: a request whose unlikely nodes keep being accepted has a calibration well above 1, and
+    its likely nodes were valued at several tokens each."""
+    controller = BudgetController(max_budget=8)
+    for _ in range(5):
+        controller.observe_step(8, 0.01, tokens=8)
+    qs = [0.95, 0.9] + [0.1] * 6
+    curve = confidence([sum(qs[:j + 1]) for j in range(8)])
+    for _ in range(10):
+        controller.observe_request("weak", 8, [1], curve)
+        controller.observe_request("copying", 8, list(range(1, 9)), curve)
+    stats = controller.requests["copying"]
+    reliability, scale = controller._bin_reliability(), controller._standing(stats, None)
+    uncapped = [q * reliability[k] * scale for q, k in zip(stats.node_q, stats.node_bins)]
+    assert max(uncapped) > 1.2
+    gains = controller._gains(stats, None, 8)
+    assert max(gains) == 1.0 and gains == [min(1.0, g) for g in uncapped]

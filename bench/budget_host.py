@@ -1,0 +1,76 @@
+"""Host time of the adaptive budget's per-step work at a batch size, outside any engine: what a plain step planned
+ahead asks (the dry budgets_of, then the counted one) and, when some request wants a tree, the step's uniform
+width on top. The state: every request holds a 16-node tree with mass (acceptance rates drawn from a few levels)
+after 40 observed steps, so no request is answered by a shortcut; each timed step observes one step first (the
+controller's answers are cached per observation, as in the engine).
+
+    python bench/budget_host.py --batch 64 16
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+
+from engine.speculative.adaptive import BudgetController  # noqa: E402
+from engine.speculative.confidence import node_confidence  # noqa: E402
+
+NODES = 16
+
+
+def controller_at(batch: int, seed: int = 0) -> tuple[BudgetController, list[str]]:
+    rng = random.Random(seed)
+    budgets = BudgetController(max_budget=NODES)
+    ids = [f"r{i}" for i in range(batch)]
+    curves = {}
+    for rid in ids:
+        rate = rng.choice([0.3, 0.6, 0.9, 0.97])
+        q = torch.tensor([[rate ** (j + 1) for j in range(NODES)]], dtype=torch.float64)
+        curves[rid] = node_confidence(q.numpy())[0].tolist()
+    for step in range(40):
+        budgets.observe_step(batch, 0.0013, tokens=batch)
+        for rid in ids:
+            verified = step % 4 == 0
+            accepted = [1, 2][: rng.randint(0, 2)] if verified else []
+            budgets.observe_request(rid, 4 if verified else 0, accepted, curves[rid])
+    return budgets, ids
+
+
+def per_step_us(fn, steps: int = 500) -> float:
+    for _ in range(50):
+        fn()
+    start = time.perf_counter()
+    for _ in range(steps):
+        fn()
+    return (time.perf_counter() - start) / steps * 1e6
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--batch", type=int, nargs="+", default=[16, 64])
+    args = p.parse_args()
+    for batch in args.batch:
+        budgets, ids = controller_at(batch)
+        caps = [NODES] * batch
+
+        def plain_step():
+            budgets.observe_step(batch, 0.0013, tokens=batch)
+            budgets.budgets_of(ids, dry=True, ahead=True)
+            budgets.budgets_of(ids, ahead=True)
+
+        def priced_step():
+            budgets.observe_step(batch, 0.0013, tokens=batch)
+            budgets.uniform(ids, budgets.budgets_of(ids, dry=True, ahead=True), caps)
+
+        print(f"batch {batch}: dry + counted budgets_of {per_step_us(plain_step):.0f} us a step; "
+              f"dry budgets_of + uniform {per_step_us(priced_step):.0f} us a step")
+
+
+if __name__ == "__main__":
+    main()

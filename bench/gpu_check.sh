@@ -10,6 +10,10 @@
 #   bench/gpu_check.sh chat                  # bench/serve.py's chat mix against the server on CUDA: n-gram vs off,
 #                                            # at $CHAT_CONCURRENCY (default "16 64") chats, 4 requests a chat
 #   bench/gpu_check.sh suite guard targets   # in that order
+#   ALT=/tmp/alt bench/gpu_check.sh ab       # bench/step_kinds.py's n-gram default against off (batch 64 / 16,
+#                                            # T = 1 / 0), this tree and the tree in $ALT (another commit's files:
+#                                            # git archive <commit> | tar -x -C <folder>) taking turns, $AB_ROUNDS
+#                                            # (default 2) times; $AB_RUNS overrides the batch:temperature runs
 #
 # Wheels: every .whl in $WHEELS (default .whl/) goes into $SITE (default /tmp/site), which joins PYTHONPATH.
 # Besides the server's own dependencies the GPU tests import llguidance, jsonschema (with referencing, rpds-py,
@@ -69,6 +73,16 @@ for part in "$@"; do
             2>&1 | tee "$OUT/chat_${conc}_$drafter.log" | grep -o 'output tokens/s [0-9.]*')"
         done
       done | tee "$OUT/chat.log" ;;
-    *) echo "unknown part: $part (suite, guard, targets, chat)"; exit 2 ;;
+    ab)
+      { [ -n "$GGUF" ] && [ -d "${ALT:-}" ]; } || { echo "ab: needs the embedded model and ALT=<folder>"; continue; }
+      for i in $(seq "${AB_ROUNDS:-2}"); do
+        for dir in "$ALT" "$PWD"; do
+          (cd "$dir" && PYTHONPATH="$SITE:$dir" python3 bench/step_kinds.py --model "$GGUF" --device cuda \
+            --runs ${AB_RUNS:-64:1 64:0 16:0 16:1} --scheduling async --drafter ngram none \
+            --trace "$OUT/ab_$(basename "$dir")_$i.jsonl" 2>&1) | grep "^==" | sed "s|^|$(basename "$dir") $i |" \
+            | tee -a "$OUT/ab.log"
+        done
+      done ;;
+    *) echo "unknown part: $part (suite, guard, host, targets, chat, ab)"; exit 2 ;;
   esac
 done

@@ -7,8 +7,8 @@ a plain step, of which ~1.4 ms is per-request host work of a round (scheduling a
 budget's bookkeeping), whatever the width. A line fitted on rows priced that round at ~23 tokens of throughput
 where it cost ~70, so every round lost (docs/BENCHMARKS.md, 2026-12-06). Graph shapes are few and their times
 steady, so a decayed mean per shape is the price. A width not measured yet is priced by its rows at the fitted
-slope plus the least fixed part any measured shape showed (its extra beyond its rows' price): optimistic, so it
-gets tried and measured.
+slope (the padded rows its graph runs) plus the least fixed part any measured shape showed (its extra beyond its
+rows' price): optimistic, so it gets tried and measured.
 
 What is not counted: a shape's first step (its first replay pays one-time costs), synchronous steps (their time
 holds the host's scheduling that a step launched ahead hides; the switch cost prices those), and the caller skips a
@@ -91,19 +91,24 @@ class StepCosts:
 
     def width_seconds(self, num_seqs: int, top: int, row_seconds: float) -> list[float] | None:
         """Seconds each width w = 0..top nodes a request costs a step of num_seqs requests beyond a plain one:
-        measured where its shape is, else its rows at row_seconds plus least_fixed(); UNMEASURED_PLAIN while the
-        plain step at this batch is not measured. None without graphs."""
+        measured where its shape is, else its shape's padded rows at row_seconds plus least_fixed() (as
+        least_fixed counts them); UNMEASURED_PLAIN while the plain step at this batch is not measured. None
+        without graphs."""
         if self.shape_of is None:
             return None
-        if self._mean((self.shape_of(num_seqs, 1)[0], 1), MIN_PLAIN_WEIGHT) is None:
+        batch = self.shape_of(num_seqs, 1)[0]
+        plain = self._mean((batch, 1), MIN_PLAIN_WEIGHT)
+        if plain is None:
             return [0.0] + [UNMEASURED_PLAIN] * top
         fixed = None
         out = [0.0]
         for w in range(1, top + 1):
-            measured = self.extra(num_seqs, w + 1)
-            if measured is None:
+            bucket = self.shape_of(num_seqs, w + 1)[1]
+            tree = self._mean((batch, bucket), MIN_TREE_WEIGHT)
+            if tree is None:
                 if fixed is None:
                     fixed = self.least_fixed(row_seconds)
-                measured = row_seconds * w * num_seqs + fixed
-            out.append(measured)
+                out.append(row_seconds * (bucket - 1) * batch + fixed)
+            else:
+                out.append(max(0.0, tree - plain))
         return out

@@ -76,6 +76,8 @@ def test_an_unmeasured_width_pays_its_rows_and_the_least_fixed_part_seen():
     seconds = costs.width_seconds(64, 16, t_row)
     assert seconds[0] == 0.0 and seconds[1] == pytest.approx(0.0027 - 0.00134)
     assert seconds[4] == pytest.approx(4 * 64 * t_row + fixed)  # width 5: not measured
+    assert seconds[6] == pytest.approx(8 * 64 * t_row + fixed)  # 7 rows run as the width-9 graph: its rows paid
+    assert costs.width_seconds(60, 6, t_row)[6] == pytest.approx(8 * 64 * t_row + fixed)  # ... and its batch's
     assert seconds[16] == pytest.approx(0.0028 - 0.00134)
 
 

@@ -15,7 +15,7 @@ METHODS = {
     "engine.core:EngineCore": "step _complete _observe_budgets",
     "engine.core:": "step_delta step_stats",
     "engine.ahead:AheadLauncher": "plain trees _launch _plain",
-    "engine.scheduler:Scheduler": "schedule schedule_ahead schedule_ahead_trees update wants_trees",
+    "engine.scheduler:Scheduler": "schedule schedule_ahead schedule_ahead_trees update wants_trees one_width",
     "engine.runner:ModelRunner": "launch _launch_tree_ahead _launch_round _launch _decode_in_graph _run _forward "
                                  "_sample collect _tree_results _watch_ahead",
     "engine.runner:": "prepare_inputs",
@@ -27,8 +27,8 @@ METHODS = {
     "engine.speculative.speculator:Speculator": "propose build confirm_ahead curves _full_trees",
     "engine.round_graphs:RoundGraphs": "run _stage_inputs",
     "engine.step_results:RoundCopy": "wait",
-    "engine.speculative.adaptive:BudgetController": "observe_request budget harmonize should_draft budgets_of "
-                                                    "drafts_of",
+    "engine.speculative.adaptive:BudgetController": "observe_request budget harmonize should_draft budgets_of count_plain "
+                                                    "drafts_of uniform",
     "engine.staging:Staging": "__call__ pack",
     "torch.cuda:CUDAGraph": "replay",
 }

@@ -88,7 +88,7 @@ class AheadLauncher:
         if budgets is not None:  # this step counts for the adaptive budget as a plain one at budget 0
             # each request's budget is counted before its draft (a tree chosen resets its drafting interval)
             request_ids = [s.request.request_id for s in plan.seqs]
-            budgets.budgets_of(request_ids, ahead=True)
+            budgets.count_plain(request_ids)
             for s, drafts in zip(plan.seqs, budgets.drafts_of(request_ids, ahead=True)):
                 s.watched = drafts and watch_ahead
         return self._launch(plan, current, t0)

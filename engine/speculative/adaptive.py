@@ -47,7 +47,8 @@ from engine.speculative.cost_fit import DECAY, CostFit, SwitchCost
 from engine.speculative.guard import ThroughputGuard
 from engine.speculative.reliability import ReliabilityBins
 # PROBE_EVERY: steps a request stays at budget 0 before a probe
-from engine.speculative.request_record import PROBE_EVERY, RequestRecord, draft_due, nodes_above
+from engine.speculative.request_record import (AT_ZERO, CHOSEN, FIRST, PROBE_EVERY, PROBED, RequestRecord, draft_due,
+                                               nodes_above)
 from engine.speculative.step_budgets import StepBudgets
 from engine.speculative.step_costs import StepCosts
 
@@ -69,8 +70,6 @@ CONFIDENCE_RISE = 0.5
 SPIKE_CLIP = 4.0  # a drafter call counts at most this many times the running per-request average
 MIN_DRAFT_CALLS = 1  # drafter calls measured before their cost counts (the first is discarded)
 
-
-_PROBED, _AT_ZERO, _CHOSEN = "probed", "at zero", "chosen"  # a counted budget's effect on the probe state
 
 
 class BudgetController(StepBudgets):
@@ -108,6 +107,8 @@ class BudgetController(StepBudgets):
         self.last_tree = False  # the last observed step verified a tree
         self._after: bool | None = None  # planning ahead: whether the step in flight verifies a tree
         self.version = 0  # observations so far: a dry budget() answer stands until the next one
+        self.events = 0  # trees observed (verified or drafted): a held plain step stands until the next one
+        self._hold: tuple | None = None  # StepBudgets.count_plain's held decision
         self.guard = ThroughputGuard(self.guarded)
 
     def release(self, request_id: str) -> None:
@@ -225,6 +226,7 @@ class BudgetController(StepBudgets):
 
     def _set_tree(self, request_id: str, confidence: list[float]) -> RequestRecord:
         """The request's latest tree from its node confidence (B node probabilities q, then their B bins)."""
+        self.events += 1
         stats = self.requests.setdefault(request_id, RequestRecord())
         num_nodes = len(confidence) // 2
         stats.node_q, stats.node_bins = confidence[:num_nodes], [int(k) for k in confidence[num_nodes:]]
@@ -270,16 +272,21 @@ class BudgetController(StepBudgets):
             return 0
         return self._answer(request_id, dry, ahead)
 
-    def _answer(self, request_id: str, dry: bool, ahead: bool) -> int:
-        """budget() once trees are allowed (StepBudgets.budgets_of asks for a whole step's requests)."""
+    def _answer(self, request_id: str, dry: bool, ahead: bool, effects: list | None = None) -> int:
+        """budget() once trees are allowed (StepBudgets.budgets_of asks for a whole step's requests). effects: where
+        a counted answer appends (the request's record, what counting did to its probe state)."""
         stats = self.requests.get(request_id)
         if stats is None or not stats.node_q:
+            if effects is not None:
+                effects.append((stats, FIRST))
             return self._first_budget()
         if stats.q_total == 0.0:  # a tree without mass: _choose's (0, None) whatever the probe state
             if dry:
                 stats.pending = ((self.version, ahead), 0, None)
             else:
                 stats.pending, stats.probing = None, False
+                if effects is not None:
+                    effects.append((stats, None))
             return 0
         key = (self.version, ahead)
         if stats.pending is not None and stats.pending[0] == key:
@@ -290,12 +297,14 @@ class BudgetController(StepBudgets):
             stats.pending = (key, chosen, effect)
             return chosen
         stats.pending = None
-        stats.probing = effect == _PROBED
-        if effect == _PROBED:
+        stats.probing = effect == PROBED
+        if effects is not None:
+            effects.append((stats, effect))
+        if effect == PROBED:
             stats.steps_at_zero = 0
-        elif effect == _AT_ZERO:
+        elif effect == AT_ZERO:
             stats.steps_at_zero += 1
-        elif effect == _CHOSEN:
+        elif effect == CHOSEN:
             stats.steps_at_zero = 0
             stats.draft_interval = stats.probe_interval = PROBE_EVERY
         return chosen
@@ -313,12 +322,12 @@ class BudgetController(StepBudgets):
             # step planned ahead of the one that carries its probe, whose outcome that step cannot know (on the
             # H100 at batch 16, T = 1, each probe ran twice, every request paying a ~0.5 ms tree step for it)
             if ahead and stats.probing:
-                return 0, _AT_ZERO
+                return 0, AT_ZERO
             if (not stats.verified and self._first_probe_due(ahead)) or \
                     (stats.steps_at_zero + 1 >= stats.probe_interval and self._aligned(ahead)):
-                return min(PROBE_BUDGET, self.max_budget), _PROBED
-            return 0, _AT_ZERO
-        return chosen, _CHOSEN if chosen else None
+                return min(PROBE_BUDGET, self.max_budget), PROBED
+            return 0, AT_ZERO
+        return chosen, CHOSEN if chosen else None
 
     def _cannot_pay(self, stats: RequestRecord, theta: float) -> bool:
         """No prefix of the request's tree can pay (an upper bound on its gains: all of its q at the best bin's
@@ -375,7 +384,7 @@ class BudgetController(StepBudgets):
     def _is_probe(stats: RequestRecord) -> bool:
         """The request's budget this step is a probe: the counted answer's, or (a step planned ahead) the dry
         answer about to be counted."""
-        return stats.pending[2] == _PROBED if stats.pending else stats.probing
+        return stats.pending[2] == PROBED if stats.pending else stats.probing
 
     def _aligned(self, ahead: bool = False) -> bool:
         """This step is one where probes and interval drafts may run (the same for every request). A step is

@@ -1,0 +1,124 @@
+"""A plain step's decision planned ahead holds at a large batch under CUDA graphs (StepBudgets.count_plain): the
+same answers and probe state as asking every request at every step, a fraction of the work, and a tree observed
+ends the hold at once."""
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from engine.cuda_graphs import graph_shape
+from engine.speculative import step_budgets
+from engine.speculative.adaptive import FIRST_PROBE_EVERY, BudgetController
+from engine.speculative.request_record import PROBE_EVERY
+from engine.speculative.step_budgets import HOLD_EVERY, HOLD_MIN_BATCH
+from tests.speculative.test_adaptive import confidence, probe_state
+
+BATCH = 32
+CURVES = {  # per kind of request, its drafter's cumulative q per node (confidence() makes the node confidence)
+    "copying": [sum(0.9 ** d for d in range(1, min(j + 1, 7) + 1)) for j in range(16)],
+    "unsure": [0.3 * (j + 1) / 16 for j in range(16)],
+    "empty": [0.0] * 16,
+}
+
+
+def engine_like_run(hold: bool, monkeypatch, seed: int = 0, steps: int = 240) -> tuple[list, list, int]:
+    """Plain steps planned ahead as engine/ahead.py plans them (dry answers, the uniform width, then a tree step or
+    count_plain), steady step times, probes that accept now and then. (step kinds, probe states, _choose calls)."""
+    monkeypatch.setattr(step_budgets, "HOLD_MIN_BATCH", HOLD_MIN_BATCH if hold else 10 ** 9)
+    rng = random.Random(seed)
+    c = BudgetController(max_budget=16)
+    c.pipelined = c.switches_ahead = True
+    c.costs.shape_of = graph_shape
+    calls = [0]
+    choose = c._choose
+
+    def counting_choose(stats, ahead):
+        calls[0] += 1
+        return choose(stats, ahead)
+
+    c._choose = counting_choose
+    ids = [f"r{i}" for i in range(BATCH)]
+    kinds = {rid: ("copying", "unsure", "empty")[i % 3] for i, rid in enumerate(ids)}
+    for rid in ids:  # a first tree each, verified, mostly rejected: the copying ones' records fall below their q
+        c.observe_request(rid, 4, [1] if rng.random() < 0.2 else [], confidence(CURVES[kinds[rid]]))
+    kinds_run = []
+    for step in range(steps):
+        tree = kinds_run[-1] == "tree" if kinds_run else False
+        c.observe_step(BATCH * (5 if tree else 1), 0.0030 if tree else 0.0013, tokens=BATCH + (8 if tree else 0),
+                       tree=tree)
+        c.costs.observe(BATCH, 5 if tree else 1, 0.0030 if tree else 0.0013)
+        dry = c.budgets_of(ids, dry=True, ahead=True)
+        if any(dry) and any(c.uniform(ids, dry, [16] * BATCH)):
+            counted = [c.budget(rid, ahead=True) for rid in ids]
+            kinds_run.append("tree")
+            for rid, b in zip(ids, counted):
+                if b:
+                    accepted = [1, 2][:rng.randint(0, 2)] if kinds[rid] == "copying" and rng.random() < 0.3 else []
+                    c.observe_request(rid, b, accepted, confidence(CURVES[kinds[rid]]))
+        else:
+            c.count_plain(ids)
+            kinds_run.append("refused" if any(dry) else "plain")
+    return kinds_run, [probe_state(c.requests[rid])[:3] for rid in ids], calls[0]
+
+
+def test_a_held_plain_decision_answers_as_asking_every_request(monkeypatch):
+    """Over steady steps with probes and trees the uniform width refuses, holding gives the same step kinds and
+    the same probe state at every request as the full answers, and asks each request's choice a fraction of the
+    steps."""
+    held = engine_like_run(True, monkeypatch)
+    full = engine_like_run(False, monkeypatch)
+    trees = lambda kinds: [k == "tree" for k in kinds]  # noqa: E731 (a held step refused answers no tree at all)
+    assert trees(held[0]) == trees(full[0]) and held[1] == full[1]
+    kinds = full[0]
+    # probes ran, trees were refused by the width's price, most steps were plain
+    assert kinds.count("tree") >= 3 and kinds.count("refused") >= 10 and kinds.count("plain") > 100, kinds
+    assert held[2] < 0.5 * full[2], (held[2], full[2])
+
+
+def test_the_hold_ends_with_an_observed_tree_and_at_aligned_steps(monkeypatch):
+    """A tree drafted or verified for any request, a changed batch, and every step aligned to HOLD_EVERY (where
+    probes and first probes fall) are asked in full."""
+    assert PROBE_EVERY % HOLD_EVERY == 0 and FIRST_PROBE_EVERY % HOLD_EVERY == 0
+    c = BudgetController(max_budget=16)
+    c.pipelined = c.switches_ahead = True
+    c.costs.shape_of = graph_shape
+    ids = [f"r{i}" for i in range(HOLD_MIN_BATCH)]
+    for rid in ids:
+        c.observe_request(rid, 4, [], confidence(CURVES["unsure"]))
+    asked = []
+    c._answer = lambda rid, dry, ahead, effects=None, answer=c._answer: asked.append(rid) or answer(rid, dry, ahead,
+                                                                                                     effects)
+
+    def plain_step() -> int:
+        asked.clear()
+        c.observe_step(HOLD_MIN_BATCH, 0.0013, tokens=HOLD_MIN_BATCH)
+        assert not any(c.budgets_of(ids, dry=True, ahead=True))
+        c.count_plain(ids)
+        return len(asked)
+
+    while (c.clock + 2) % HOLD_EVERY != 0:  # the step planned after the next observed one starts a window
+        plain_step()
+    assert plain_step() == 2 * len(ids)  # the window's first step: asked in full (dry, then counted)
+    assert [plain_step() for _ in range(HOLD_EVERY - 1)] == [0] * (HOLD_EVERY - 1)
+    assert plain_step() == 2 * len(ids)
+    c.observe_curve("r3", confidence(CURVES["unsure"]))  # a new tree for one request
+    assert plain_step() == 2 * len(ids)
+    assert plain_step() == 0
+    asked.clear()
+    assert not any(c.budgets_of(ids[1:], dry=True, ahead=True)) and len(asked) == len(ids) - 1  # another batch
+
+
+@pytest.mark.parametrize("graphs,batch", [(False, 64), (True, HOLD_MIN_BATCH - 1)])
+def test_no_hold_without_graphs_or_below_the_batch(graphs, batch):
+    c = BudgetController(max_budget=16)
+    c.pipelined = True
+    c.costs.shape_of = graph_shape if graphs else None
+    ids = [f"r{i}" for i in range(batch)]
+    for rid in ids:
+        c.observe_request(rid, 4, [], confidence(CURVES["unsure"]))
+    for _ in range(8):
+        c.observe_step(batch, 0.0013, tokens=batch)
+        c.budgets_of(ids, dry=True, ahead=True)
+        c.count_plain(ids)
+        assert c._hold is None

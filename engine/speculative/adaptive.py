@@ -227,9 +227,11 @@ class BudgetController(StepBudgets):
     def _set_tree(self, request_id: str, confidence: list[float]) -> RequestRecord:
         """The request's latest tree from its node confidence (B node probabilities q, then their B bins)."""
         self.events += 1
-        stats = self.requests.setdefault(request_id, RequestRecord())
+        stats = self.requests.get(request_id)
+        if stats is None:
+            stats = self.requests[request_id] = RequestRecord()
         num_nodes = len(confidence) // 2
-        stats.node_q, stats.node_bins = confidence[:num_nodes], [int(k) for k in confidence[num_nodes:]]
+        stats.node_q, stats.node_bins = confidence[:num_nodes], list(map(int, confidence[num_nodes:]))
         stats.q_total = sum(stats.node_q[:self.max_budget])
         if stats.failed_q is not None and sum(stats.node_q[:PROBE_BUDGET]) > stats.failed_q + CONFIDENCE_RISE:
             # the drafter is surer than when its probe failed (a reply that starts copying): probe at once again

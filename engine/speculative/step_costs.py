@@ -27,10 +27,12 @@ MIN_PLAIN_WEIGHT = 1.5  # a plain shape's decayed weight before its mean is used
 MIN_TREE_WEIGHT = 0.5  # a tree shape's weight below which its mean is not believed
 SPIKE_CLIP = 4.0  # one step counts at most this many times its shape's mean (a GC pause, a busy host)
 LEAVING = 0  # the width slot of the round that leaves trees
-# what any tree costs a step at a batch whose plain step is not measured yet: so much that only probes run there
-# until it is (three plain steps). Priced by rows instead, a batch-64 run on an H100 verified trees in 27 of its
-# first 30 steps at twice a plain step's time: each tree round was followed by the root-only round leaving it, so
-# no plain step was ever measured to hold them against.
+# what each node of width costs a step at a batch whose plain step is not measured yet: so much that only probes run
+# there until it is (three plain steps), each at its own width. Priced by rows instead, a batch-64 run on an H100
+# verified trees in 27 of its first 30 steps at twice a plain step's time: each tree round was followed by the
+# root-only round leaving it, so no plain step was ever measured to hold them against. (One price for every width
+# made the widest the cheapest per node: the first probes of a batch-64 run went out 16 nodes wide, every request
+# filling them, at 3.5 ms against 2.0-2.3 for rounds at a probe's width.)
 UNMEASURED_PLAIN = 1.0
 
 
@@ -92,14 +94,14 @@ class StepCosts:
     def width_seconds(self, num_seqs: int, top: int, row_seconds: float) -> list[float] | None:
         """Seconds each width w = 0..top nodes a request costs a step of num_seqs requests beyond a plain one:
         measured where its shape is, else its shape's padded rows at row_seconds plus least_fixed() (as
-        least_fixed counts them); UNMEASURED_PLAIN while the plain step at this batch is not measured. None
+        least_fixed counts them); UNMEASURED_PLAIN a node while the plain step at this batch is not measured. None
         without graphs."""
         if self.shape_of is None:
             return None
         batch = self.shape_of(num_seqs, 1)[0]
         plain = self._mean((batch, 1), MIN_PLAIN_WEIGHT)
         if plain is None:
-            return [0.0] + [UNMEASURED_PLAIN] * top
+            return [UNMEASURED_PLAIN * w for w in range(top + 1)]
         fixed = None
         out = [0.0]
         for w in range(1, top + 1):

@@ -84,8 +84,9 @@ def test_an_unmeasured_width_pays_its_rows_and_the_least_fixed_part_seen():
 def test_no_tree_is_priced_before_a_plain_step_at_its_batch_is_measured():
     """Without a plain step to hold it against, a round's price is unknown; priced by rows, a batch-64 run on an
     H100 verified trees in 27 of its first 30 steps (each tree round followed by the root-only round leaving it, so
-    no plain step was measured). Until three plain steps ran at the batch, any width costs UNMEASURED_PLAIN:
-    trees stay off, and a probe still holds its width."""
+    no plain step was measured). Until three plain steps ran at the batch, each node of width costs
+    UNMEASURED_PLAIN: trees stay off, and a probe still holds its own width, not a wider one (at one price for every
+    width the first probes of a batch-64 run on an H100 went out 16 nodes wide, every request filling them)."""
     from engine.speculative.step_costs import UNMEASURED_PLAIN
     from engine.speculative.step_width import uniform_width
 
@@ -93,17 +94,17 @@ def test_no_tree_is_priced_before_a_plain_step_at_its_batch_is_measured():
     for _ in range(3):
         costs.observe(64, 17, 0.0037)
         costs.observe(64, 1, 0.0035, leaving=True)
-    assert costs.width_seconds(64, 4, 1e-9) == [0.0] + [UNMEASURED_PLAIN] * 4
+    unmeasured = [UNMEASURED_PLAIN * w for w in range(5)]
+    assert costs.width_seconds(64, 4, 1e-9) == unmeasured
     costs.observe(64, 1, 0.0014)
     costs.observe(64, 1, 0.0014)
-    assert costs.width_seconds(64, 4, 1e-9) == [0.0] + [UNMEASURED_PLAIN] * 4  # one counted: not yet
+    assert costs.width_seconds(64, 4, 1e-9) == unmeasured  # one counted: not yet
     costs.observe(64, 1, 0.0014)
     assert costs.width_seconds(64, 16, 1e-9)[16] == pytest.approx(0.0023)
-    tokens = [UNMEASURED_PLAIN * 47e3] * 5
-    tokens[0] = 0.0
-    strong = [[0.9] * 4] * 64
-    assert uniform_width(strong, [4] * 64, 0.02, 0.0, width_costs=tokens) == [0] * 64
-    assert uniform_width(strong, [4] * 64, 0.02, 0.0, [4] + [0] * 63, width_costs=tokens) == [4] * 64
+    tokens = [seconds * 47e3 for seconds in StepCosts(graph_shape).width_seconds(64, 16, 1e-9)]  # not measured
+    strong = [[0.9] * 16] * 64
+    assert uniform_width(strong, [16] * 64, 0.02, 0.0, width_costs=tokens) == [0] * 64
+    assert uniform_width(strong, [16] * 64, 0.02, 0.0, [4] + [0] * 63, width_costs=tokens) == [4] * 64
 
 
 def _controller(measured: bool) -> BudgetController:

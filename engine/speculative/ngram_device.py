@@ -114,18 +114,20 @@ class DeviceNgramDrafter(NgramRule):
         """Each request's slot, its row holding its committed tokens (only the new ones are copied), with room for
         `extra` more past them."""
         slots = [self._slot(r) for r in batch]
-        need = max((len(r.token_ids) + extra + 1 for r in batch), default=0)
-        self._grow(need)
+        lengths = [len(r.token_ids) for r in batch]  # (a request's tokens are a TokenView: its len is a call)
+        self._grow(max(lengths, default=-1) + extra + 1)
         width, positions, values = self.table.shape[1], [], []
-        for slot, req in zip(slots, batch):
+        for slot, req, num_tokens in zip(slots, batch, lengths):
             toks = req.token_ids
             if rewritten(slot.tokens, toks):
                 slot.tokens, slot.pending = [], []  # write it all again
             done = len(slot.tokens)
-            if done < len(toks):
-                positions.extend(range(slot.row * width + done, slot.row * width + len(toks)))
-                values.extend(toks[done:])
-                slot.tokens.extend(toks[done:])
+            if done < num_tokens:
+                new = toks[done:num_tokens]
+                start = slot.row * width + done
+                positions.extend(range(start, start + len(new)))
+                values += new
+                slot.tokens += new
         if positions:
             flat = self.table.view(-1)
             flat.index_copy_(0, self._to_device(positions), self._to_device(values, torch.int32))

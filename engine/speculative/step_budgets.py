@@ -136,7 +136,14 @@ class StepBudgets:
         key = (self.version, num_seqs, top)
         if self._widths is None or self._widths[0] != key:
             seconds = self.costs.width_seconds(num_seqs, top, self._row_seconds())
-            self._widths = (key, None if seconds is None else [self._in_tokens(s) for s in seconds])
+            if seconds is not None and self.seconds <= 0:
+                # no decoding step's throughput yet to put seconds in tokens (every price would read 0 and the widest
+                # tree win: a batch-64 run's first probes went out 16 nodes wide, every request filling them): only
+                # probes run, each at its own width
+                seconds = [w * UNPRICED_TOKENS for w in range(top + 1)]
+            elif seconds is not None:
+                seconds = [self._in_tokens(s) for s in seconds]
+            self._widths = (key, seconds)
         return self._widths[1]
 
     def switch_tokens(self, num_seqs: int = 0) -> float:
@@ -184,6 +191,8 @@ class StepBudgets:
 # HOLD_EVERY (a multiple of it: probes and first probes fall there)
 HOLD_MIN_BATCH = 16
 HOLD_EVERY = 4
+
+UNPRICED_TOKENS = 1e9  # a node of width in a step priced before any throughput was measured (_width_costs)
 
 WARM_UP_TOKENS = 3  # a request with fewer output tokens is still warming up (its drafter just took in its prompt)
 

@@ -181,3 +181,27 @@ def test_a_nodes_expected_gain_never_exceeds_one_token():
     assert max(uncapped) > 1.2
     gains = controller._gains(stats, None, 8)
     assert max(gains) == 1.0 and gains == [min(1.0, g) for g in uncapped]
+
+
+def test_no_tree_runs_before_the_engines_throughput_is_measured():
+    """A width's measured seconds are priced in tokens at the engine's decayed throughput; before a decoding step
+    set it (a batch's warm-up steps are not counted) every price read 0 and the widest tree won: a batch-64 run's
+    first probes on an H100 went out 16 nodes wide, every request filling them (3.5 ms against 2.0-2.3 ms for
+    rounds at a probe's width). Until then each node of width is priced out, so only probes run, at their own
+    width."""
+    from engine.speculative.step_budgets import UNPRICED_TOKENS
+    from engine.speculative.step_width import uniform_width
+
+    controller = BudgetController(max_budget=16)
+    controller.costs.shape_of = graph_shape
+    ids = [f"r{i}" for i in range(64)]
+    for rid in ids:  # confident trees, drafted, nothing verified or timed yet
+        controller.observe_curve(rid, confidence([0.9 * (j + 1) for j in range(16)]))
+    assert controller.seconds == 0
+    prices = controller._width_costs(64, 16)
+    assert prices == [w * UNPRICED_TOKENS for w in range(17)]
+    assert controller.uniform(ids, [16] * 64, [16] * 64) == [0] * 64
+    strong = [[0.9] * 16] * 64
+    assert uniform_width(strong, [16] * 64, 0.02, 0.0, [4] + [0] * 63, width_costs=prices) == [4] * 64
+    controller.observe_step(64, 0.0014, tokens=64)  # a decoding step: now priced by what it measured
+    assert controller._width_costs(64, 16)[16] < 1e6

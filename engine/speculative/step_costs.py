@@ -30,9 +30,9 @@ LEAVING = 0  # the width slot of the round that leaves trees
 # what each node of width costs a step at a batch whose plain step is not measured yet: so much that only probes run
 # there until it is (three plain steps), each at its own width. Priced by rows instead, a batch-64 run on an H100
 # verified trees in 27 of its first 30 steps at twice a plain step's time: each tree round was followed by the
-# root-only round leaving it, so no plain step was ever measured to hold them against. (One price for every width
-# made the widest the cheapest per node: the first probes of a batch-64 run went out 16 nodes wide, every request
-# filling them, at 3.5 ms against 2.0-2.3 for rounds at a probe's width.)
+# root-only round leaving it, so no plain step was ever measured to hold them against. (At one price for every
+# width the widest is the cheapest per node, and a probe's round would go out as wide as any request's tree: on an
+# H100 16 nodes wide, every request filling them, cost 3.5 ms against 2.0-2.3 for a round at a probe's width.)
 UNMEASURED_PLAIN = 1.0
 
 

@@ -86,7 +86,7 @@ def test_no_tree_is_priced_before_a_plain_step_at_its_batch_is_measured():
     H100 verified trees in 27 of its first 30 steps (each tree round followed by the root-only round leaving it, so
     no plain step was measured). Until three plain steps ran at the batch, each node of width costs
     UNMEASURED_PLAIN: trees stay off, and a probe still holds its own width, not a wider one (at one price for every
-    width the first probes of a batch-64 run on an H100 went out 16 nodes wide, every request filling them)."""
+    width the widest is the cheapest per node: a probe's round would go out as wide as any request's tree)."""
     from engine.speculative.step_costs import UNMEASURED_PLAIN
     from engine.speculative.step_width import uniform_width
 

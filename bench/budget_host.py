@@ -1,6 +1,7 @@
 """Host time of the adaptive budget's per-step work at a batch size, outside any engine: what a plain step planned
 ahead asks (the dry budgets_of, then the counted one) and, when some request wants a tree, the step's uniform
-width on top. The state: every request holds a 16-node tree with mass (acceptance rates drawn from a few levels)
+width on top, and what a plain step costs under CUDA graphs, where its decision holds (StepBudgets.count_plain).
+The state: every request holds a 16-node tree with mass (acceptance rates drawn from a few levels)
 after 40 observed steps, so no request is answered by a shortcut; each timed step observes one step first (the
 controller's answers are cached per observation, as in the engine).
 
@@ -18,6 +19,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
+from engine.cuda_graphs import graph_shape  # noqa: E402
 from engine.speculative.adaptive import BudgetController  # noqa: E402
 from engine.speculative.confidence import node_confidence  # noqa: E402
 
@@ -68,8 +70,17 @@ def main() -> None:
             budgets.observe_step(batch, 0.0013, tokens=batch)
             budgets.uniform(ids, budgets.budgets_of(ids, dry=True, ahead=True), caps)
 
+        held, _ = controller_at(batch)
+        held.costs.shape_of = graph_shape  # under CUDA graphs a plain decision holds (count_plain)
+
+        def held_step():
+            held.observe_step(batch, 0.0013, tokens=batch)
+            held.budgets_of(ids, dry=True, ahead=True)
+            held.count_plain(ids)
+
         print(f"batch {batch}: dry + counted budgets_of {per_step_us(plain_step):.0f} us a step; "
-              f"dry budgets_of + uniform {per_step_us(priced_step):.0f} us a step")
+              f"dry budgets_of + uniform {per_step_us(priced_step):.0f} us a step; "
+              f"dry budgets_of + count_plain under graphs {per_step_us(held_step):.0f} us a step (held 3 steps in 4)")
 
 
 if __name__ == "__main__":

@@ -27,8 +27,8 @@ METHODS = {
     "engine.speculative.speculator:Speculator": "propose build confirm_ahead curves _full_trees",
     "engine.round_graphs:RoundGraphs": "run _stage_inputs",
     "engine.step_results:RoundCopy": "wait",
-    "engine.speculative.adaptive:BudgetController": "observe_request budget harmonize should_draft budgets_of count_plain "
-                                                    "drafts_of uniform",
+    "engine.speculative.adaptive:BudgetController": "observe_request budget harmonize should_draft budgets_of "
+                                                    "count_plain drafts_of uniform",
     "engine.staging:Staging": "__call__ pack",
     "torch.cuda:CUDAGraph": "replay",
 }

@@ -136,14 +136,16 @@ class StepBudgets:
         key = (self.version, num_seqs, top)
         if self._widths is None or self._widths[0] != key:
             seconds = self.costs.width_seconds(num_seqs, top, self._row_seconds())
-            if seconds is not None and self.seconds <= 0:
+            if seconds is None:
+                tokens = None
+            elif self.seconds <= 0:
                 # no decoding step's throughput yet to put seconds in tokens (every price would read 0 and the widest
                 # tree win: a batch-64 run's first probes went out 16 nodes wide, every request filling them): only
                 # probes run, each at its own width
-                seconds = [w * UNPRICED_TOKENS for w in range(top + 1)]
-            elif seconds is not None:
-                seconds = [self._in_tokens(s) for s in seconds]
-            self._widths = (key, seconds)
+                tokens = [w * UNPRICED_TOKENS for w in range(top + 1)]
+            else:
+                tokens = [self._in_tokens(s) for s in seconds]
+            self._widths = (key, tokens)
         return self._widths[1]
 
     def switch_tokens(self, num_seqs: int = 0) -> float:

@@ -1,5 +1,7 @@
 """Adaptive speculation: each request's tree budget, step by step, from its own measured acceptance and the
-measured cost of a verify row, so that DDTree never costs throughput (0 = plain decoding).
+measured cost of a verify row, so that DDTree never costs throughput (0 = plain decoding). The controller is split:
+this module observes and chooses per request; tree_value.py values a request's tree, draft_cost.py measures the
+drafter, step_budgets.py holds the step-level half (one step's width, the switch into trees, a held plain step).
 
 The model. A best-first tree's nodes come in decreasing draft probability q_1 >= q_2 >= ... (q_j = the drafter's
 probability of node j's prefix), and the expected number of accepted drafts of the first b nodes is the sum of
@@ -40,10 +42,9 @@ different phases would turn every step into a tree step, while aligned they cost
 """
 from __future__ import annotations
 
-from itertools import accumulate
-
 # DECAY: also a request's acceptance, the engine-wide record
 from engine.speculative.cost_fit import DECAY, CostFit, SwitchCost
+from engine.speculative.draft_cost import DraftCost
 from engine.speculative.guard import ThroughputGuard
 from engine.speculative.reliability import ReliabilityBins
 # PROBE_EVERY: steps a request stays at budget 0 before a probe
@@ -51,10 +52,10 @@ from engine.speculative.request_record import (AT_ZERO, CHOSEN, FIRST, PROBE_EVE
                                                nodes_above)
 from engine.speculative.step_budgets import StepBudgets
 from engine.speculative.step_costs import StepCosts
+from engine.speculative.tree_value import PRIOR_WEIGHT, TreeValue
 
 PROBE_BUDGET = 4
 FIRST_PROBE_EVERY = 4  # under CUDA graphs, a request's first probe waits for a step aligned to this (_first_probe_due)
-PRIOR_WEIGHT = 4.0  # pseudo-observations behind the cost prior
 PRIOR_MIN_ROWS = 256  # the prior prices a row as if the first step had at least this many
 MIN_GAIN = 0.02  # a row is never free: below this many expected accepted tokens a node is not verified
 CHEAP_DRAFT = 0.02  # tokens of throughput a curve-only draft may cost to run every step at budget 0
@@ -67,12 +68,9 @@ MAX_PROBE_BACKOFF = 4 * PROBE_EVERY
 # than the failed probe's restores the interval (without it, a reply that turned to copying waited up to 64 steps:
 # the embedded model at batch 1, T = 0, 79 steps for 128 tokens against 66 with no back-off, on the CPU)
 CONFIDENCE_RISE = 0.5
-SPIKE_CLIP = 4.0  # a drafter call counts at most this many times the running per-request average
-MIN_DRAFT_CALLS = 1  # drafter calls measured before their cost counts (the first is discarded)
 
 
-
-class BudgetController(StepBudgets):
+class BudgetController(StepBudgets, TreeValue):
     def __init__(self, max_budget: int, enabled: bool = True, prior_row_share: float = 0.5, guard: bool = True):
         """prior_row_share: before measurements, the share of a plain step's time one row is assumed to cost
         relative to the average row (1 = fully compute-bound, 0 = rows are free). guard: trees answer to measured
@@ -96,8 +94,7 @@ class BudgetController(StepBudgets):
         self._widths: tuple | None = None  # ((version, batch, top), width costs in tokens): _width_costs
         self.last_rows, self.last_seconds = 0, 0.0
         self.tokens = self.seconds = 0.0  # decayed sums over decoding steps: the engine's throughput
-        self.draft_s = self.drafted = 0.0  # decayed sums: drafter seconds, requests drafted
-        self.draft_calls = 0
+        self.drafting = DraftCost()
         self.accepted = self.predicted = 0.0  # decayed sums over every request: a new request's calibration
         self.bins = ReliabilityBins()
         self._costs: tuple[float, float] | None = None  # (threshold, draft_tokens) until the next observation
@@ -160,14 +157,7 @@ class BudgetController(StepBudgets):
         """The drafter ran for num_requests requests this step and took `seconds`."""
         self.version += 1
         self._costs = None
-        if num_requests > 0:
-            self.draft_calls += 1
-            if self.draft_calls == 1:
-                return  # the first call pays one-time costs (allocations, lazy initialisation)
-            if self.drafted > 0:  # one slow call (a GC pause, a busy host) moves the average a bounded step
-                seconds = min(seconds, SPIKE_CLIP * num_requests * self.draft_s / self.drafted)
-            self.draft_s = DECAY * self.draft_s + seconds
-            self.drafted = DECAY * self.drafted + num_requests
+        self.drafting.observe(num_requests, seconds)
 
     def draft_tokens(self) -> float:
         """Throughput one drafted request costs, in tokens: t_draft * tokens per second of the last step."""
@@ -189,9 +179,10 @@ class BudgetController(StepBudgets):
         return self.draft_tokens() <= CHEAP_DRAFT and not self.pipelined
 
     def _draft_tokens(self) -> float:
-        if self.draft_calls <= MIN_DRAFT_CALLS or self.last_seconds <= 0:
+        per_request = self.drafting.per_request()
+        if per_request is None or self.last_seconds <= 0:
             return 0.0  # too few measurements: drafting counts as free until then
-        return self._in_tokens(self.draft_s / self.drafted)
+        return self._in_tokens(per_request)
 
     def observe_request(self, request_id: str, budget: int, accepted_rows: list[int], confidence: list[float]) -> None:
         """A tree step of one request: the budget it verified, the tree rows of its accepted drafts (row j >= 1 is
@@ -331,17 +322,6 @@ class BudgetController(StepBudgets):
             return 0, AT_ZERO
         return chosen, CHOSEN if chosen else None
 
-    def _cannot_pay(self, stats: RequestRecord, theta: float) -> bool:
-        """No prefix of the request's tree can pay (an upper bound on its gains: all of its q at the best bin's
-        reliability) and the drafter is not confident enough to probe: _choose's answer is (0, None) without
-        working out the gains. Most requests of a drafter that found nothing hold no mass, and at batch 64 the
-        full choice cost ~360 us a step on the host's critical path (two calls a request)."""
-        if stats.node_q[0] > theta:  # (a tree without mass never gets here: _answer answers it)
-            return False  # a confident first node: a probe may be due (_choose)
-        bound = stats.q_total * self.bins.ceiling(self._engine_ratio()) * self._standing(stats, None)
-        # the slack covers the rounding of a sum taken in another order than _net_best's
-        return bound * (1 + 1e-9) - theta <= max(0.0, self.draft_tokens())
-
     def _first_budget(self) -> int:
         """A request without a draft of its own: the tree the drafter last drew for another request, valued at the
         engine-wide record (a request's first tree is no worse a guess than its neighbour's); 0 before any tree
@@ -351,36 +331,6 @@ class BudgetController(StepBudgets):
         if self.latest is None or self.cheap_draft():
             return 0
         return self._net_best(self.latest, self.threshold(), standing=1.0)
-
-    def _net_best(self, stats: RequestRecord, theta: float, standing: float | None = None) -> int:
-        """How many leading nodes of the request's latest tree to verify, or 0 when that does not pay for drafting.
-        A node's gain (expected accepted drafts) is q times its confidence bin's reliability times the request's
-        standing (its record against the engine's, unless given); the budget is the prefix of the best-first order
-        (every prefix is a tree) with the largest total gain net of theta per node (gains need not decrease once
-        the reliability curve bends), provided that net beats the drafting cost."""
-        best, best_net = 0, 0.0
-        for j, total in enumerate(accumulate(self._gains(stats, standing, self.max_budget)), 1):
-            if total - theta * j > best_net:
-                best, best_net = j, total - theta * j
-        return best if best and best_net > self.draft_tokens() else 0
-
-    def _gains(self, stats: RequestRecord, standing: float | None, num_nodes: int) -> list[float]:
-        """The first num_nodes nodes' expected accepted drafts, best-first. A request's own (standing None) are
-        kept until the next observation: at batch 64 its budget() and the step's uniform() both ask, on the
-        host's critical path."""
-        own = standing is None
-        if own and stats.gains is not None and stats.gains[0] == self.version:
-            return stats.gains[1][:num_nodes]
-        reliability, scale = self._bin_reliability(), self._standing(stats, standing)
-        count = self.max_budget if own else num_nodes  # a request's own: all of them, kept for the other caller
-        gains = [q * reliability[k] * scale for q, k in zip(stats.node_q[:count], stats.node_bins)]
-        if scale * self.bins.ceiling(self._engine_ratio()) > 1.0:  # a node is accepted at most once: never above 1
-            # (a copying request's record above the engine's put its nodes at up to ~1.5 tokens each, and at
-            # batch 64 on an H100 a few such requests kept choosing tree rounds that cost more than they brought)
-            gains = [min(1.0, g) for g in gains]
-        if own:
-            stats.gains = (self.version, gains)
-        return gains[:num_nodes]
 
     @staticmethod
     def _is_probe(stats: RequestRecord) -> bool:
@@ -403,28 +353,6 @@ class BudgetController(StepBudgets):
         step, 1-18 requests' trees made the first 30 steps of a batch-64 run on an H100 rounds at twice a plain
         step's time)."""
         return self.costs.shape_of is None or (self.clock + ahead) % FIRST_PROBE_EVERY == 0
-
-    def _engine_ratio(self) -> float:
-        return self.accepted / self.predicted if self.predicted > 0 else 1.0
-
-    def _standing(self, stats: RequestRecord, standing: float | None) -> float:
-        """The request's record against the engine's (given: as is)."""
-        if standing is not None:
-            return standing
-        engine = self._engine_ratio()
-        return self.calibration(stats) / engine if engine > 0 else 0.0
-
-    def _bin_reliability(self) -> list[float]:
-        return self.bins.curve(self._engine_ratio())
-
-    def calibration(self, stats: RequestRecord) -> float:
-        """accepted / predicted drafts: the request's own record, blended with the engine-wide one (weight
-        PRIOR_WEIGHT in predicted drafts), so a new request starts from what this drafter has been worth."""
-        accepted, predicted = stats.accepted, stats.predicted
-        if self.predicted > 0:
-            accepted += PRIOR_WEIGHT * self.accepted / self.predicted
-            predicted += PRIOR_WEIGHT
-        return accepted / predicted if predicted > 0 else 1.0
 
     def should_draft(self, request_id: str, dry: bool = False, ahead: bool = False) -> bool:
         """Whether a decoding request at budget 0 drafts this step (curve only, no verify rows). dry, ahead: as

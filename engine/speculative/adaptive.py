@@ -48,7 +48,7 @@ from engine.speculative.draft_cost import DraftCost
 from engine.speculative.guard import ThroughputGuard
 from engine.speculative.reliability import ReliabilityBins
 # PROBE_EVERY: steps a request stays at budget 0 before a probe
-from engine.speculative.request_record import (AT_ZERO, CHOSEN, FIRST, PROBE_EVERY, PROBED, RequestRecord, draft_due,
+from engine.speculative.request_record import (AT_ZERO, CHOSEN, PROBE_EVERY, PROBED, RequestRecord, draft_due,
                                                nodes_above)
 from engine.speculative.step_budgets import StepBudgets
 from engine.speculative.step_costs import StepCosts
@@ -267,19 +267,15 @@ class BudgetController(StepBudgets, TreeValue):
 
     def _answer(self, request_id: str, dry: bool, ahead: bool, effects: list | None = None) -> int:
         """budget() once trees are allowed (StepBudgets.budgets_of asks for a whole step's requests). effects: where
-        a counted answer appends (the request's record, what counting did to its probe state)."""
+        a counted answer that changes the request's probe state appends (its record, that effect)."""
         stats = self.requests.get(request_id)
         if stats is None or not stats.node_q:
-            if effects is not None:
-                effects.append((stats, FIRST))
             return self._first_budget()
         if stats.q_total == 0.0:  # a tree without mass: _choose's (0, None) whatever the probe state
             if dry:
                 stats.pending = ((self.version, ahead), 0, None)
             else:
                 stats.pending, stats.probing = None, False
-                if effects is not None:
-                    effects.append((stats, None))
             return 0
         key = (self.version, ahead)
         if stats.pending is not None and stats.pending[0] == key:
@@ -291,7 +287,7 @@ class BudgetController(StepBudgets, TreeValue):
             return chosen
         stats.pending = None
         stats.probing = effect == PROBED
-        if effects is not None:
+        if effects is not None and effect is not None:
             effects.append((stats, effect))
         if effect == PROBED:
             stats.steps_at_zero = 0

@@ -7,8 +7,7 @@ from dataclasses import dataclass, field
 
 PROBE_EVERY = 16  # steps a request stays at budget 0 before a probe
 MAX_PROBE_INTERVAL = 256  # the longest wait between a request's curve-only drafts when drafting is dear
-# what counting a budget did to the request's probe state (FIRST: nothing, a request without a tree of its own)
-PROBED, AT_ZERO, CHOSEN, FIRST = "probed", "at zero", "chosen", "first"
+PROBED, AT_ZERO, CHOSEN = "probed", "at zero", "chosen"  # what counting a budget did to the request's probe state
 
 
 @dataclass

@@ -69,7 +69,7 @@ class StepBudgets:
             for stats in self._hold[2]:
                 stats.steps_at_zero += 1
             return
-        effects: list = []
+        effects: list = []  # (record, effect) of the requests whose probe state counting changed
         for rid in request_ids:
             self._answer(rid, False, True, effects)
         self._hold = None

@@ -41,6 +41,13 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
+    def admits(self) -> bool:
+        """Whether a waiting request may take a seat now (fewer than max_num_seqs running). Such a step is
+        scheduled after its predecessor's results, so the request is admitted at once; while every seat is taken
+        the waiting requests cannot join and the running ones may decode ahead (a server under load keeps its
+        queue non-empty: refusing then would make every step synchronous)."""
+        return bool(self.waiting) and len(self.running) < self.config.max_num_seqs
+
     def abort(self, request_id: str) -> Request | None:
         for queue in (self.running, self.waiting):
             for req in queue:
@@ -122,10 +129,11 @@ class Scheduler:
     def schedule(self) -> StepPlan:
         plan = StepPlan()
         budget = self.config.max_num_batched_tokens
-        step_budget = self.step_budget(len(self.running) + min(len(self.waiting), 1))
+        admits = self.admits()
+        step_budget = self.step_budget(len(self.running) + admits)
         # every tree of the step is padded to one width: decide the budgets first, then reserve that width
         # the runner lays a tree step out uniformly only when every request in it decodes (no prefill chunk)
-        uniform = self.uniform_trees and not self.waiting and all(
+        uniform = self.uniform_trees and not admits and all(
             r.num_tokens - r.num_computed_tokens == 1 for r in self.running)
         chosen, verified = self.one_width(self.running, [self.spec_budget(r, step_budget) for r in self.running],
                                           lambda: [self.budget_cap(r, step_budget) for r in self.running], uniform)
@@ -180,11 +188,11 @@ class Scheduler:
 
     def schedule_ahead(self, previous: StepPlan) -> StepPlan | str:
         """Asynchronous scheduling: the next step, planned before `previous`'s results reach the host. Only when
-        `previous` plainly decoded every running request and nothing waits for admission: each request then
-        decodes the token `previous` samples for it (num_ahead = 1; that token is fed from the device).
+        `previous` plainly decoded every running request and no waiting request may take a seat (admits): each
+        request then decodes the token `previous` samples for it (num_ahead = 1; that token is fed from the device).
         Requests that certainly finish with that token (max_tokens, the context length) are left out. When
         this does not apply or blocks run out, why not (the next step is then scheduled after the results)."""
-        if self.waiting:
+        if self.admits():
             return "waiting requests"
         decoding = {id(s.request) for s in previous.seqs if s.sample and s.num_new_tokens == 1 and not s.spec_budget}
         if any(id(r) not in decoding for r in self.running):
@@ -209,7 +217,7 @@ class Scheduler:
     def schedule_ahead_trees(self, previous: StepPlan, budget_of: Callable[[Request], int]) -> StepPlan | str:
         """Asynchronous scheduling of a tree step: the next step, planned before `previous`'s results reach the
         host, when `previous` decoded every running request (a tree step, root-only trees included, or a plain
-        decoding step) and nothing waits for admission. A request then lies up to its previous budget + 1
+        decoding step) and no waiting request may be admitted (admits). A request then lies up to its previous budget + 1
         tokens past its host state, so its KV is reserved for the longest case, its budget (budget_of) is capped
         as if it had advanced that far (0 when it may reach max_tokens with `previous`'s tokens), and a request
         that may reach the context's end is left out; budgets that differ are harmonized and filled to one width
@@ -217,7 +225,7 @@ class Scheduler:
         gets a root-only tree: a plain decoding step whose roots and positions come from the device (so leaving
         trees never waits for the host); after a step of known lengths the plain step (schedule_ahead) serves
         instead. Why not, when this does not apply, blocks run out or no request wants a tree."""
-        if self.waiting:
+        if self.admits():
             return "waiting requests"
         decoding = {id(s.request) for s in previous.seqs if s.sample and s.num_new_tokens == 1}
         if any(id(r) not in decoding for r in self.running):

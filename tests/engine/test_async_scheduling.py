@@ -55,7 +55,8 @@ def run(core, ps, params) -> tuple[list[list[int]], list[list], int]:
 
 
 def engine(folder, overlap: bool, graphs: bool = False, **kwargs) -> LLM:
-    llm = LLM(folder, dtype="fp32" if folder else None, max_num_seqs=32, **kwargs)
+    kwargs.setdefault("max_num_seqs", 32)
+    llm = LLM(folder, dtype="fp32" if folder else None, **kwargs)
     if graphs:
         llm.engine.enable_graphs(emulate=True)
     llm.engine.overlap = llm.engine.budgets.pipelined = overlap
@@ -79,6 +80,42 @@ def test_greedy_output_equals_synchronous_steps(tiny_checkpoints, batch, graphs)
     assert out == ref and ahead_off == 0
     assert ahead >= MAX_TOKENS - 6  # nearly every decoding step ran ahead of its predecessor's results
     assert [len(o) for o in out] == [p.max_tokens for p in params]
+
+
+def steps_ahead_while_waiting(core) -> tuple[list[str], int]:
+    """Spies on core.step: (every step's scheduling, the steps that ran ahead while a request waited, every seat
+    taken). Requests are all queued before the first step and only leave the queue, so one still waiting after a
+    step also waited while that step was planned."""
+    seen, step = [], core.step
+    count = [0]
+
+    def spy():
+        deltas = step()
+        stats = core.last_stats
+        if stats is not None:
+            seen.append(stats.scheduling)
+            count[0] += stats.scheduling == "ahead" and bool(core.scheduler.waiting)
+        return deltas
+
+    core.step = spy
+    return seen, count
+
+
+@pytest.mark.parametrize("graphs", [False, True])
+def test_a_full_batch_runs_ahead_while_requests_wait(tiny_checkpoints, graphs):
+    """A server under load: more requests than seats (max_num_seqs). While every seat is taken the queue cannot
+    join, so the running requests still decode ahead of their predecessor's results; a freed seat makes the next
+    step synchronous, which admits a waiting request at once. Output equals stepping synchronously."""
+    folder, _ = tiny_checkpoints("llama")
+    ps = prompts(6)
+    params = [SamplingParams(max_tokens=8 + 3 * i, temperature=0, ignore_eos=True) for i in range(6)]
+    ref, _, _ = run(engine(folder, False, graphs, max_num_seqs=2).engine, ps, params)
+    core = engine(folder, True, graphs, max_num_seqs=2).engine
+    seen, ahead_waiting = steps_ahead_while_waiting(core)
+    out, _, ahead = run(core, ps, params)
+    assert out == ref
+    assert ahead_waiting[0] >= 10, (ahead_waiting, seen)
+    assert "synchronous: waiting requests" in seen  # seats freed: the queue's head admitted after the results
 
 
 def test_a_step_run_ahead_for_finished_requests_reports_nothing(tiny_checkpoints):

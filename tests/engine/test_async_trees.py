@@ -12,7 +12,7 @@ import pytest
 
 from engine import LLM, SamplingParams
 from engine.speculative.oracle import DeviceOracle, OracleDrafter
-from tests.engine.test_async_scheduling import answer_with, assert_same_logprobs, run
+from tests.engine.test_async_scheduling import answer_with, assert_same_logprobs, run, steps_ahead_while_waiting
 from tests.engine.test_cuda_graphs import prompts
 from tests.speculative.test_ddtree_e2e import golden_lookup
 
@@ -35,8 +35,8 @@ def corrupted(sequences: dict[tuple, list[int]], prompt_lens: dict[tuple, int], 
 def tree_engine(folder, ps, ref, overlap: bool, budget: int = 6, adaptive: bool = False, **kwargs) -> LLM:
     golden = {tuple(p[:3]): p + r for p, r in zip(ps, ref)}
     oracle = DeviceOracle(corrupted(golden, {tuple(p[:3]): len(p) for p in ps}), 3, VOCAB, horizon=6, device="cpu")
-    llm = LLM(folder, dtype="fp32", drafter=oracle, spec_budget=budget, adaptive=adaptive, max_num_seqs=32,
-              **kwargs)
+    kwargs.setdefault("max_num_seqs", 32)
+    llm = LLM(folder, dtype="fp32", drafter=oracle, spec_budget=budget, adaptive=adaptive, **kwargs)
     llm.engine.enable_graphs(emulate=True)
     llm.engine.overlap = llm.engine.budgets.pipelined = overlap
     return llm
@@ -74,6 +74,21 @@ def test_greedy_tree_steps_ahead_equal_plain_decoding(tiny_checkpoints, batch):
     out, _, ahead = tree_steps_ahead(tree_engine(folder, ps, ref, True).engine, ps, params, "replay: whole round")
     assert out == ref
     assert ahead >= 3, ahead  # tree steps did run ahead as whole rounds (with drafts rejected at varying depths)
+
+
+def test_tree_steps_run_ahead_while_requests_wait_for_a_seat(tiny_checkpoints):
+    """More requests than seats: with every seat taken, tree steps still run ahead as whole rounds (the queue
+    cannot join them); output equals plain decoding."""
+    folder, _ = tiny_checkpoints("llama")
+    ps = prompts(6)
+    params = [SamplingParams(max_tokens=MAX_TOKENS - 2 * i, temperature=0, ignore_eos=True) for i in range(6)]
+    ref = plain_greedy(folder, ps, params)
+    core = tree_engine(folder, ps, ref, True, max_num_seqs=3).engine
+    seen, ahead_waiting = steps_ahead_while_waiting(core)
+    out, _, ahead = tree_steps_ahead(core, ps, params, "replay: whole round")
+    assert out == ref and ahead >= 3
+    assert ahead_waiting[0] >= 3, (ahead_waiting, seen)
+    assert "synchronous: waiting requests" in seen
 
 
 def test_stop_tokens_while_a_tree_step_runs_ahead(tiny_checkpoints):

@@ -10,10 +10,13 @@ also reports its median host busy time: wall time less the wait for the device's
 time and tokens (a few slow tree steps move a run's throughput where medians hide them). --slow-steps F lists
 each kind's steps slower than F times its median, with the methods (all of them wrapped) that took longest
 beyond that kind's median step: where a heavy tail's time goes (on the H100 at batch 16 it found the n-gram
-engine's curve drafts at every 16th step).
+engine's curve drafts at every 16th step). --queue K queues K times the batch's requests behind its seats, their
+lengths spread, as a loaded server sees them (one closed batch of equal lengths lasts as long as its slowest
+request: speculation there can only shorten the run by speeding up every request).
 
     python bench/step_kinds.py --model SmolLM2-135M-Instruct.Q4_1.gguf --device cuda --runs 16:0 1:1 1:0
     python bench/step_kinds.py --model ... --runs 16:0 --scheduling async --repeat 3 --trace steps.jsonl
+    python bench/step_kinds.py --model ... --runs 64:1 64:0 --scheduling async --queue 4 --drafter ngram
 """
 from __future__ import annotations
 
@@ -50,17 +53,29 @@ def step_record(label: str, index: int, stats, seconds: float, emitted: int, bud
             "guard_checks": stats.spec_guard_checks, "guard_plain": stats.spec_guard_plain}
 
 
+def lengths(num_requests: int, max_tokens: int, queue: int) -> list[int]:
+    """Each request's max_tokens: all equal in a closed batch (queue 1); spread over max_tokens / 2 .. max_tokens
+    when requests queue for seats, so they finish apart and the queue is admitted a few at a time, as under
+    real traffic."""
+    if queue == 1:
+        return [max_tokens] * num_requests
+    half = max_tokens // 2
+    return [half + (i * 97) % (max_tokens - half + 1) for i in range(num_requests)]
+
+
 def run(model, device, dtype, drafter, overlap, batch, temperature, max_tokens, emulate=False, trace=None,
-        rep=0, host_times: list[str] | None = None, slow_steps: float | None = None) -> None:
-    label = f"batch {batch} T {temperature} async {overlap} {drafter}" + (f" #{rep}" if rep else "")
+        rep=0, host_times: list[str] | None = None, slow_steps: float | None = None, queue: int = 1) -> None:
+    label = f"batch {batch}{f' queue {queue}' if queue > 1 else ''} T {temperature} async {overlap} {drafter}" + \
+        (f" #{rep}" if rep else "")
     name, _, variant = drafter.partition(":")  # ngram:noguard: the adaptive budget without its throughput guard
     dummy = isinstance(model, dict)  # a config: random weights of its shape, a self-repeating prompt of token ids
     folder = tempfile.mkdtemp(prefix="dummy-shape-") if dummy else model
     if dummy:
         with open(os.path.join(folder, "config.json"), "w") as f:
             json.dump(model, f)
+    shape = dict(load_format="dummy", max_model_len=4096) if dummy else {}
     llm = LLM(folder, device=device, dtype=dtype, drafter=name, async_scheduling=overlap,
-              spec_guard=variant != "noguard", **(dict(load_format="dummy", max_model_len=4096) if dummy else {}))
+              spec_guard=variant != "noguard", max_num_seqs=batch, **shape)
     core = llm.engine
     if emulate:  # the CUDA-graph layout run eagerly, and asynchronous scheduling's bookkeeping (launches block)
         if name == "ngram":  # the drafter CUDA would use (same settings), through its PyTorch reference
@@ -73,8 +88,8 @@ def run(model, device, dtype, drafter, overlap, batch, temperature, max_tokens, 
     prompt = list(range(1000, 1040)) * 3 if dummy else llm.encode(COPY_PROMPT, chat=True)
     llm.generate([prompt] * batch, SamplingParams(max_tokens=16, temperature=temperature))  # warm-up
     core.budgets.reset()
-    for i in range(batch):
-        core.add_request(prompt, SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=0.9, seed=i,
+    for i, num_tokens in enumerate(lengths(batch * queue, max_tokens, queue)):
+        core.add_request(prompt, SamplingParams(max_tokens=num_tokens, temperature=temperature, top_p=0.9, seed=i,
                                                 ignore_eos=True))
     # None: only the waits (host busy time); []: every method; labels: those and the waits
     wrapped = None if slow_steps else WAITS if host_times is None else (set(host_times) | WAITS) if host_times else None
@@ -174,6 +189,10 @@ def main() -> None:
                    help="on the CPU: the CUDA-graph layout emulated and asynchronous scheduling's bookkeeping on, "
                         "with the device n-gram drafter's reference (step kinds and counts are CUDA's; the times "
                         "are not: every launch blocks)")
+    p.add_argument("--queue", type=int, default=1, metavar="K",
+                   help="K x batch requests, batch of them running at once (max_num_seqs) and the rest queued, "
+                        "their lengths spread over max_tokens / 2 .. max_tokens: a loaded server (default 1: one "
+                        "closed batch of equal lengths, whose run the slowest request decides)")
     p.add_argument("--repeat", type=int, default=1, help="runs of each configuration")
     p.add_argument("--trace", default=None, help="write every step here as a JSON line")
     p.add_argument("--host-times", nargs="*", default=None, metavar="CLASS.METHOD",
@@ -192,7 +211,7 @@ def main() -> None:
                     for rep in range(1, args.repeat + 1):
                         run(model, args.device, args.dtype, drafter, overlap, batch, temperature, args.max_tokens,
                             args.emulate, trace, rep if args.repeat > 1 else 0,
-                            args.host_times, args.slow_steps)
+                            args.host_times, args.slow_steps, args.queue)
 
 
 if __name__ == "__main__":

@@ -110,13 +110,16 @@ class ModelRunner:
         if spec is not None and self.watch is not None:
             watch = [s for s in plain if _decoding(s)
                      and (s.watched if s.num_ahead else self.watch(s.request.request_id))]
-            ahead = self._watch_ahead(watch, plain, input_ids) if input_ids is not None and watch else None
+            ahead = self._watch_ahead(watch, plain, input_ids, after) if input_ids is not None and watch else None
             watched = (watch, *spec.curves(watch, ahead)) if watch else None
         return self._launch(plain, batch, watched, input_ids, why)
 
-    def _watch_ahead(self, watch: list[ScheduledSeq], plain: list[ScheduledSeq], input_ids: torch.Tensor) -> tuple:
+    def _watch_ahead(self, watch: list[ScheduledSeq], plain: list[ScheduledSeq], input_ids: torch.Tensor,
+                     after: PendingStep) -> tuple:
         """What a drafter drafting from the device needs for watched requests of a plain step scheduled ahead:
-        their roots (the tokens fed, [M]), root positions (one past their host tokens), one new token each."""
+        their roots (the tokens fed, [M]), root positions (one past their host tokens), one new token each, and
+        for a drafter fed by target features the row `after` computed for each ([M, 1, F]: its features reach
+        the host only with `after`'s results)."""
         where = {id(s): i for i, s in enumerate(plain)}
         index = [where[id(s)] for s in watch]
         # every request watched (the aligned steps' interval drafts): the fed tokens as they are; each torch call
@@ -124,7 +127,9 @@ class ModelRunner:
         whole = index == list(range(input_ids.shape[0]))
         roots = input_ids if whole else input_ids[self.staging(index)]
         positions, num_new = self.staging.pack([[s.request.num_tokens for s in watch], [1] * len(watch)])
-        return roots, positions, num_new, None, roots[:, None]
+        feats = after.accepted_features([s.request for s in watch], self.staging) \
+            if self.speculator.capture_layer_ids else None
+        return roots, positions, num_new, feats, roots[:, None]
 
     def _round_plan(self, proposal: Proposal) -> tuple[str | None, str]:
         """A step of only trees as a whole-round graph (engine/round_graphs.py): (its epilogue variant, "") or

@@ -249,6 +249,64 @@ def test_dflash_drafts_ahead_from_the_device_like_it_drafts_from_the_host(tiny_c
     dflash_ahead_against_synchronous(tiny_checkpoints, tmp_path, "cpu")
 
 
+def test_dflash_curve_drafts_ahead_of_a_plain_step_equal_synchronous_ones(tiny_checkpoints, tmp_path):
+    """Requests at budget 0 whose curves are drafted in plain steps scheduled ahead (the adaptive budget's
+    interval drafts): a DFlash drafter there needs the target's features of the row the step in flight computes
+    (they reach the host only with its results; without them the call failed and took the engine down). Its
+    proposals equal the synchronous engine's, whose drafter reads every row from the host; output equals plain
+    decoding. (GPU twin: tests/ext/test_engine_gpu.py.)"""
+    dflash_curves_ahead_against_synchronous(tiny_checkpoints, tmp_path, "cpu")
+
+
+def dflash_curves_ahead_against_synchronous(tiny_checkpoints, tmp_path, device: str) -> None:
+    import json
+    import os
+
+    import torch
+
+    from engine.speculative.dflash_files import save_random_dflash
+
+    folder, _ = tiny_checkpoints("qwen3")
+    with open(os.path.join(folder, "config.json")) as f:
+        save_random_dflash(str(tmp_path), json.load(f), num_layers=1, block_size=8, target_layer_ids=[0, 1])
+    ps = prompts(3)
+    params = [SamplingParams(max_tokens=MAX_TOKENS - 3 * i, temperature=0, ignore_eos=True) for i in range(3)]
+    ref = [o.token_ids for o in LLM(folder, dtype="fp32", device=device).generate(ps, params)]
+    curves, ahead = {}, {}
+    for overlap in (False, True):
+        llm = LLM(folder, dtype="fp32", drafter="dflash", draft_model=str(tmp_path), spec_budget=6, adaptive=True,
+                  max_num_seqs=8, device=device, async_scheduling=overlap)
+        core = llm.engine
+        if device == "cpu":
+            core.enable_graphs(emulate=True)
+            core.overlap = core.budgets.pipelined = overlap
+        assert core.overlap == overlap
+        answer_with(core.budgets, budget=lambda rid, dry=False, ahead=False: 0,
+                    should_draft=lambda rid, dry=False, ahead=False: True)
+        core.runner.watch = core.budgets.should_draft  # (the runner holds the method it was given)
+        drafter, calls = core.speculator.drafter, []
+        propose, propose_ahead = drafter.propose, drafter.propose_ahead
+
+        def host(batch, top_k, propose=propose, calls=calls):
+            out = propose(batch, top_k)
+            calls.append(out[0].clone())
+            return out
+
+        def device_(*args, propose_ahead=propose_ahead, calls=calls, **kwargs):
+            out = propose_ahead(*args, **kwargs)
+            calls.append(out[0].clone())
+            return out
+
+        drafter.propose, drafter.propose_ahead = host, device_
+        out, _, ahead[overlap] = run(core, ps, params)
+        assert out == ref
+        curves[overlap] = calls
+    assert ahead[True] >= 10 and ahead[False] == 0
+    assert len(curves[True]) == len(curves[False]) >= 10
+    for want, got in zip(curves[False], curves[True]):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
 def dflash_ahead_against_synchronous(tiny_checkpoints, tmp_path, device: str, budgets=None) -> None:
     """budgets: called with each engine to set the budgets it asks for (None: the full budget, adaptive off)."""
     import json

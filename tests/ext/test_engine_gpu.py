@@ -322,6 +322,15 @@ def test_graph_replay_follows_changed_block_tables(tiny_checkpoints):
         req.block_ids = new + req.block_ids[2 * len(old):]
 
 
+def test_dflash_curve_drafts_ahead_of_plain_steps_on_cuda(tiny_checkpoints, tmp_path):
+    """Interval curve drafts of requests at budget 0 in plain steps scheduled ahead, with real graph replays: the
+    DFlash drafter takes the in-flight step's features from the device, its proposals equal the synchronous
+    engine's and output equals plain decoding (tests/engine/test_async_trees.py)."""
+    from tests.engine.test_async_trees import dflash_curves_ahead_against_synchronous
+
+    dflash_curves_ahead_against_synchronous(tiny_checkpoints, tmp_path, "cuda")
+
+
 @pytest.mark.parametrize("chain,budget", [(True, 16), (False, 12)])  # 15 and 12 drafts: widths padded to 17
 def test_dflash_chain_and_tree_with_cuda_graphs_equal_plain(tiny_checkpoints, tmp_path, chain, budget):
     """A DFlash drafter (block 16: the chain verifies 16 rows, padded to the 17-row bucket past a KV block) with

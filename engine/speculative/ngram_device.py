@@ -16,6 +16,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from engine.speculative.drafter import DraftRequest, proposal_width
@@ -116,7 +117,7 @@ class DeviceNgramDrafter(NgramRule):
         slots = [self._slot(r) for r in batch]
         lengths = [len(r.token_ids) for r in batch]  # (a request's tokens are a TokenView: its len is a call)
         self._grow(max(lengths, default=-1) + extra + 1)
-        width, positions, values = self.table.shape[1], [], []
+        width, starts, counts, values = self.table.shape[1], [], [], []
         for slot, req, num_tokens in zip(slots, batch, lengths):
             toks = req.token_ids
             if rewritten(slot.tokens, toks):
@@ -124,13 +125,17 @@ class DeviceNgramDrafter(NgramRule):
             done = len(slot.tokens)
             if done < num_tokens:
                 new = toks[done:num_tokens]
-                start = slot.row * width + done
-                positions.extend(range(start, start + len(new)))
+                starts.append(slot.row * width + done)
+                counts.append(len(new))
                 values += new
                 slot.tokens += new
-        if positions:
-            flat = self.table.view(-1)
-            flat.index_copy_(0, self._to_device(positions), self._to_device(values, torch.int32))
+        if values:
+            # each request's run of positions, made by numpy: an interval draft catches up on 16-256 tokens a
+            # request, and a list of every position cost ~30 ns a token more on the host
+            counts = np.asarray(counts)
+            offsets = np.repeat(np.asarray(starts) - (np.cumsum(counts) - counts), counts)
+            positions = offsets + np.arange(len(values))
+            self.table.view(-1).index_copy_(0, self._to_device(positions), self._to_device(values, torch.int32))
         return slots
 
     def _slot(self, req: DraftRequest) -> _Slot:

@@ -161,9 +161,9 @@ def test_plain_steps_ahead_draft_their_curves_from_the_device(tiny_checkpoints, 
     ref = plain_greedy(folder, ps, params)
     calls, watch_ahead = [], ModelRunner._watch_ahead
 
-    def spy(self, watch, plain, input_ids):
+    def spy(self, watch, *args):
         calls.append(len(watch))
-        return watch_ahead(self, watch, plain, input_ids)
+        return watch_ahead(self, watch, *args)
 
     monkeypatch.setattr(ModelRunner, "_watch_ahead", spy)
     llm = LLM(folder, dtype="fp32", drafter=DeviceNgramDrafter(1000, horizon=6), spec_budget=6, max_num_seqs=8)

@@ -1,7 +1,8 @@
 """Asynchronous scheduling: the step after a launched one, planned and launched before that step's results are
 read (EngineCore.step), so the host's bookkeeping of step k runs while the device computes step k+1. Two kinds:
-  - a plain decoding step after a plain (or root-only tree) decoding step: each request feeds the token the
-    previous step samples for it, gathered on the device (engine.scheduler.schedule_ahead);
+  - a plain decoding step after a step that sampled every request without a tree (plain decoding, a root-only
+    tree step, or a prompt's last chunk): each request feeds the token the previous step samples for it, gathered
+    on the device (engine.scheduler.schedule_ahead);
   - a tree step after any decoding step, with a drafter that drafts from the device (Speculator.cannot_draft_ahead)
     and under CUDA graphs (an eager step plans attention from exact host lengths): each request's root, root
     position and sampling offset come from the previous step's results on the device, its KV is reserved for
@@ -68,13 +69,17 @@ class AheadLauncher:
             return self._plain(current, budgets, self.speculator.cannot_draft_ahead() is None)
 
     def _plain(self, current: Launched, budgets, watch_ahead: bool) -> Launched | None:
-        if budgets is not None:
+        if self.speculator is not None:
             requests = [s.request for s in current.plan.seqs if not s.request.finished]
-            request_ids = [r.request_id for r in requests]
-            if not watch_ahead and any(budgets.drafts_of(request_ids, dry=True, ahead=True)):
-                self.why_not = "a draft wanted"
-                return None
-            if self.scheduler.wants_trees(requests, budgets.budgets_of(request_ids, dry=True, ahead=True)):
+            if budgets is not None:
+                request_ids = [r.request_id for r in requests]
+                if not watch_ahead and any(budgets.drafts_of(request_ids, dry=True, ahead=True)):
+                    self.why_not = "a draft wanted"
+                    return None
+                wanted = budgets.budgets_of(request_ids, dry=True, ahead=True)
+            else:  # a fixed budget: every request wants its whole tree (after a prompt, its first)
+                wanted = [self.scheduler.max_budget] * len(requests)
+            if self.scheduler.wants_trees(requests, wanted):
                 blocked = trees_blocked(self.speculator, self.runner)
                 if blocked is not None:
                     self.why_not = f"a tree wanted: {blocked}"
@@ -89,8 +94,12 @@ class AheadLauncher:
             # each request's budget is counted before its draft (a tree chosen resets its drafting interval)
             request_ids = [s.request.request_id for s in plan.seqs]
             budgets.count_plain(request_ids)
+            # a drafter fed by target features drafts a request just past its prompt once the prompt's features
+            # reached the host (the step in flight computes them)
+            features = bool(self.speculator.capture_layer_ids)
             for s, drafts in zip(plan.seqs, budgets.drafts_of(request_ids, ahead=True)):
-                s.watched = drafts and watch_ahead
+                req = s.request
+                s.watched = drafts and watch_ahead and not (features and req.num_computed_tokens + 1 < req.num_tokens)
         return self._launch(plan, current, t0)
 
     def trees(self, current: Launched) -> Launched | None:

@@ -31,12 +31,20 @@ def decode_rows(plain: list[ScheduledSeq], block_size: int) -> tuple[list[int], 
     ids, positions, slots, seq_lens = [], [], [], []
     for s in plain:
         req = s.request
-        start = req.num_computed_tokens + s.num_ahead
+        start = first_position(s)
         ids.append(0 if s.num_ahead else req.token_ids(start, start + 1)[0])
         positions.append(start)
         slots.append(slot_of(req.block_ids, block_size, start))
         seq_lens.append(start + 1)
     return ids, positions, slots, seq_lens
+
+
+def first_position(s: ScheduledSeq) -> int:
+    """The position of the first token a sequence feeds this step. A request scheduled ahead feeds the token the
+    step in flight samples, at the position past its host tokens: its host count of computed tokens lags by what
+    that step computes (1 when decoding, a whole chunk when that step ended its prompt)."""
+    req = s.request
+    return req.num_tokens + s.num_ahead - 1 if s.num_ahead else req.num_computed_tokens
 
 
 def slot_of(block_ids: list[int], block_size: int, index: int) -> int:
@@ -73,7 +81,7 @@ def prepare_inputs(plain: list[ScheduledSeq], batch: TreeBatch | None, block_siz
     ids, positions, slots, offsets = [], [], [], []  # offsets: row index inside its sequence (causal mask)
     query_lens, seq_lens, tables, rows = [], [], [], []
     for s in plain:
-        req, start = s.request, s.request.num_computed_tokens + s.num_ahead
+        req, start = s.request, first_position(s)
         # a request scheduled ahead feeds a token the previous step samples: the runner puts it in on the device
         new_ids = [0] * s.num_new_tokens if s.num_ahead else req.token_ids(start, start + s.num_new_tokens)
         n = len(new_ids)

@@ -14,8 +14,9 @@ class ScheduledSeq:
     spec_budget: int = 0  # tree nodes this request may verify this step (0 = plain decoding)
     # of those, the nodes the adaptive budget chose; the rest fill the step's padded width for free (None: all)
     chosen_budget: int | None = None
-    # asynchronous scheduling: tokens this step runs past the request's committed state (1 for a decoding
-    # request scheduled before the previous step's token reached the host; that token is fed from the device)
+    # asynchronous scheduling: tokens this step runs past the request's committed state (1 for a request scheduled
+    # before the previous step's token reached the host, decoding or just past its prompt; that token is fed from
+    # the device, at the position past the host's tokens: engine.inputs.first_position)
     num_ahead: int = 0
     # a decoding request at budget 0 scheduled ahead that drafts this step for its curve only, from the token
     # fed from the device (a drafter that drafts from the device: Speculator.cannot_draft_ahead)

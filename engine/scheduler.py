@@ -188,13 +188,16 @@ class Scheduler:
 
     def schedule_ahead(self, previous: StepPlan) -> StepPlan | str:
         """Asynchronous scheduling: the next step, planned before `previous`'s results reach the host. Only when
-        `previous` plainly decoded every running request and no waiting request may take a seat (admits): each
-        request then decodes the token `previous` samples for it (num_ahead = 1; that token is fed from the device).
+        `previous` sampled every running request without a tree (decoding, or the last chunk of its prompt) and no
+        waiting request may take a seat (admits): each request then decodes the token `previous` samples for it
+        (num_ahead = 1; that token is fed from the device).
         Requests that certainly finish with that token (max_tokens, the context length) are left out. When
         this does not apply or blocks run out, why not (the next step is then scheduled after the results)."""
         if self.admits():
             return "waiting requests"
-        decoding = {id(s.request) for s in previous.seqs if s.sample and s.num_new_tokens == 1 and not s.spec_budget}
+        # a request whose prompt's last chunk ran in `previous` samples its first token there: it decodes like the
+        # others (engine.inputs.first_position); one mid-prompt has no token to feed
+        decoding = {id(s.request) for s in previous.seqs if s.sample and not s.spec_budget}
         if any(id(r) not in decoding for r in self.running):
             return "after a prefill or tree step"
         plan = StepPlan()

@@ -118,6 +118,36 @@ def test_a_full_batch_runs_ahead_while_requests_wait(tiny_checkpoints, graphs):
     assert "synchronous: waiting requests" in seen  # seats freed: the queue's head admitted after the results
 
 
+@pytest.mark.parametrize("graphs", [False, True])
+def test_the_step_after_a_prompt_runs_ahead(tiny_checkpoints, graphs):
+    """A request's first decoding step runs ahead of the step that ends its prompt (it feeds the token that step
+    samples, at the prompt's length): for a prompt in one chunk, in several (the chunks before the last are
+    synchronous: nothing is sampled yet), and one partly served by the prefix cache. Greedy and seeded sampling
+    (the output index of each draw) equal stepping synchronously."""
+    folder, _ = tiny_checkpoints("llama")
+    long = list(range(5, 75))  # 70 tokens: chunks of at most 24
+    ps = [long, long[:40] + [1, 2, 3], prompts(1)[0]]  # the second shares 40 tokens (two blocks) with the first
+    params = [SamplingParams(max_tokens=12, temperature=0.8, top_p=0.9, seed=7, min_tokens=4, ignore_eos=True),
+              SamplingParams(max_tokens=10, temperature=0, ignore_eos=True),
+              SamplingParams(max_tokens=9, temperature=0.7, seed=3, ignore_eos=True)]
+    want = []
+    for p, sp in zip(ps, params):  # one request at a time: the prefix cache serves the second's first blocks
+        want += run(engine(folder, False, graphs, max_num_batched_tokens=24).engine, [p], sp)[0]
+    core = engine(folder, True, graphs, max_num_batched_tokens=24).engine
+    got, seen = [], []
+    for p, sp in zip(ps, params):
+        ids, tokens = core.add_request(p, sp), []
+        while core.has_unfinished():
+            for d in core.step():
+                tokens.extend(d.new_token_ids)
+            seen.append(core.last_stats.scheduling if core.last_stats else None)
+        got.append(tokens)
+    assert got == want
+    # the first request: two synchronous chunks after the first, then every step ahead (the last chunk's too)
+    assert seen[1:3] == ["synchronous: after a prefill or tree step"] * 2 and seen[3] == "ahead", seen
+    assert seen.count("ahead") >= sum(sp.max_tokens for sp in params) - 6, seen
+
+
 def test_a_step_run_ahead_for_finished_requests_reports_nothing(tiny_checkpoints):
     folder, _ = tiny_checkpoints("llama")
     core = engine(folder, True).engine
@@ -194,7 +224,7 @@ def test_each_step_says_why_it_did_not_run_ahead(tiny_checkpoints):
         core.step()
         if core.last_stats is not None:
             seen.append(core.last_stats.scheduling)
-    assert seen[1] == "synchronous: after a prefill or tree step" and seen[2] == "ahead"
+    assert seen[1] == "ahead" and seen[2] == "ahead"  # the step after the prompt's runs ahead: it feeds its token
     assert "synchronous: waiting requests" in seen
 
 

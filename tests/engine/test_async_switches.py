@@ -208,7 +208,7 @@ def test_random_budgets_arrivals_and_aborts_keep_plain_decodings_output(tiny_che
     assert core.blocks.num_free_blocks == core.blocks.num_blocks
 
 
-GUARD_TOKENS = 64  # a few of the guard's (shrunk) windows
+GUARD_TOKENS = 96  # a few of the guard's (shrunk) windows
 
 
 def guard_switching_engine(tiny_checkpoints, ps, ref, overlap: bool, monkeypatch, device: str):

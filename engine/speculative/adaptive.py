@@ -347,7 +347,7 @@ class BudgetController(StepBudgets, TreeValue):
         """A request whose record is only the engine's prior probes at once without CUDA graphs; under them on a
         step aligned to FIRST_PROBE_EVERY, where new requests' first probes share one tree round (each at its own
         step, 1-18 requests' trees made the first 30 steps of a batch-64 run on an H100 rounds at twice a plain
-        step's time)."""
+        step's time). A new request's first draft waits for the same steps (request_record.draft_due)."""
         return self.costs.shape_of is None or (self.clock + ahead) % FIRST_PROBE_EVERY == 0
 
     def should_draft(self, request_id: str, dry: bool = False, ahead: bool = False) -> bool:
@@ -357,4 +357,5 @@ class BudgetController(StepBudgets, TreeValue):
         on the host, so the step cannot run ahead of the previous one's results."""
         if not self.guard.allows_trees():  # a plain window drafts nothing, as --drafter none would
             return False
-        return draft_due(self.requests.get(request_id), self.cheap_draft(), self._aligned(ahead), dry)
+        return draft_due(self.requests.get(request_id), self.cheap_draft(), self._aligned(ahead), dry,
+                         self._first_probe_due(ahead))

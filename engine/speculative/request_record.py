@@ -39,12 +39,17 @@ def nodes_above(node_q: list[float], theta: float) -> int:
     return chosen
 
 
-def draft_due(stats: RequestRecord | None, cheap: bool, aligned: bool, dry: bool) -> bool:
-    """BudgetController.should_draft() once drafting is allowed, given its cheap_draft() and _aligned() (the same
-    for a whole step: StepBudgets.drafts_of): a request without a tree drafts, and any request while drafting is
-    cheap; else one whose interval has passed, on an aligned step, and the interval doubles. dry: not counted."""
-    if stats is None or not stats.node_q or cheap:
+def draft_due(stats: RequestRecord | None, cheap: bool, aligned: bool, dry: bool, first: bool = True) -> bool:
+    """BudgetController.should_draft() once drafting is allowed, given its cheap_draft(), _aligned() and
+    _first_probe_due() (`first`; the same for a whole step: StepBudgets.drafts_of): any request while drafting is
+    cheap; a request without a tree on a step where first probes are due (under CUDA graphs every
+    FIRST_PROBE_EVERY steps: on a loaded server each admission's own first draft made a draft step, whose host
+    work at batch 64 is that of a whole step); else one whose interval has passed, on an aligned step, and the
+    interval doubles. dry: not counted."""
+    if cheap:
         return True
+    if stats is None or not stats.node_q:
+        return first
     if stats.steps_undrafted + 1 < stats.draft_interval or not aligned:
         if not dry:
             stats.steps_undrafted += 1

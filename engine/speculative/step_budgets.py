@@ -28,8 +28,12 @@ class StepBudgets:
             rows = sum(width if s.spec_budget else s.num_new_tokens for s in plan.seqs)
         tokens = sum(len(t) for t in result.new_token_ids.values())
         warm_up = _warming_up(plan)
-        self.observe_step(rows, seconds, tokens, fit=decoding and not warm_up, tree=width > 1, synchronous=synchronous)
-        if decoding and uniform_layout and not synchronous and not warm_up:
+        # a plain step that drafted curves took the drafter's host work too (at batch 64 on an H100 1-4 ms beside
+        # 1.3): priced as rows, it flattened the fit to ~0 a row, and trees 9 wide ran for a few requests
+        curves_only = width == 1 and result.num_drafted > 0
+        fit = decoding and not warm_up and not curves_only
+        self.observe_step(rows, seconds, tokens, fit=fit, tree=width > 1, synchronous=synchronous)
+        if fit and uniform_layout and not synchronous:
             leaving = width == 1 and plan.seqs[0].root_on_device  # a root-only round: trees' predecessor in flight
             self.costs.observe(len(plan.seqs), width, seconds, leaving)
         if decoding:
@@ -87,8 +91,8 @@ class StepBudgets:
         """should_draft() of each of a step's requests, as budgets_of."""
         if not self.guard.allows_trees():  # a plain window drafts nothing, as --drafter none would
             return [False] * len(request_ids)
-        cheap, aligned = self.cheap_draft(), self._aligned(ahead)
-        return [draft_due(self.requests.get(rid), cheap, aligned, dry) for rid in request_ids]
+        cheap, aligned, first = self.cheap_draft(), self._aligned(ahead), self._first_probe_due(ahead)
+        return [draft_due(self.requests.get(rid), cheap, aligned, dry, first) for rid in request_ids]
 
     def harmonize(self, request_ids: list[str], budgets: list[int]) -> list[int]:
         """The counted budgets of one step's decoding requests, at one padded width (step_width.common_width),

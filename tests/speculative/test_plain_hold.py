@@ -122,3 +122,22 @@ def test_no_hold_without_graphs_or_below_the_batch(graphs, batch):
         c.budgets_of(ids, dry=True, ahead=True)
         c.count_plain(ids)
         assert c._hold is None
+
+
+@pytest.mark.parametrize("graphs", [False, True])
+def test_new_requests_first_drafts_share_aligned_steps_under_graphs(graphs):
+    """A request without a tree drafts for its first curve at once without CUDA graphs; under them (and the
+    pipeline) on a step aligned to FIRST_PROBE_EVERY, so admissions a few steps apart share one draft step (each
+    had its own: on an H100 at batch 64 under load, a draft step's host work is about a plain step's)."""
+    c = BudgetController(max_budget=16)
+    c.pipelined = c.switches_ahead = True
+    if graphs:
+        c.costs.shape_of = graph_shape
+    due = []
+    for step in range(2 * FIRST_PROBE_EVERY):
+        due.append(c.drafts_of([f"new{step}"], ahead=False)[0] and c.should_draft(f"new{step}"))
+        c.observe_step(16, 0.001, 16)
+    if graphs:
+        assert due == [step % FIRST_PROBE_EVERY == 0 for step in range(2 * FIRST_PROBE_EVERY)]
+    else:
+        assert all(due)

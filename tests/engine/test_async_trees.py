@@ -259,11 +259,11 @@ def test_dflash_curve_drafts_ahead_of_a_plain_step_equal_synchronous_ones(tiny_c
     dflash_curves_ahead_against_synchronous(tiny_checkpoints, tmp_path, "cpu")
 
 
-def dflash_curves_ahead_against_synchronous(tiny_checkpoints, tmp_path, device: str) -> None:
+def dflash_setup(tiny_checkpoints, tmp_path, device: str) -> tuple[str, list, list, list]:
+    """A random DFlash drafter (block 8) in tmp_path for the tiny Qwen3 checkpoint: (checkpoint, 3 prompts, their
+    greedy params of different lengths, plain decoding's output)."""
     import json
     import os
-
-    import torch
 
     from engine.speculative.dflash_files import save_random_dflash
 
@@ -272,7 +272,13 @@ def dflash_curves_ahead_against_synchronous(tiny_checkpoints, tmp_path, device: 
         save_random_dflash(str(tmp_path), json.load(f), num_layers=1, block_size=8, target_layer_ids=[0, 1])
     ps = prompts(3)
     params = [SamplingParams(max_tokens=MAX_TOKENS - 3 * i, temperature=0, ignore_eos=True) for i in range(3)]
-    ref = [o.token_ids for o in LLM(folder, dtype="fp32", device=device).generate(ps, params)]
+    return folder, ps, params, [o.token_ids for o in LLM(folder, dtype="fp32", device=device).generate(ps, params)]
+
+
+def dflash_curves_ahead_against_synchronous(tiny_checkpoints, tmp_path, device: str) -> None:
+    import torch
+
+    folder, ps, params, ref = dflash_setup(tiny_checkpoints, tmp_path, device)
     curves, ahead = {}, {}
     for overlap in (False, True):
         llm = LLM(folder, dtype="fp32", drafter="dflash", draft_model=str(tmp_path), spec_budget=6, adaptive=True,
@@ -311,19 +317,9 @@ def dflash_curves_ahead_against_synchronous(tiny_checkpoints, tmp_path, device: 
 
 def dflash_ahead_against_synchronous(tiny_checkpoints, tmp_path, device: str, budgets=None) -> None:
     """budgets: called with each engine to set the budgets it asks for (None: the full budget, adaptive off)."""
-    import json
-    import os
-
     import torch
 
-    from engine.speculative.dflash_files import save_random_dflash
-
-    folder, _ = tiny_checkpoints("qwen3")
-    with open(os.path.join(folder, "config.json")) as f:
-        save_random_dflash(str(tmp_path), json.load(f), num_layers=1, block_size=8, target_layer_ids=[0, 1])
-    ps = prompts(3)
-    params = [SamplingParams(max_tokens=MAX_TOKENS - 3 * i, temperature=0, ignore_eos=True) for i in range(3)]
-    ref = [o.token_ids for o in LLM(folder, dtype="fp32", device=device).generate(ps, params)]
+    folder, ps, params, ref = dflash_setup(tiny_checkpoints, tmp_path, device)
     golden = corrupted({tuple(p[:3]): p + r for p, r in zip(ps, ref)}, {tuple(p[:3]): len(p) for p in ps})
     raw, outs, ahead = {}, {}, {}
     for overlap in (False, True):

@@ -63,10 +63,21 @@ def lengths(num_requests: int, max_tokens: int, queue: int) -> list[int]:
     return [half + (i * 97) % (max_tokens - half + 1) for i in range(num_requests)]
 
 
+def request_prompts(llm, dummy: bool, num_requests: int, distinct: bool) -> list[list[int]]:
+    """The copy prompt for every request (after the first, found in the prefix cache but for its last token), or
+    with distinct: each its own first words, so that an admission prefills a prompt as under real traffic."""
+    if dummy:
+        return [([1000 + i % 997] if distinct else []) + list(range(1000, 1040)) * 3 for i in range(num_requests)]
+    if not distinct:
+        return [llm.encode(COPY_PROMPT, chat=True)] * num_requests
+    return [llm.encode(f"Ticket {i}. {COPY_PROMPT}", chat=True) for i in range(num_requests)]
+
+
 def run(model, device, dtype, drafter, overlap, batch, temperature, max_tokens, emulate=False, trace=None,
-        rep=0, host_times: list[str] | None = None, slow_steps: float | None = None, queue: int = 1) -> None:
-    label = f"batch {batch}{f' queue {queue}' if queue > 1 else ''} T {temperature} async {overlap} {drafter}" + \
-        (f" #{rep}" if rep else "")
+        rep=0, host_times: list[str] | None = None, slow_steps: float | None = None, queue: int = 1,
+        distinct: bool = False) -> None:
+    label = f"batch {batch}{f' queue {queue}' if queue > 1 else ''}{' distinct' if distinct else ''} " \
+            f"T {temperature} async {overlap} {drafter}" + (f" #{rep}" if rep else "")
     name, _, variant = drafter.partition(":")  # ngram:noguard: the adaptive budget without its throughput guard
     dummy = isinstance(model, dict)  # a config: random weights of its shape, a self-repeating prompt of token ids
     folder = tempfile.mkdtemp(prefix="dummy-shape-") if dummy else model
@@ -85,10 +96,10 @@ def run(model, device, dtype, drafter, overlap, batch, temperature, max_tokens, 
             core.speculator.use_staging(core.runner.staging)
         core.enable_graphs(emulate=True)
         core.overlap = overlap
-    prompt = list(range(1000, 1040)) * 3 if dummy else llm.encode(COPY_PROMPT, chat=True)
-    llm.generate([prompt] * batch, SamplingParams(max_tokens=16, temperature=temperature))  # warm-up
+    warm_up, *prompts = request_prompts(llm, dummy, batch * (queue + 1), distinct)[batch - 1:]  # own warm-up
+    llm.generate([warm_up] * batch, SamplingParams(max_tokens=16, temperature=temperature))
     core.budgets.reset()
-    for i, num_tokens in enumerate(lengths(batch * queue, max_tokens, queue)):
+    for i, (prompt, num_tokens) in enumerate(zip(prompts, lengths(batch * queue, max_tokens, queue))):
         core.add_request(prompt, SamplingParams(max_tokens=num_tokens, temperature=temperature, top_p=0.9, seed=i,
                                                 ignore_eos=True))
     # None: only the waits (host busy time); []: every method; labels: those and the waits
@@ -193,6 +204,9 @@ def main() -> None:
                    help="K x batch requests, batch of them running at once (max_num_seqs) and the rest queued, "
                         "their lengths spread over max_tokens / 2 .. max_tokens: a loaded server (default 1: one "
                         "closed batch of equal lengths, whose run the slowest request decides)")
+    p.add_argument("--distinct-prompts", action="store_true",
+                   help="each request its own prompt (the copy prompt after its own first words), so admissions "
+                        "prefill it: without, every prompt after the first is found in the prefix cache")
     p.add_argument("--repeat", type=int, default=1, help="runs of each configuration")
     p.add_argument("--trace", default=None, help="write every step here as a JSON line")
     p.add_argument("--host-times", nargs="*", default=None, metavar="CLASS.METHOD",
@@ -211,7 +225,7 @@ def main() -> None:
                     for rep in range(1, args.repeat + 1):
                         run(model, args.device, args.dtype, drafter, overlap, batch, temperature, args.max_tokens,
                             args.emulate, trace, rep if args.repeat > 1 else 0,
-                            args.host_times, args.slow_steps, args.queue)
+                            args.host_times, args.slow_steps, args.queue, args.distinct_prompts)
 
 
 if __name__ == "__main__":

@@ -363,8 +363,11 @@ def _grammar_masks(sampling: list, batch: TreeBatch | None) -> tuple[list[int], 
 
 
 def _decoding(s: ScheduledSeq) -> bool:
-    """A request feeding only its last token and sampling the next."""
-    return s.sample and s.num_new_tokens == 1 and s.request.num_computed_tokens == s.request.num_tokens - 1
+    """A request feeding only its last token and sampling the next (scheduled ahead: the token the step in flight
+    samples, also right after its prompt's last chunk, when its host count of computed tokens lags by that chunk)."""
+    if not (s.sample and s.num_new_tokens == 1):
+        return False
+    return s.num_ahead > 0 or s.request.num_computed_tokens == s.request.num_tokens - 1
 
 
 def _uniform_shape(plain: list[ScheduledSeq], batch: TreeBatch | None) -> tuple[int, int] | None:

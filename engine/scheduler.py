@@ -220,14 +220,14 @@ class Scheduler:
     def schedule_ahead_trees(self, previous: StepPlan, budget_of: Callable[[Request], int]) -> StepPlan | str:
         """Asynchronous scheduling of a tree step: the next step, planned before `previous`'s results reach the
         host, when `previous` decoded every running request (a tree step, root-only trees included, or a plain
-        decoding step) and no waiting request may be admitted (admits). A request then lies up to its previous budget + 1
-        tokens past its host state, so its KV is reserved for the longest case, its budget (budget_of) is capped
-        as if it had advanced that far (0 when it may reach max_tokens with `previous`'s tokens), and a request
-        that may reach the context's end is left out; budgets that differ are harmonized and filled to one width
-        (one_width) as in schedule(). When no request wants a tree after a step that verified one, every request
-        gets a root-only tree: a plain decoding step whose roots and positions come from the device (so leaving
-        trees never waits for the host); after a step of known lengths the plain step (schedule_ahead) serves
-        instead. Why not, when this does not apply, blocks run out or no request wants a tree."""
+        decoding step) and no waiting request may take a seat (admits). A request then lies up to its previous
+        budget + 1 tokens past its host state, so its KV is reserved for the longest case, its budget (budget_of)
+        is capped as if it had advanced that far (0 when it may reach max_tokens with `previous`'s tokens), and a
+        request that may reach the context's end is left out; budgets that differ are harmonized and filled to one
+        width (one_width) as in schedule(). When no request wants a tree after a step that verified one, every
+        request gets a root-only tree: a plain decoding step whose roots and positions come from the device (so
+        leaving trees never waits for the host); after a step of known lengths the plain step (schedule_ahead)
+        serves instead. Why not, when this does not apply, blocks run out or no request wants a tree."""
         if self.admits():
             return "waiting requests"
         decoding = {id(s.request) for s in previous.seqs if s.sample and s.num_new_tokens == 1}

@@ -134,18 +134,21 @@ def test_the_step_after_a_prompt_runs_ahead(tiny_checkpoints, graphs):
     for p, sp in zip(ps, params):  # one request at a time: the prefix cache serves the second's first blocks
         want += run(engine(folder, False, graphs, max_num_batched_tokens=24).engine, [p], sp)[0]
     core = engine(folder, True, graphs, max_num_batched_tokens=24).engine
-    got, seen = [], []
+    got, seen, modes = [], [], []
     for p, sp in zip(ps, params):
         ids, tokens = core.add_request(p, sp), []
         while core.has_unfinished():
             for d in core.step():
                 tokens.extend(d.new_token_ids)
             seen.append(core.last_stats.scheduling if core.last_stats else None)
+            modes.append(core.last_stats.cuda_graph if core.last_stats else None)
         got.append(tokens)
     assert got == want
     # the first request: two synchronous chunks after the first, then every step ahead (the last chunk's too)
     assert seen[1:3] == ["synchronous: after a prefill or tree step"] * 2 and seen[3] == "ahead", seen
     assert seen.count("ahead") >= sum(sp.max_tokens for sp in params) - 6, seen
+    if graphs:  # the step after the last chunk decodes like the rest: a graph replay, not an eager mixed step
+        assert modes[3].startswith("replay"), modes
 
 
 def test_a_step_run_ahead_for_finished_requests_reports_nothing(tiny_checkpoints):

@@ -28,9 +28,11 @@ class StepBudgets:
             rows = sum(width if s.spec_budget else s.num_new_tokens for s in plan.seqs)
         tokens = sum(len(t) for t in result.new_token_ids.values())
         warm_up = _warming_up(plan)
-        # a plain step that drafted curves took the drafter's host work too (at batch 64 on an H100 1-4 ms beside
-        # 1.3): priced as rows, it flattened the fit to ~0 a row, and trees 9 wide ran for a few requests
-        curves_only = width == 1 and result.num_drafted > 0
+        # under CUDA graphs a plain step that drafted curves took the drafter's host work too (at batch 64 on an
+        # H100 1-4 ms beside 1.3): priced as rows, it flattened the fit to ~0 a row, and trees 9 wide ran for a few
+        # requests. (Without graphs a request at budget 0 drafts at every step while drafting is cheap: those steps
+        # are most of the plain ones, and their drafting is measured on the host apart, DraftCost)
+        curves_only = uniform_layout and width == 1 and result.num_drafted > 0
         fit = decoding and not warm_up and not curves_only
         self.observe_step(rows, seconds, tokens, fit=fit, tree=width > 1, synchronous=synchronous)
         if fit and uniform_layout and not synchronous:

@@ -82,9 +82,9 @@ def test_greedy_output_equals_synchronous_steps(tiny_checkpoints, batch, graphs)
     assert [len(o) for o in out] == [p.max_tokens for p in params]
 
 
-def steps_ahead_while_waiting(core) -> tuple[list[str], int]:
-    """Spies on core.step: (every step's scheduling, the steps that ran ahead while a request waited, every seat
-    taken). Requests are all queued before the first step and only leave the queue, so one still waiting after a
+def steps_ahead_while_waiting(core) -> tuple[list[str], list[int]]:
+    """Spies on core.step: (every step's scheduling, [the steps that ran ahead while a request waited, every seat
+    taken], filled as the core steps). Requests are all queued before the first step and only leave the queue, so one still waiting after a
     step also waited while that step was planned."""
     seen, step = [], core.step
     count = [0]
@@ -131,12 +131,13 @@ def test_the_step_after_a_prompt_runs_ahead(tiny_checkpoints, graphs):
               SamplingParams(max_tokens=10, temperature=0, ignore_eos=True),
               SamplingParams(max_tokens=9, temperature=0.7, seed=3, ignore_eos=True)]
     want = []
-    for p, sp in zip(ps, params):  # one request at a time: the prefix cache serves the second's first blocks
+    for p, sp in zip(ps, params):
         want += run(engine(folder, False, graphs, max_num_batched_tokens=24).engine, [p], sp)[0]
     core = engine(folder, True, graphs, max_num_batched_tokens=24).engine
     got, seen, modes = [], [], []
-    for p, sp in zip(ps, params):
-        ids, tokens = core.add_request(p, sp), []
+    for p, sp in zip(ps, params):  # one request at a time: the prefix cache serves the second's first blocks
+        core.add_request(p, sp)
+        tokens = []
         while core.has_unfinished():
             for d in core.step():
                 tokens.extend(d.new_token_ids)
@@ -227,7 +228,7 @@ def test_each_step_says_why_it_did_not_run_ahead(tiny_checkpoints):
         core.step()
         if core.last_stats is not None:
             seen.append(core.last_stats.scheduling)
-    assert seen[1] == "ahead" and seen[2] == "ahead"  # the step after the prompt's runs ahead: it feeds its token
+    assert seen[1] == "ahead" and seen[2] == "ahead"  # the step after the prompt runs ahead: it feeds its token
     assert "synchronous: waiting requests" in seen
 
 

@@ -71,14 +71,12 @@ class AheadLauncher:
     def _plain(self, current: Launched, budgets, watch_ahead: bool) -> Launched | None:
         if self.speculator is not None:
             requests = [s.request for s in current.plan.seqs if not s.request.finished]
-            if budgets is not None:
-                request_ids = [r.request_id for r in requests]
-                if not watch_ahead and any(budgets.drafts_of(request_ids, dry=True, ahead=True)):
-                    self.why_not = "a draft wanted"
-                    return None
-                wanted = budgets.budgets_of(request_ids, dry=True, ahead=True)
-            else:  # a fixed budget: every request wants its whole tree (after a prompt, its first)
-                wanted = [self.scheduler.max_budget] * len(requests)
+            request_ids = [r.request_id for r in requests]
+            if budgets is not None and not watch_ahead and any(budgets.drafts_of(request_ids, dry=True, ahead=True)):
+                self.why_not = "a draft wanted"
+                return None
+            # (adaptive budgets off: every request wants its whole tree, after a prompt its first)
+            wanted = self.budgets.budgets_of(request_ids, dry=True, ahead=True)
             if self.scheduler.wants_trees(requests, wanted):
                 blocked = trees_blocked(self.speculator, self.runner)
                 if blocked is not None:

@@ -50,7 +50,8 @@ def step_record(label: str, index: int, stats, seconds: float, emitted: int, bud
             "cuda_graph": stats.cuda_graph, "threshold": round(budgets.threshold(), 4),
             "row_ms": round(slope * 1e3, 4) if slope is not None else None,
             "tree_ms": round(budgets.fit.tree_cost() * 1e3, 4), "batch": stats.batch_size,
-            "guard_checks": stats.spec_guard_checks, "guard_plain": stats.spec_guard_plain}
+            "guard_checks": stats.spec_guard_checks, "guard_plain": stats.spec_guard_plain,
+            "drafted": stats.num_drafted, "draft_ms": round(stats.timings.get("draft", 0.0) * 1e3, 3)}
 
 
 def lengths(num_requests: int, max_tokens: int, queue: int) -> list[int]:
@@ -124,7 +125,9 @@ def run(model, device, dtype, drafter, overlap, batch, temperature, max_tokens, 
         index += 1
         if index % 128 == 0:
             probes.append(host_speed_us(3))
-        kind = f"{'tree' if any(stats.spec_budgets) else 'plain'} | {stats.scheduling[:28]} | {stats.cuda_graph[:22]}"
+        tree = any(stats.spec_budgets)
+        kind = f"{'tree' if tree else 'plain, curves' if stats.num_drafted else 'plain'} | {stats.scheduling[:28]} | " \
+               f"{stats.cuda_graph[:22]}"
         waited = sum(timers.seconds[k] - before.get(k, 0.0) for k in WAITS)
         kinds[kind].append((seconds * 1e3, emitted, {k: v * 1e3 for k, v in stats.timings.items()},
                             (seconds - waited) * 1e3))

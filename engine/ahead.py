@@ -3,8 +3,9 @@ read (EngineCore.step), so the host's bookkeeping of step k runs while the devic
   - a plain decoding step after a step that sampled every request without a tree (plain decoding, a root-only
     tree step, or a prompt's last chunk): each request feeds the token the previous step samples for it, gathered
     on the device (engine.scheduler.schedule_ahead);
-  - a tree step after any decoding step, with a drafter that drafts from the device (Speculator.cannot_draft_ahead)
-    and under CUDA graphs (an eager step plans attention from exact host lengths): each request's root, root
+  - a tree step after any step that sampled every request (decoding, with or without trees, beside prompts' last
+    chunks too: an admission), with a drafter that drafts from the device (Speculator.cannot_draft_ahead) and
+    under CUDA graphs (an eager step plans attention from exact host lengths): each request's root, root
     position and sampling offset come from the previous step's results on the device, its KV is reserved for
     the longest case (engine.scheduler.schedule_ahead_trees), the drafter is fed the emitted tokens (or
     accepted rows) from the device. When no request wants a tree after a step that verified one, the step is
@@ -101,7 +102,8 @@ class AheadLauncher:
         return self._launch(plan, current, t0)
 
     def trees(self, current: Launched) -> Launched | None:
-        """The step after `current` (a step that verified trees): a tree step, root-only when no tree is wanted."""
+        """The step after `current` (a step that verified trees, beside a prompt's chunk too): a tree step, root-only
+        when no tree is wanted."""
         why = trees_blocked(self.speculator, self.runner)
         if why is not None:
             self.why_not = why
@@ -115,7 +117,9 @@ class AheadLauncher:
     def _trees(self, current: Launched, budgets) -> Launched | None:
         t0 = time.perf_counter()
         dry = (lambda r: budgets.budget(r.request_id, dry=True, ahead=True)) if budgets else (lambda r: 10 ** 9)
-        plan = self.scheduler.schedule_ahead_trees(current.plan, dry)
+        # a drafter fed by the target's features has not seen a prompt whose last chunk is in flight
+        after_prompts = not self.speculator.capture_layer_ids
+        plan = self.scheduler.schedule_ahead_trees(current.plan, dry, after_prompts)
         if isinstance(plan, str):
             self.why_not = plan
             return None

@@ -101,8 +101,8 @@ class EngineCore:
                                    budget_of=lambda request: budgets.budget(request.request_id),
                                    width_of=lambda requests, wanted: budgets.harmonize(
                                        [r.request_id for r in requests], wanted),
-                                   uniform_of=lambda requests, wanted, caps: budgets.uniform(
-                                       [r.request_id for r in requests], wanted, caps))
+                                   uniform_of=lambda requests, wanted, caps, synchronous: budgets.uniform(
+                                       [r.request_id for r in requests], wanted, caps, synchronous))
         graph_blocker = self._graph_blocker()
         if graph_blocker is None:
             self.enable_graphs()

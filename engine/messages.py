@@ -110,6 +110,8 @@ class StepStats:
     # "discarded"), and whether it kept this decoding step plain (a plain window or a back-off)
     spec_guard_checks: list[str] = field(default_factory=list)
     spec_guard_plain: int = 0
+    # requests the drafter ran for this step (verified trees, or curves only in a plain step)
+    num_drafted: int = 0
 
 
 @dataclass

@@ -39,50 +39,67 @@ class PendingStep:
 
     @property
     def verifies_trees(self) -> bool:
-        """A tree step in which some request verified drafts: how many tokens it emits is known on the device
-        only (after any other decoding step, each request is exactly one token past its host state)."""
-        return self.is_tree_step and any(self.batch.budgets)
+        """A step in which some request verified drafts (beside a prompt's chunk too): how many tokens it emits is
+        known on the device only (after any other decoding step, each request is exactly one token past its host
+        state)."""
+        return self.batch is not None and any(self.batch.budgets)
 
     def most_emitted(self) -> dict[int, int]:
-        """id(request) -> the most tokens this step can emit for it (a tree's budget + 1; 1 when decoding)."""
-        if not self.is_tree_step:
-            return {id(req): 1 for req, _ in self.sampling}
-        return {id(s.request): b + 1 for s, b in zip(self.batch.seqs, self.batch.budgets)}
+        """id(request) -> the most tokens this step can emit for it (a tree's budget + 1; 1 when it samples a plain
+        row: decoding, or a prompt's last chunk)."""
+        most = {id(req): 1 for req, _ in self.sampling}
+        if self.batch is not None:
+            most.update({id(s.request): b + 1 for s, b in zip(self.batch.seqs, self.batch.budgets)})
+        return most
 
     def successors(self, requests: list, stage: Staging
                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """For a tree step launched ahead of this step's results, per request (each decoding in this step), on the
+        """For a tree step launched ahead of this step's results, per request (each sampling in this step), on the
         device: the next root (the last token this step emits), its position, the number of tokens this step
         emits, each [len(requests)] int64, and the emitted tokens [len(requests), A] (-1 past that number). A
-        tree step emits its accepted drafts then the bonus from the root's position on; a plain decoding step
-        one sampled token, at the position after the request's host tokens (each is one token ahead of them)."""
-        if not self.is_tree_step:
-            roots = self.sampled_tokens(requests, stage)
-            starts = stage([r.num_tokens for r in requests])
-            return roots, starts, torch.ones_like(starts), roots[:, None]
+        tree emits its accepted drafts then the bonus from the root's position on; a plain row one sampled token,
+        at the position after the request's host tokens (a decoding request is one token ahead of them, and a
+        prompt's last chunk ends there)."""
+        plain = None
+        if self.sampling:
+            plain_requests = [req for req, _ in self.sampling]
+            roots = self.sampled_tokens(requests if self.batch is None else plain_requests, stage)
+            starts = stage([r.num_tokens for r in (requests if self.batch is None else plain_requests)])
+            plain = (roots, starts, torch.ones_like(starts), roots[:, None])
+            if self.batch is None:
+                return plain
         walk, starts = self.walk, self.inputs.tree_starts
         accept_len = walk.accept_len
         roots = walk.emitted.gather(1, (accept_len - 1)[:, None])[:, 0]
-        return self._per_request(requests, stage, roots, starts + accept_len, accept_len, walk.emitted)
+        return self._per_request(requests, stage, (roots, starts + accept_len, accept_len, walk.emitted), plain)
 
     def accepted_features(self, requests: list, stage: Staging) -> torch.Tensor:
         """[len(requests), A, F] the captured target features of each request's accepted rows (root first; rows
-        past its accepted length are filler; a plain decoding step's: its one row, A = 1), for a drafter fed by
-        them drafting ahead of this step's results."""
-        if not self.is_tree_step:
+        past its accepted length are filler; a plain row's: its one row, A = 1), for a drafter fed by them
+        drafting ahead of this step's results."""
+        plain = None
+        if self.sampling:
             where = {id(req): row for req, row in self.sampling}
-            return self.features[stage([where[id(r)] for r in requests])][:, None]
+            ordered = requests if self.batch is None else [req for req, _ in self.sampling]
+            plain = (self.features[stage([where[id(r)] for r in ordered])][:, None],)
+            if self.batch is None:
+                return plain[0]
         nodes = self.walk.accepted_nodes.clamp(min=0)  # [N, A]
         num, width = nodes.shape[0], self.batch.width
         rows = self.inputs.tree_row0 + torch.arange(num, device=nodes.device)[:, None] * width + nodes
-        return self._per_request(requests, stage, self.features[rows])[0]
+        return self._per_request(requests, stage, (self.features[rows],), plain)[0]
 
-    def _per_request(self, requests: list, stage: Staging, *values: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """Rows of per-tree `values` (this step's tree order) in the order of `requests`."""
+    def _per_request(self, requests: list, stage: Staging, values: tuple[torch.Tensor, ...],
+                     plain: tuple[torch.Tensor, ...] | None = None) -> tuple[torch.Tensor, ...]:
+        """Rows of per-tree `values` (this step's tree order), and of a mixed step's `plain` ones (its sampled plain
+        rows' order; a column each where the trees have A: padded with -1), in the order of `requests`."""
         seqs = self.batch.seqs
-        if len(requests) == len(seqs) and all(r is s.request for r, s in zip(requests, seqs)):
+        if plain is None and len(requests) == len(seqs) and all(r is s.request for r, s in zip(requests, seqs)):
             return values
         where = {id(s.request): i for i, s in enumerate(seqs)}
+        if plain is not None:
+            where.update({id(req): len(seqs) + i for i, (req, _) in enumerate(self.sampling)})
+            values = tuple(torch.cat([v, _widen(p, v.shape[1]) if v.dim() > 1 else p]) for v, p in zip(values, plain))
         index = stage([where[id(r)] for r in requests])
         return tuple(v[index] for v in values)
 
@@ -91,8 +108,15 @@ class PendingStep:
         decoding step's rows, or a root-only tree step's bonus tokens), for a step scheduled ahead of this one's
         results."""
         if self.is_tree_step:
-            return self._per_request(requests, stage, self.walk.emitted[:, 0])[0]
+            return self._per_request(requests, stage, (self.walk.emitted[:, 0],))[0]
         if len(requests) <= len(self.sampling) and all(r is q for r, (q, _) in zip(requests, self.sampling)):
             return self.out.tokens[:len(requests)]  # the same requests in the same order (the usual case): a view
         where = {id(req): i for i, (req, _) in enumerate(self.sampling)}
         return self.out.tokens.index_select(0, stage([where[id(r)] for r in requests]))
+
+
+def _widen(plain: torch.Tensor, columns: int) -> torch.Tensor:
+    """[M, 1, ...] plain rows' values to [M, columns, ...], the columns past the first -1 (filler)."""
+    out = plain.new_full((plain.shape[0], columns, *plain.shape[2:]), -1)
+    out[:, :1] = plain
+    return out

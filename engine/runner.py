@@ -171,9 +171,10 @@ class ModelRunner:
         if variant is not None:
             return self._launch_round(proposal, variant)
         batch = self.speculator.build(proposal)
-        # positions reached in the longest case: the request's root, past its previous step's most tokens
+        # positions reached in the longest case: the request's root, past its previous step's most tokens (the host
+        # has not applied `after`: its last token lacks KV, or it is past the prompt's chunk that `after` computes)
         most_emitted = after.most_emitted()
-        max_starts = [s.request.num_computed_tokens + most_emitted[id(s.request)] for s in seqs]
+        max_starts = [s.request.num_tokens - 1 + most_emitted[id(s.request)] for s in seqs]
         t1 = time.perf_counter()
         inputs = prepare_tree_inputs_ahead(batch, max_starts, self.block_size, self.staging,
                                            self.dense_prefill_min_tokens)

@@ -17,7 +17,7 @@ class Scheduler:
     def __init__(self, config: EngineConfig, block_manager: BlockManager, max_model_len: int,
                  max_budget: int = 0, budget_of: Callable[[Request], int] | None = None,
                  width_of: Callable[[list[Request], list[int]], list[int]] | None = None,
-                 uniform_of: Callable[[list[Request], list[int], list[int]], list[int]] | None = None):
+                 uniform_of: Callable[[list[Request], list[int], list[int], bool], list[int]] | None = None):
         self.config, self.blocks, self.max_model_len = config, block_manager, max_model_len
         self.max_budget = max_budget  # tree nodes per request at low load (0 = no speculation)
         # each request's wanted tree budget this step (the adaptive controller), before the caps below
@@ -28,7 +28,8 @@ class Scheduler:
         self.fill_trees = True
         # CUDA graphs: a step with trees lays out every decoding request at the step's width, so all of them
         # reserve its KV rows, and such a step's nodes are chosen for all of them at once (uniform_of: requests,
-        # wanted budgets, caps -> verified nodes; the adaptive controller's uniform; None: harmonize and fill)
+        # wanted budgets, caps, whether the step is scheduled after its predecessor's results -> verified nodes;
+        # the adaptive controller's uniform; None: harmonize and fill)
         self.uniform_trees = False
         self.uniform_of = uniform_of
         self.waiting: deque[Request] = deque()
@@ -88,21 +89,22 @@ class Scheduler:
         return min(step_budget, remaining - 1, self.max_model_len - request.num_tokens - ahead - 1)
 
     def one_width(self, requests: list[Request], budgets: list[int], caps: Callable[[], list[int]],
-                  uniform: bool) -> tuple[list[int], list[int]]:
+                  uniform: bool, synchronous: bool = False) -> tuple[list[int], list[int]]:
         """(chosen, verified) budgets of one step's decoding requests, whose trees are all laid out at the widest
         one's rows. uniform (CUDA graphs, every request decoding): the requests at budget 0 are laid out at that
         width too, so uniform_of prices the width for all of them and fills every request whose nodes pay for
         their drafting. Otherwise the budgets are harmonized to the width that pays (width_of), then each
         tree verifies as many nodes as that width holds within its own cap (fill_trees: the rows are paid
         anyway). The adaptive budget learns from the nodes a request chose (all of them when it chose none).
-        caps: the requests' budget_cap, asked only when needed."""
+        caps: the requests' budget_cap, asked only when needed. synchronous: the step is scheduled after its
+        predecessor's results (schedule(), not a step planned ahead)."""
         def differ(values: list[int]) -> bool:
             return len({b for b in values if b}) > 1
 
         if uniform and self.uniform_of is not None:
             if not any(budgets):
                 return budgets, budgets
-            verified = self.uniform_of(requests, budgets, caps())
+            verified = self.uniform_of(requests, budgets, caps(), synchronous)
             # a request that wanted no tree but fills this one learns from all of it, as from a probe (else a
             # request the record rates middling would be drafted for at every tree step and never re-rated)
             return [min(b, v) if b else v for b, v in zip(budgets, verified)], verified
@@ -131,12 +133,14 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         admits = self.admits()
         step_budget = self.step_budget(len(self.running) + admits)
-        # every tree of the step is padded to one width: decide the budgets first, then reserve that width
-        # the runner lays a tree step out uniformly only when every request in it decodes (no prefill chunk)
-        uniform = self.uniform_trees and not admits and all(
-            r.num_tokens - r.num_computed_tokens == 1 for r in self.running)
+        # every tree of the step is padded to one width: decide the budgets first, then reserve that width. Under
+        # CUDA graphs they are chosen for all decoding requests at once (uniform_of), in an admission step too: the
+        # runner lays such a step out uniformly when the admitted prompts need one row each (else it runs eagerly,
+        # trees beside the prompt's chunk), and a synchronous step's trees are priced at what such steps measured
+        uniform = self.uniform_trees and all(r.num_tokens - r.num_computed_tokens == 1 for r in self.running)
         chosen, verified = self.one_width(self.running, [self.spec_budget(r, step_budget) for r in self.running],
-                                          lambda: [self.budget_cap(r, step_budget) for r in self.running], uniform)
+                                          lambda: [self.budget_cap(r, step_budget) for r in self.running], uniform,
+                                          synchronous=True)
         chosen = {id(r): b for r, b in zip(self.running, chosen)}
         wanted = {id(r): b for r, b in zip(self.running, verified)}
         plan.spec_budgets = [wanted[id(r)] for r in self.running if r.num_tokens - r.num_computed_tokens == 1]
@@ -217,11 +221,14 @@ class Scheduler:
         plan.spec_budgets = [0] * len(plan.seqs)
         return plan if plan.seqs else "every request finishes"
 
-    def schedule_ahead_trees(self, previous: StepPlan, budget_of: Callable[[Request], int]) -> StepPlan | str:
+    def schedule_ahead_trees(self, previous: StepPlan, budget_of: Callable[[Request], int],
+                             after_prompts: bool = True) -> StepPlan | str:
         """Asynchronous scheduling of a tree step: the next step, planned before `previous`'s results reach the
-        host, when `previous` decoded every running request (a tree step, root-only trees included, or a plain
-        decoding step) and no waiting request may take a seat (admits). A request then lies up to its previous
-        budget + 1 tokens past its host state, so its KV is reserved for the longest case, its budget (budget_of)
+        host, when `previous` sampled every running request (a tree step, root-only trees included, a plain
+        decoding step, either beside prompts' last chunks: after_prompts, which a drafter fed by the target's
+        features cannot draft from, their features still on the device) and no waiting request may take a seat
+        (admits). A request then lies up to its previous budget + 1 tokens past its host state (a prompt's last
+        chunk: 1 past the prompt), so its KV is reserved for the longest case, its budget (budget_of)
         is capped as if it had advanced that far (0 when it may reach max_tokens with `previous`'s tokens), and a
         request that may reach the context's end is left out; budgets that differ are harmonized and filled to one
         width (one_width) as in schedule(). When no request wants a tree after a step that verified one, every
@@ -230,8 +237,8 @@ class Scheduler:
         serves instead. Why not, when this does not apply, blocks run out or no request wants a tree."""
         if self.admits():
             return "waiting requests"
-        decoding = {id(s.request) for s in previous.seqs if s.sample and s.num_new_tokens == 1}
-        if any(id(r) not in decoding for r in self.running):
+        sampled = {id(s.request) for s in previous.seqs if s.sample and (s.num_new_tokens == 1 or after_prompts)}
+        if any(id(r) not in sampled for r in self.running):
             return "a request not decoding in the previous step"
         step_budget = self.step_budget(len(self.running))
         budgets: list[tuple[Request, int, int, int]] = []  # (request, budget, most tokens `previous` emits, cap)
@@ -255,7 +262,8 @@ class Scheduler:
             return "no tree wanted"
         plan = StepPlan()
         for (req, _, most, _), budget, own in zip(budgets, wanted, chosen):
-            if not self.blocks.allocate(req, req.num_computed_tokens + most + width):
+            # (the host has not applied `previous`: its root lacks KV, or the prompt's last chunk ends there)
+            if not self.blocks.allocate(req, req.num_tokens - 1 + most + width):
                 return "KV blocks"
             plan.seqs.append(ScheduledSeq(req, 1, True, budget, root_on_device=True, chosen_budget=own))
         plan.spec_budgets = wanted

@@ -91,7 +91,7 @@ class BudgetController(StepBudgets, TreeValue):
         self.requests: dict[str, RequestRecord] = {}
         self.fit = CostFit()
         self.costs.reset()
-        self._widths: tuple | None = None  # ((version, batch, top), width costs in tokens): _width_costs
+        self._widths: tuple | None = None  # ((version, batch, top, synchronous), width costs in tokens): _width_costs
         self.last_rows, self.last_seconds = 0, 0.0
         self.tokens = self.seconds = 0.0  # decayed sums over decoding steps: the engine's throughput
         self.drafting = DraftCost()

@@ -35,9 +35,11 @@ class StepBudgets:
         curves_only = uniform_layout and width == 1 and result.num_drafted > 0
         fit = decoding and not warm_up and not curves_only
         self.observe_step(rows, seconds, tokens, fit=fit, tree=width > 1, synchronous=synchronous)
-        if fit and uniform_layout and not synchronous:
+        if uniform_layout and not warm_up and not curves_only and (decoding or synchronous):
+            # a synchronous step is measured with its prefill chunks (an admission's): the steps it is priced
+            # against, plain or with trees, hold them alike
             leaving = width == 1 and plan.seqs[0].root_on_device  # a root-only round: trees' predecessor in flight
-            self.costs.observe(len(plan.seqs), width, seconds, leaving)
+            self.costs.observe(len(plan.seqs), width, seconds, leaving, synchronous)
         if decoding:
             self.guard.observe(len(plan.seqs), tokens, seconds if cycle_seconds is None else cycle_seconds, width > 1)
         self.observe_draft(result.num_drafted, draft_seconds)
@@ -121,27 +123,30 @@ class StepBudgets:
         net = sum(sum(g[:b]) - theta * width - draft for g, b in zip(gains, budgets) if b)
         return net > fixed
 
-    def uniform(self, request_ids: list[str], budgets: list[int], caps: list[int]) -> list[int]:
+    def uniform(self, request_ids: list[str], budgets: list[int], caps: list[int],
+                synchronous: bool = False) -> list[int]:
         """The nodes each of one step's decoding requests verifies when the step is laid out uniformly (CUDA
         graphs: a step with any tree lays every request out at its width, so the width is priced for all of them
         and every request whose nodes beat its drafting cost fills it: step_width.uniform_width). budgets: the
         counted (or dry, for a step planned ahead) answers of budget(); caps: each request's most nodes. A step
         in which no request wants a tree stays plain: each request's own choice priced its rows alone, and a
-        uniform step's width costs every request at least that."""
+        uniform step's width costs every request at least that. synchronous: the step is scheduled after its
+        predecessor's results, priced at what such steps measured under asynchronous scheduling."""
         if not self.enabled or not any(budgets):
             return budgets
         caps = [max(0, c) for c in caps]
         gains, probes = self._step_gains(request_ids, budgets, caps)
         n = len(request_ids)
         return uniform_width(gains, caps, self.threshold(), self.draft_tokens(), probes, self.switch_tokens(n),
-                             self._width_costs(n, max(caps, default=0)))
+                             self._width_costs(n, max(caps, default=0), synchronous and self.pipelined))
 
-    def _width_costs(self, num_seqs: int, top: int) -> list[float] | None:
+    def _width_costs(self, num_seqs: int, top: int, synchronous: bool = False) -> list[float] | None:
         """What each width 0..top costs a step of num_seqs requests in tokens, as measured per graph shape
-        (step_costs.py; None: priced by rows, theta a row). Kept until the next observation."""
-        key = (self.version, num_seqs, top)
+        (step_costs.py; None: priced by rows, theta a row), for a step launched ahead or (synchronous) after its
+        predecessor's results. Kept until the next observation."""
+        key = (self.version, num_seqs, top, synchronous)
         if self._widths is None or self._widths[0] != key:
-            seconds = self.costs.width_seconds(num_seqs, top, self._row_seconds())
+            seconds = self.costs.width_seconds(num_seqs, top, self._row_seconds(), synchronous)
             if seconds is None:
                 tokens = None
             elif self.seconds <= 0:

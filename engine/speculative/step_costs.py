@@ -10,9 +10,12 @@ steady, so a decayed mean per shape is the price. A width not measured yet is pr
 slope (the padded rows its graph runs) plus the least fixed part any measured shape showed (its extra beyond its
 rows' price): optimistic, so it gets tried and measured.
 
-What is not counted: a shape's first step (its first replay pays one-time costs), synchronous steps (their time
-holds the host's scheduling that a step launched ahead hides; the switch cost prices those), and the caller skips a
-batch's warm-up steps (the drafter taking in many prompts made a batch-64 plain step 8-11 ms). A tree shape's record
+Steps that ran ahead of their predecessor's results and synchronous ones are kept apart: a synchronous step's time
+holds the host's scheduling, drafting and launch that a step launched ahead hides. Under load on an H100 a tree round
+scheduled synchronously (an admission) took 5.1 ms against 2.7 for a plain admission step, where rounds ahead took 3.0
+against 1.2: priced like a round ahead, trees ran in admission steps at 22 tokens a ms against plain decoding's 46.
+What is not counted: a shape's first step (its first replay pays one-time costs), and the caller skips a batch's
+warm-up steps (the drafter taking in many prompts made a batch-64 plain step 8-11 ms). A tree shape's record
 ages by the plain steps at its batch (STALE_DECAY) and is not believed below MIN_TREE_WEIGHT: a round measured dear
 under a slow host is priced by its rows again after ~70 plain steps, so it gets re-measured. The round that leaves
 trees (every budget 0, run as root-only trees because its predecessor's results are still on the device) is kept
@@ -44,16 +47,18 @@ class StepCosts:
         self.reset()
 
     def reset(self) -> None:
-        self.means: dict[tuple, list[float]] = {}  # shape -> [decayed weight, decayed sum of seconds]
+        # (batch bucket, width bucket or LEAVING, synchronous) -> [decayed weight, decayed sum of seconds]
+        self.means: dict[tuple, list[float]] = {}
         self.seen: set[tuple] = set()  # shapes whose first step has passed
 
-    def observe(self, num_seqs: int, width: int, seconds: float, leaving: bool = False) -> None:
-        """One decoding step launched ahead of its predecessor's results: its requests, its rows per request
-        (1: plain) and its wall time. leaving: a root-only round after trees."""
+    def observe(self, num_seqs: int, width: int, seconds: float, leaving: bool = False,
+                synchronous: bool = False) -> None:
+        """One decoding step: its requests, its rows per request (1: plain) and its wall time. leaving: a root-only
+        round after trees. synchronous: scheduled after its predecessor's results (its own table)."""
         if self.shape_of is None or seconds <= 0:
             return
         batch, bucket = self.shape_of(num_seqs, width)
-        key = (batch, LEAVING if leaving else bucket)
+        key = (batch, LEAVING if leaving else bucket, synchronous)
         if key not in self.seen:
             self.seen.add(key)
             return
@@ -62,8 +67,8 @@ class StepCosts:
             seconds = min(seconds, SPIKE_CLIP * record[1] / record[0])
         record[0], record[1] = DECAY * record[0] + 1.0, DECAY * record[1] + seconds
         if key[1] == 1:
-            for (b, w), other in self.means.items():
-                if b == batch and w != 1:
+            for (b, w, sync), other in self.means.items():
+                if b == batch and w != 1 and sync == synchronous:
                     other[0] *= STALE_DECAY
                     other[1] *= STALE_DECAY
 
@@ -77,39 +82,40 @@ class StepCosts:
         if self.shape_of is None:
             return None
         batch, bucket = self.shape_of(num_seqs, width)
-        plain = self._mean((batch, 1), MIN_PLAIN_WEIGHT)
-        tree = self._mean((batch, LEAVING if leaving else bucket), MIN_TREE_WEIGHT)
+        plain = self._mean((batch, 1, False), MIN_PLAIN_WEIGHT)
+        tree = self._mean((batch, LEAVING if leaving else bucket, False), MIN_TREE_WEIGHT)
         return None if plain is None or tree is None else max(0.0, tree - plain)
 
-    def least_fixed(self, row_seconds: float) -> float:
-        """The least fixed part any measured tree shape showed: its extra over a plain step at its batch beyond its
-        padded rows' price at row_seconds a row (0 when none is measured)."""
+    def least_fixed(self, row_seconds: float, synchronous: bool = False) -> float:
+        """The least fixed part any measured tree shape of that table showed: its extra over a plain step at its
+        batch beyond its padded rows' price at row_seconds a row (0 when none is measured)."""
         fixed = []
-        for (batch, width), (weight, total) in self.means.items():
-            plain = self._mean((batch, 1), MIN_PLAIN_WEIGHT)
-            if width > 1 and weight > 0 and plain is not None:
+        for (batch, width, sync), (weight, total) in self.means.items():
+            plain = self._mean((batch, 1, sync), MIN_PLAIN_WEIGHT)
+            if sync == synchronous and width > 1 and weight > 0 and plain is not None:
                 fixed.append(max(0.0, total / weight - plain - row_seconds * (width - 1) * batch))
         return min(fixed, default=0.0)
 
-    def width_seconds(self, num_seqs: int, top: int, row_seconds: float) -> list[float] | None:
-        """Seconds each width w = 0..top nodes a request costs a step of num_seqs requests beyond a plain one:
-        measured where its shape is, else its shape's padded rows at row_seconds plus least_fixed() (as
-        least_fixed counts them); UNMEASURED_PLAIN a node while the plain step at this batch is not measured. None
-        without graphs."""
+    def width_seconds(self, num_seqs: int, top: int, row_seconds: float,
+                      synchronous: bool = False) -> list[float] | None:
+        """Seconds each width w = 0..top nodes a request costs a step of num_seqs requests beyond a plain one (one
+        run ahead, or a synchronous one): measured where its shape is, else its shape's padded rows at row_seconds
+        plus least_fixed() (as least_fixed counts them); UNMEASURED_PLAIN a node while the plain step at this batch
+        is not measured. None without graphs."""
         if self.shape_of is None:
             return None
         batch = self.shape_of(num_seqs, 1)[0]
-        plain = self._mean((batch, 1), MIN_PLAIN_WEIGHT)
+        plain = self._mean((batch, 1, synchronous), MIN_PLAIN_WEIGHT)
         if plain is None:
             return [UNMEASURED_PLAIN * w for w in range(top + 1)]
         fixed = None
         out = [0.0]
         for w in range(1, top + 1):
             bucket = self.shape_of(num_seqs, w + 1)[1]
-            tree = self._mean((batch, bucket), MIN_TREE_WEIGHT)
+            tree = self._mean((batch, bucket, synchronous), MIN_TREE_WEIGHT)
             if tree is None:
                 if fixed is None:
-                    fixed = self.least_fixed(row_seconds)
+                    fixed = self.least_fixed(row_seconds, synchronous)
                 out.append(row_seconds * (bucket - 1) * batch + fixed)
             else:
                 out.append(max(0.0, tree - plain))

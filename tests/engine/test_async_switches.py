@@ -27,7 +27,7 @@ def alternating(core, budget: int = 4):
         return budget if ((b.clock + ahead) // PERIOD) % 2 == 0 else 0
 
     answer_with(b, wanted, lambda request_id, dry=False, ahead=False: False)
-    b.uniform = lambda request_ids, budgets, caps: [min(x, c) for x, c in zip(budgets, caps)]
+    b.uniform = lambda request_ids, budgets, caps, synchronous=False: [min(x, c) for x, c in zip(budgets, caps)]
 
 
 def step_kinds(core, ps, params, modes: list | None = None) -> tuple[list[list[int]], list[tuple[str, str]]]:

@@ -91,6 +91,36 @@ def test_tree_steps_run_ahead_while_requests_wait_for_a_seat(tiny_checkpoints):
     assert "synchronous: waiting requests" in seen
 
 
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_the_step_after_an_admission_runs_ahead_with_trees(tiny_checkpoints, temperature):
+    """An admission step (a prompt's chunks beside the running requests, with or without their trees) samples every
+    request: the tree step after it runs ahead, each root fed from the device (the prompt's first token at its
+    length). Before, such a step was always scheduled after the admission's results, so a loaded server paid two
+    synchronous steps per admission. Output equals the synchronous engine's (plain decoding's when greedy)."""
+    folder, _ = tiny_checkpoints("llama")
+    ps = prompts(6)  # 3 to 29 tokens each: admissions prefill chunks
+    params = [SamplingParams(max_tokens=MAX_TOKENS - 2 * i, temperature=temperature, seed=i, ignore_eos=True)
+              for i in range(6)]
+    ref = plain_greedy(folder, ps, [SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)] * 6)
+    want = ref if temperature == 0 else run(tree_engine(folder, ps, ref, False, max_num_seqs=3).engine, ps, params)[0]
+    core = tree_engine(folder, ps, ref, True, max_num_seqs=3).engine
+    kinds, step = [], core.step
+
+    def spy():
+        deltas = step()
+        st = core.last_stats
+        if st is not None:
+            kinds.append((st.scheduling, any(st.spec_budgets), st.cuda_graph.startswith("eager: mixed")))
+        return deltas
+
+    core.step = spy
+    out, _, _ = run(core, ps, params)
+    assert out == (want if temperature else [r[:p.max_tokens] for r, p in zip(ref, params)])
+    after = [(prev[1], cur[1]) for prev, cur in zip(kinds, kinds[1:]) if prev[2] and cur[0] == "ahead"]
+    assert (False, True) in after, kinds  # trees ahead of the first prompts' step (no trees in it)
+    assert (True, True) in after, kinds  # ... and of an admission beside the running requests' trees
+
+
 def test_stop_tokens_while_a_tree_step_runs_ahead(tiny_checkpoints):
     folder, _ = tiny_checkpoints("llama")
     ps = prompts(4)
@@ -200,7 +230,7 @@ def test_uniform_steps_verify_what_the_controller_gives_every_request(tiny_check
     core, ps, params, ref = engine_wanting(tiny_checkpoints, [0, 2, 0, 5])
     asked = []
 
-    def uniform_of(requests, budgets, caps):  # a stand-in: 3 nodes for everyone within its cap
+    def uniform_of(requests, budgets, caps, synchronous):  # a stand-in: 3 nodes for everyone within its cap
         asked.append(list(budgets))
         return [min(3, c) for c in caps]
 

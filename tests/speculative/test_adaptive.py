@@ -643,7 +643,7 @@ def test_budget_zero_requests_beside_a_tree_are_not_drafted_for_under_graphs(tin
     # request rare (6-8 steps of 13), so the others' probe-interval drafts outnumbered them and the check below failed
     monkeypatch.setattr(BudgetController, "threshold", lambda self: 0.05)
     monkeypatch.setattr(BudgetController, "switch_tokens", lambda self, num_seqs=0: 0.0)
-    monkeypatch.setattr(StepCosts, "width_seconds", lambda self, num_seqs, top, row_seconds: None)
+    monkeypatch.setattr(StepCosts, "width_seconds", lambda self, num_seqs, top, row_seconds, synchronous=False: None)
     folder, _ = tiny_checkpoints("llama")
     ref = greedy(LLM(folder, dtype="fp32"))
     golden = [(p + (r if i == 0 else [(t + 1) % 1000 for t in r]), len(p))

@@ -19,6 +19,12 @@ PLAIN_MS, LEAVING_MS = 1.34, 2.56
 ROUND_MS = {2: 2.70, 5: 2.75, 17: 2.80}  # width (rows a request) -> a round's time at batch 64
 
 
+def _mean(costs: StepCosts, key: tuple) -> float:
+    """The measured mean of one shape: (batch bucket, width bucket, synchronous)."""
+    weight, total = costs.means[key]
+    return total / weight
+
+
 def test_a_shapes_first_step_is_not_counted_and_a_plain_mean_needs_two_steps():
     costs = StepCosts(graph_shape)
     costs.observe(64, 1, 0.011)  # its first replay: not counted
@@ -159,8 +165,7 @@ def test_warm_up_steps_are_neither_fitted_nor_measured():
         r.output_token_ids = [5, 6, 7]
     for _ in range(3):
         controller.observe_engine_step(plan, result, 0.00134, 0.0, synchronous=False, uniform_layout=True)
-    assert controller.fit.n > 0 and controller.costs.means[(64, 1)][1] / controller.costs.means[(64, 1)][0] == \
-        pytest.approx(0.00134)
+    assert controller.fit.n > 0 and _mean(controller.costs, (64, 1, False)) == pytest.approx(0.00134)
 
 
 def test_plain_steps_that_drafted_curves_are_neither_fitted_nor_measured():
@@ -182,8 +187,7 @@ def test_plain_steps_that_drafted_curves_are_neither_fitted_nor_measured():
     plain = StepResult(new_token_ids={r.request_id: [7] for r in requests})
     for _ in range(3):
         controller.observe_engine_step(plan, plain, 0.0021, 0.0, synchronous=False, uniform_layout=True)
-    assert controller.fit.n > 0 and controller.costs.means[(64, 1)][1] / controller.costs.means[(64, 1)][0] == \
-        pytest.approx(0.0021)
+    assert controller.fit.n > 0 and _mean(controller.costs, (64, 1, False)) == pytest.approx(0.0021)
     # without graphs a request at budget 0 drafts at every step while drafting is cheap: such steps are fitted
     eager = BudgetController(max_budget=16)
     eager.observe_engine_step(plan, drafted, 0.0062, 0.0001, synchronous=False, uniform_layout=False)
@@ -232,3 +236,44 @@ def test_no_tree_runs_before_the_engines_throughput_is_measured():
     assert uniform_width(strong, [16] * 64, 0.02, 0.0, [4] + [0] * 63, width_costs=prices) == [4] * 64
     controller.observe_step(64, 0.0014, tokens=64)  # a decoding step: now priced by what it measured
     assert controller._width_costs(64, 16)[16] < 1e6
+
+
+def test_trees_in_a_synchronous_step_are_priced_at_what_synchronous_steps_cost():
+    """Under asynchronous scheduling a step scheduled after its predecessor's results (an admission) exposes the
+    host's scheduling, drafting and launch: under load on an H100 a synchronous tree round took 5.1 ms against 2.7
+    for a synchronous plain step, where rounds ahead took 3.0 against 1.2. Priced like a round ahead, trees ran in
+    admission steps at 22 tokens a ms against plain decoding's 46. Trees worth ~1.2 tokens a request run ahead
+    and not in a synchronous step; the synchronous steps measured include admissions' prefill chunks. Without
+    asynchronous scheduling every step is priced at the one table."""
+    controller = BudgetController(max_budget=16)
+    controller.pipelined, controller.switches_ahead, controller.price_tree_steps = True, True, False
+    controller.costs.shape_of = graph_shape
+    requests = [Request([1, 2, 3], SamplingParams(max_tokens=500), request_id=f"r{i}") for i in range(64)]
+    for r in requests:
+        r.output_token_ids = [5, 6, 7]  # past the warm-up
+    newcomer = Request(list(range(40)), SamplingParams(max_tokens=500), request_id="new")
+
+    def plan(width: int, admits: bool = False) -> StepPlan:
+        seqs = [ScheduledSeq(r, 1, True, width - 1) for r in requests[:63 if admits else 64]]
+        return StepPlan(seqs + ([ScheduledSeq(newcomer, 40, True)] if admits else []))
+
+    # a cycle of steps under load: plain ones ahead, rounds ahead, an admission, rounds scheduled synchronously
+    # (a round emits two tokens a request)
+    cycle = [(1, 0.0012, False, False)] * 6 + [(2, 0.0020, False, False), (3, 0.0021, False, False),
+                                               (5, 0.0022, False, False), (1, 0.0027, True, True),
+                                               (2, 0.0049, True, False), (3, 0.0050, True, False),
+                                               (5, 0.0051, True, False)]
+    for _ in range(4):
+        for width, seconds, synchronous, admits in cycle:
+            result = StepResult(new_token_ids={r.request_id: [7] * min(width, 2) for r in requests})
+            controller.observe_engine_step(plan(width, admits), result, seconds, 0.0, synchronous, True)
+    assert _mean(controller.costs, (64, 1, True)) == pytest.approx(0.0027)  # (admissions with a prompt's chunk)
+    ids = [r.request_id for r in requests]
+    qs = [0.6, 0.3, 0.2, 0.1] + [0.001] * 12
+    for rid in ids:
+        controller.observe_curve(rid, confidence([sum(qs[:j + 1]) for j in range(16)]))
+    caps = [4] * 64  # widths up to 5 rows, all measured
+    assert any(controller.uniform(ids, [4] * 64, caps))
+    assert not any(controller.uniform(ids, [4] * 64, caps, synchronous=True))
+    controller.pipelined = False  # synchronous scheduling: one table, every step as measured there
+    assert controller.uniform(ids, [4] * 64, caps, synchronous=True) == controller.uniform(ids, [4] * 64, caps)

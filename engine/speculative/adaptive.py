@@ -267,7 +267,7 @@ class BudgetController(StepBudgets, TreeValue):
 
     def _answer(self, request_id: str, dry: bool, ahead: bool, effects: list | None = None) -> int:
         """budget() once trees are allowed (StepBudgets.budgets_of asks for a whole step's requests). effects: where
-        a counted answer that changes the request's probe state appends (its record, that effect)."""
+        a counted answer that changes the request's probe state appends (its id, its record, that effect)."""
         stats = self.requests.get(request_id)
         if stats is None or not stats.node_q:
             return self._first_budget()
@@ -288,7 +288,7 @@ class BudgetController(StepBudgets, TreeValue):
         stats.pending = None
         stats.probing = effect == PROBED
         if effects is not None and effect is not None:
-            effects.append((stats, effect))
+            effects.append((request_id, stats, effect))
         if effect == PROBED:
             stats.steps_at_zero = 0
         elif effect == AT_ZERO:

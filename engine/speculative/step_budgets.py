@@ -59,37 +59,44 @@ class StepBudgets:
             return [self.max_budget] * len(request_ids)
         if not self.guard.allows_trees():
             return [0] * len(request_ids)
-        if dry and ahead and self._holds(request_ids):
-            return [0] * len(request_ids)
+        held = self._held() if dry and ahead else None
+        if held is not None:  # a request the held decision does not cover (just admitted) is asked
+            return [0 if rid in held[1] else self._answer(rid, dry, ahead) for rid in request_ids]
         return [self._answer(rid, dry, ahead) for rid in request_ids]
 
     def count_plain(self, request_ids: list[str]) -> None:
         """Counts the budgets of a step planned ahead that stays plain (its dry answers, budgets_of(dry=True,
         ahead=True), wanted no tree its width pays for). At HOLD_MIN_BATCH requests or more under CUDA graphs the
-        decision then holds: until a tree is observed (verified or drafted: `events`), the batch changes or a
-        step aligned to HOLD_EVERY comes (every probe falls on one), the dry answers are 0 without asking each
-        request, and counting a held step adds one step at zero to each request the full count put there, as the
-        full count would. Asked in full at every step, 64 requests whose trees hold mass cost 0.3-0.5 ms of a
-        1.3 ms plain step on an H100's host (docs/BENCHMARKS.md), and the answer hardly ever changed."""
+        decision then holds for those requests: until a tree is observed (verified or drafted: `events`) or a
+        step aligned to HOLD_EVERY comes (every probe falls on one), their dry answers are 0 without asking each,
+        and counting a held step adds one step at zero to each request the full count put there, as the full
+        count would. A request's answer does not depend on the others, so the hold outlives requests that finish,
+        and one admitted meanwhile is asked as usual. Asked in full at every step, 64 requests whose trees hold
+        mass cost 0.3-0.5 ms of a 1.3 ms plain step on an H100's host (docs/BENCHMARKS.md), and the answer hardly
+        ever changed. (A hold that ended with any change of the batch was rebuilt every few steps while a batch
+        drained: on the 2-core CPU 25 us a step against 16 now.)"""
         if not self.enabled or self.max_budget == 0 or not self.guard.allows_trees():
             return
-        if self._holds(request_ids):
-            for stats in self._hold[2]:
-                stats.steps_at_zero += 1
-            return
-        effects: list = []  # (record, effect) of the requests whose probe state counting changed
+        held = self._held()
+        effects: list = []  # (request id, record, effect) of the requests whose probe state counting changed
         for rid in request_ids:
-            self._answer(rid, False, True, effects)
+            if held is None or rid not in held[1]:
+                self._answer(rid, False, True, effects)
+            elif rid in held[2]:
+                held[2][rid].steps_at_zero += 1
+        if held is not None:
+            return
         self._hold = None
         if len(request_ids) >= HOLD_MIN_BATCH and self.costs.shape_of is not None and \
-                all(effect != PROBED for _, effect in effects):
-            at_zero = [stats for stats, effect in effects if effect == AT_ZERO]
-            self._hold = ((self.events, (self.clock + 1) // HOLD_EVERY), list(request_ids), at_zero)
+                all(effect != PROBED for _, _, effect in effects):
+            at_zero = {rid: stats for rid, stats, effect in effects if effect == AT_ZERO}
+            self._hold = ((self.events, (self.clock + 1) // HOLD_EVERY), set(request_ids), at_zero)
 
-    def _holds(self, request_ids: list[str]) -> bool:
-        """count_plain's decision stands for the step planned ahead now, of these requests."""
+    def _held(self) -> tuple | None:
+        """count_plain's held decision when it stands for the step planned ahead now: (its key, the request ids it
+        covers, {request id: record} of those it keeps at zero); else None."""
         hold = self._hold
-        return hold is not None and hold[0] == (self.events, (self.clock + 1) // HOLD_EVERY) and hold[1] == request_ids
+        return hold if hold is not None and hold[0] == (self.events, (self.clock + 1) // HOLD_EVERY) else None
 
     def drafts_of(self, request_ids: list[str], dry: bool = False, ahead: bool = False) -> list[bool]:
         """should_draft() of each of a step's requests, as budgets_of."""

@@ -22,9 +22,12 @@ CURVES = {  # per kind of request, its drafter's cumulative q per node (confiden
 }
 
 
-def engine_like_run(hold: bool, monkeypatch, seed: int = 0, steps: int = 240) -> tuple[list, list, int]:
+def engine_like_run(hold: bool, monkeypatch, seed: int = 0, steps: int = 240,
+                    churn: int = 0) -> tuple[list, list, int]:
     """Plain steps planned ahead as engine/ahead.py plans them (dry answers, the uniform width, then a tree step or
-    count_plain), steady step times, probes that accept now and then. (step kinds, probe states, _choose calls)."""
+    count_plain), steady step times, probes that accept now and then; churn: every `churn` steps the oldest
+    request finishes and a new one (no tree yet) joins, as on a loaded server. (step kinds, probe states,
+    _choose calls)."""
     monkeypatch.setattr(step_budgets, "HOLD_MIN_BATCH", HOLD_MIN_BATCH if hold else 10 ** 9)
     rng = random.Random(seed)
     c = BudgetController(max_budget=16)
@@ -44,6 +47,10 @@ def engine_like_run(hold: bool, monkeypatch, seed: int = 0, steps: int = 240) ->
         c.observe_request(rid, 4, [1] if rng.random() < 0.2 else [], confidence(CURVES[kinds[rid]]))
     kinds_run = []
     for step in range(steps):
+        if churn and step % churn == churn - 1:
+            c.release(ids.pop(0))
+            ids.append(f"new{step}")
+            kinds[ids[-1]] = ("copying", "unsure", "empty")[step % 3]
         tree = kinds_run[-1] == "tree" if kinds_run else False
         c.observe_step(BATCH * (5 if tree else 1), 0.0030 if tree else 0.0013, tokens=BATCH + (8 if tree else 0),
                        tree=tree)
@@ -59,15 +66,16 @@ def engine_like_run(hold: bool, monkeypatch, seed: int = 0, steps: int = 240) ->
         else:
             c.count_plain(ids)
             kinds_run.append("refused" if any(dry) else "plain")
-    return kinds_run, [probe_state(c.requests[rid])[:3] for rid in ids], calls[0]
+    return kinds_run, [probe_state(c.requests[rid])[:3] for rid in ids if rid in c.requests], calls[0]
 
 
-def test_a_held_plain_decision_answers_as_asking_every_request(monkeypatch):
+@pytest.mark.parametrize("churn", [0, 7])
+def test_a_held_plain_decision_answers_as_asking_every_request(monkeypatch, churn):
     """Over steady steps with probes and trees the uniform width refuses, holding gives the same step kinds and
     the same probe state at every request as the full answers, and asks each request's choice a fraction of the
-    steps."""
-    held = engine_like_run(True, monkeypatch)
-    full = engine_like_run(False, monkeypatch)
+    steps; so it does while requests finish and new ones join (a held decision covers the requests it asked)."""
+    held = engine_like_run(True, monkeypatch, churn=churn)
+    full = engine_like_run(False, monkeypatch, churn=churn)
     trees = lambda kinds: [k == "tree" for k in kinds]  # noqa: E731 (a held step refused answers no tree at all)
     assert trees(held[0]) == trees(full[0]) and held[1] == full[1]
     kinds = full[0]
@@ -77,8 +85,8 @@ def test_a_held_plain_decision_answers_as_asking_every_request(monkeypatch):
 
 
 def test_the_hold_ends_with_an_observed_tree_and_at_aligned_steps(monkeypatch):
-    """A tree drafted or verified for any request, a changed batch, and every step aligned to HOLD_EVERY (where
-    probes and first probes fall) are asked in full."""
+    """A tree drafted or verified for any request and every step aligned to HOLD_EVERY (where probes and first
+    probes fall) are asked in full; a batch that lost requests is not asked, one that gained a request asks it."""
     assert PROBE_EVERY % HOLD_EVERY == 0 and FIRST_PROBE_EVERY % HOLD_EVERY == 0
     c = BudgetController(max_budget=16)
     c.pipelined = c.switches_ahead = True
@@ -106,7 +114,8 @@ def test_the_hold_ends_with_an_observed_tree_and_at_aligned_steps(monkeypatch):
     assert plain_step() == 2 * len(ids)
     assert plain_step() == 0
     asked.clear()
-    assert not any(c.budgets_of(ids[1:], dry=True, ahead=True)) and len(asked) == len(ids) - 1  # another batch
+    assert not any(c.budgets_of(ids[1:], dry=True, ahead=True)) and not asked  # a request finished
+    assert not any(c.budgets_of(ids[1:] + ["new"], dry=True, ahead=True)) and asked == ["new"]  # one admitted
 
 
 @pytest.mark.parametrize("graphs,batch", [(False, 64), (True, HOLD_MIN_BATCH - 1)])

@@ -76,8 +76,9 @@ def request_prompts(llm, dummy: bool, num_requests: int, distinct: bool) -> list
 
 def run(model, device, dtype, drafter, overlap, batch, temperature, max_tokens, emulate=False, trace=None,
         rep=0, host_times: list[str] | None = None, slow_steps: float | None = None, queue: int = 1,
-        distinct: bool = False) -> None:
-    label = f"batch {batch}{f' queue {queue}' if queue > 1 else ''}{' distinct' if distinct else ''} " \
+        distinct: bool = False, admission_wait: int = 0) -> None:
+    label = f"batch {batch}{f' queue {queue}' if queue > 1 else ''}{' distinct' if distinct else ''}" \
+            f"{f' wait {admission_wait}' if admission_wait else ''} " \
             f"T {temperature} async {overlap} {drafter}" + (f" #{rep}" if rep else "")
     name, _, variant = drafter.partition(":")  # ngram:noguard: the adaptive budget without its throughput guard
     dummy = isinstance(model, dict)  # a config: random weights of its shape, a self-repeating prompt of token ids
@@ -87,7 +88,7 @@ def run(model, device, dtype, drafter, overlap, batch, temperature, max_tokens, 
             json.dump(model, f)
     shape = dict(load_format="dummy", max_model_len=4096) if dummy else {}
     llm = LLM(folder, device=device, dtype=dtype, drafter=name, async_scheduling=overlap,
-              spec_guard=variant != "noguard", max_num_seqs=batch, **shape)
+              spec_guard=variant != "noguard", max_num_seqs=batch, admission_wait_steps=admission_wait, **shape)
     core = llm.engine
     if emulate:  # the CUDA-graph layout run eagerly, and asynchronous scheduling's bookkeeping (launches block)
         if name == "ngram":  # the drafter CUDA would use (same settings), through its PyTorch reference
@@ -210,6 +211,8 @@ def main() -> None:
     p.add_argument("--distinct-prompts", action="store_true",
                    help="each request its own prompt (the copy prompt after its own first words), so admissions "
                         "prefill it: without, every prompt after the first is found in the prefix cache")
+    p.add_argument("--admission-wait", type=int, default=0, metavar="STEPS",
+                   help="the engine's --admission-wait-steps: seats freed apart are filled by one admission step")
     p.add_argument("--repeat", type=int, default=1, help="runs of each configuration")
     p.add_argument("--trace", default=None, help="write every step here as a JSON line")
     p.add_argument("--host-times", nargs="*", default=None, metavar="CLASS.METHOD",
@@ -228,7 +231,8 @@ def main() -> None:
                     for rep in range(1, args.repeat + 1):
                         run(model, args.device, args.dtype, drafter, overlap, batch, temperature, args.max_tokens,
                             args.emulate, trace, rep if args.repeat > 1 else 0,
-                            args.host_times, args.slow_steps, args.queue, args.distinct_prompts)
+                            args.host_times, args.slow_steps, args.queue, args.distinct_prompts,
+                            args.admission_wait)
 
 
 if __name__ == "__main__":

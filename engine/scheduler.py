@@ -35,6 +35,7 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
+        self.steps_seat_free = 0  # steps observed in a row with a free seat and a waiting request (admits)
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)
@@ -46,8 +47,11 @@ class Scheduler:
         """Whether a waiting request may take a seat now (fewer than max_num_seqs running). Such a step is
         scheduled after its predecessor's results, so the request is admitted at once; while every seat is taken
         the waiting requests cannot join and the running ones may decode ahead (a server under load keeps its
-        queue non-empty: refusing then would make every step synchronous)."""
-        return bool(self.waiting) and len(self.running) < self.config.max_num_seqs
+        queue non-empty: refusing then would make every step synchronous). With --admission-wait-steps a seat
+        is taken only once one has been free that many steps, or when nothing runs."""
+        if not self.waiting or len(self.running) >= self.config.max_num_seqs:
+            return False
+        return not self.running or self.steps_seat_free >= self.config.admission_wait_steps
 
     def abort(self, request_id: str) -> Request | None:
         for queue in (self.running, self.waiting):
@@ -168,7 +172,7 @@ class Scheduler:
                 budget -= n + lookahead
                 i += 1
         # 2. admit waiting requests while seats, budget and blocks allow
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+        while admits and self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             req = self.waiting[0]
             cached = self.blocks.match_prefix(req)
             n = min(req.num_tokens - req.num_computed_tokens, budget)
@@ -274,6 +278,8 @@ class Scheduler:
         the prefix cache registers the blocks they fill (a verify step's accepted tokens included). in_flight:
         the step launched ahead of this one's results (its requests keep the KV rows it writes)."""
         busy = {id(s.request) for s in in_flight.seqs} if in_flight is not None else set()
+        seat_free = bool(self.waiting) and len(self.running) < self.config.max_num_seqs
+        self.steps_seat_free = self.steps_seat_free + 1 if seat_free else 0
         finished = []
         new_token_ids, accepted_rows, logprobs = result.new_token_ids, result.accepted_rows, result.logprobs
         for s in plan.seqs:

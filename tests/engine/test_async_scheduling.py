@@ -118,6 +118,39 @@ def test_a_full_batch_runs_ahead_while_requests_wait(tiny_checkpoints, graphs):
     assert "synchronous: waiting requests" in seen  # seats freed: the queue's head admitted after the results
 
 
+def test_seats_freed_apart_are_filled_by_one_admission_step(tiny_checkpoints):
+    """--admission-wait-steps: a waiting request takes a free seat only once a seat has been free that many steps,
+    so requests finishing a few steps apart are replaced in one admission step (with real prompts an admission
+    runs eagerly under CUDA graphs, ~9x a decoding step); the steps in between run ahead. The first requests are
+    admitted at once (nothing runs), and output equals admitting at once."""
+    folder, _ = tiny_checkpoints("llama")
+    ps = prompts(10)
+    params = [SamplingParams(max_tokens=6 + 2 * i, temperature=0, ignore_eos=True) for i in range(10)]
+
+    def admissions(wait: int) -> tuple[list[list[int]], list[str], list[int]]:
+        core = engine(folder, True, True, max_num_seqs=4, admission_wait_steps=wait).engine
+        seen, _ = steps_ahead_while_waiting(core)
+        running, step = [], core.step
+
+        def spy():
+            deltas = step()
+            running.append(len(core.scheduler.running))
+            return deltas
+
+        core.step = spy
+        out, _, _ = run(core, ps, params)
+        return out, seen, running
+
+    at_once, seen_at_once, _ = admissions(0)
+    out, seen, running = admissions(3)
+    assert out == at_once
+    admitted = seen.count("synchronous: waiting requests")
+    assert 0 < admitted < seen_at_once.count("synchronous: waiting requests"), (seen, seen_at_once)
+    assert min(running[:3]) == 4 and min(running) < 4  # the first four at once; later seats stayed free a while
+    with pytest.raises(ValueError, match="admission_wait_steps"):
+        EngineConfig(admission_wait_steps=-1)
+
+
 @pytest.mark.parametrize("graphs", [False, True])
 def test_the_step_after_a_prompt_runs_ahead(tiny_checkpoints, graphs):
     """A request's first decoding step runs ahead of the step that ends its prompt (it feeds the token that step

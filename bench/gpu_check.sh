@@ -8,7 +8,8 @@
 #                                            # step and the host's speed, n-gram and off, B 1 / 16 / 64, T = 1
 #   bench/gpu_check.sh targets               # bench/e2e.py on the embedded model; bench/step.py on the Qwen3-8B shape
 #   bench/gpu_check.sh chat                  # bench/serve.py's chat mix against the server on CUDA: n-gram vs off,
-#                                            # at $CHAT_CONCURRENCY (default "16 64") chats, 4 requests a chat
+#                                            # at $CHAT_CONCURRENCY (default "16 64") chats, 4 requests a chat, the
+#                                            # server given $CHAT_SERVER_ARGS too (e.g. --admission-wait-steps 8)
 #   bench/gpu_check.sh suite guard targets   # in that order
 #   ALT=/tmp/alt bench/gpu_check.sh ab       # bench/step_kinds.py's n-gram default against off (batch 64 / 16,
 #                                            # T = 1 / 0), this tree and the tree in $ALT (another commit's files:
@@ -70,7 +71,7 @@ for part in "$@"; do
         for drafter in ngram none; do
           echo "chat $conc $drafter $(python3 bench/serve.py --num-requests $((4 * conc)) --concurrency "$conc" \
             --input-len 64 --output-len 64 --output-len-range 0.5 --server-args --device cuda --drafter $drafter \
-            2>&1 | tee "$OUT/chat_${conc}_$drafter.log" | grep -o 'output tokens/s [0-9.]*')"
+            ${CHAT_SERVER_ARGS:-} 2>&1 | tee "$OUT/chat_${conc}_$drafter.log" | grep -o 'output tokens/s [0-9.]*')"
         done
       done | tee "$OUT/chat.log" ;;
     ab)

@@ -62,9 +62,9 @@ class PendingStep:
         prompt's last chunk ends there)."""
         plain = None
         if self.sampling:
-            plain_requests = [req for req, _ in self.sampling]
-            roots = self.sampled_tokens(requests if self.batch is None else plain_requests, stage)
-            starts = stage([r.num_tokens for r in (requests if self.batch is None else plain_requests)])
+            asked = requests if self.batch is None else [req for req, _ in self.sampling]
+            roots = self.sampled_tokens(asked, stage)
+            starts = stage([r.num_tokens for r in asked])
             plain = (roots, starts, torch.ones_like(starts), roots[:, None])
             if self.batch is None:
                 return plain
@@ -80,8 +80,8 @@ class PendingStep:
         plain = None
         if self.sampling:
             where = {id(req): row for req, row in self.sampling}
-            ordered = requests if self.batch is None else [req for req, _ in self.sampling]
-            plain = (self.features[stage([where[id(r)] for r in ordered])][:, None],)
+            asked = requests if self.batch is None else [req for req, _ in self.sampling]
+            plain = (self.features[stage([where[id(r)] for r in asked])][:, None],)
             if self.batch is None:
                 return plain[0]
         nodes = self.walk.accepted_nodes.clamp(min=0)  # [N, A]

@@ -33,9 +33,9 @@ class StepBudgets:
         # requests. (Without graphs a request at budget 0 drafts at every step while drafting is cheap: those steps
         # are most of the plain ones, and their drafting is measured on the host apart, DraftCost)
         curves_only = uniform_layout and width == 1 and result.num_drafted > 0
-        fit = decoding and not warm_up and not curves_only
-        self.observe_step(rows, seconds, tokens, fit=fit, tree=width > 1, synchronous=synchronous)
-        if uniform_layout and not warm_up and not curves_only and (decoding or synchronous):
+        measured = not warm_up and not curves_only
+        self.observe_step(rows, seconds, tokens, fit=decoding and measured, tree=width > 1, synchronous=synchronous)
+        if uniform_layout and measured and (decoding or synchronous):
             # a synchronous step is measured with its prefill chunks (an admission's): the steps it is priced
             # against, plain or with trees, hold them alike
             leaving = width == 1 and plan.seqs[0].root_on_device  # a root-only round: trees' predecessor in flight

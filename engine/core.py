@@ -12,10 +12,11 @@ from dataclasses import replace
 import torch
 
 from engine.ahead import AheadLauncher, Launched, trees_blocked
+from engine.admission import Admissions
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
 from engine.cuda_graphs import (BATCH_SIZES, CudaGraphs, buckets_up_to, graph_shape, scratch_blocks_needed,
-                                supports_graphs)
+                                supports_graphs, widest_bucket)
 from engine.detokenizer import OutputText
 from engine.draft_first import DraftFirst
 from engine.memory import AllocatorWatch, measure_cuda_peak, plan_kv_cache
@@ -169,7 +170,7 @@ class EngineCore:
         instead of capturing: how CPU tests check it."""
         config = self.config
         max_budget = self.speculator.max_budget if self.speculator is not None else 0
-        max_blocks = -(-(self.max_model_len + max_budget + 1) // config.block_size)
+        max_blocks = -(-(self.max_model_len + widest_bucket(max_budget + 1)) // config.block_size)
         scratch = self.blocks.reserve(scratch_blocks_needed(max_budget + 1, config.block_size))  # padding rows
         capture = self.speculator.capture_layer_ids if self.speculator is not None else ()
         graphs = CudaGraphs(self.model, self.runner.kv_caches, config.block_size, scratch, config.max_num_seqs,
@@ -178,6 +179,7 @@ class EngineCore:
         if not emulate:
             graphs.capture()
         self.runner.graphs = graphs
+        self.runner.admissions = Admissions(graphs)  # admission steps' prompt chunks as replays
         plain = PlainGraphs(graphs, self.model)  # decode steps choose their tokens in graphs too
         if not emulate:
             plain.capture()

@@ -14,9 +14,13 @@ length), so a replay serves any lengths. Plain decoding (W = 1) is captured twic
 SHORT_CONTEXT and up to max_model_len: the short capacity plans at most 8 KV splits, which combine inside the
 attention launch (ext/csrc/attention_mma.cuh, sm_90 clusters) instead of a second kernel.
 
+Prompt buckets (PROMPT_WIDTHS x up to PROMPT_SEQS requests) are captured beside those for admission steps:
+their prompt chunks replay as causal pieces (engine/admission.py). A bucket's key is (requests, rows each,
+context capacity); prompt buckets that coincide with verify buckets are one graph.
+
 Graphs run only where they can: CUDA, no --enforce-eager, models without host-synchronizing layers (MoE layers
-qualify when their grouped-GEMM dispatch serves the device and dtype), steps of decoding requests only; other steps run eagerly, and each eager step is counted with its
-reason (StepStats.cuda_graph).
+qualify when their grouped-GEMM dispatch serves the device and dtype), steps of decoding requests, and admission
+steps as above; other steps run eagerly, and each eager step is counted with its reason (StepStats.cuda_graph).
 """
 from __future__ import annotations
 
@@ -37,6 +41,10 @@ BATCH_SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384,
 # a graph's capacity, and at most 8 splits (a capacity this short) combine inside one launch on sm_90
 SHORT_CONTEXT = 1024
 WIDTHS = (1, 2, 3, 5, 9, 17, 33, 65, 129, 257)  # verify rows per request (budget + 1); 1 = plain decoding
+# admission steps (engine/admission.py): prompt chunks run as causal pieces of these many rows, up to PROMPT_SEQS
+# prompts a replay; a chain is a tree, so they are verify-layout buckets with a causal mask
+PROMPT_WIDTHS = (17, 65, 257)
+PROMPT_SEQS = 8
 
 
 def bucket_of(values: tuple[int, ...], n: int) -> int | None:
@@ -61,9 +69,15 @@ def bucket_widths(max_width: int) -> list[int]:
     return buckets_up_to(WIDTHS, max_width)
 
 
+def widest_bucket(max_width: int) -> int:
+    """Rows per request of the widest bucket captured for verify widths up to max_width: a prompt bucket's or a
+    verify bucket's."""
+    return max(*bucket_widths(max_width), *PROMPT_WIDTHS)
+
+
 def scratch_blocks_needed(max_width: int, block_size: int) -> int:
     """KV blocks the padding rows of the widest bucket write into (one slot per row position)."""
-    return -(-max(bucket_widths(max_width)) // block_size)
+    return -(-widest_bucket(max_width) // block_size)
 
 
 @dataclass
@@ -85,13 +99,18 @@ class CudaGraphs:
         self.batch_sizes = [n for n in BATCH_SIZES if n <= max_num_seqs]
         # every width up to the first bucket that holds max_width (a chain of 7 drafts verifies 8 rows: bucket 9)
         self.widths = bucket_widths(max_width)
-        if max(self.widths) > len(scratch_blocks) * block_size:
+        widest = widest_bucket(max_width)
+        if widest > len(scratch_blocks) * block_size:
             raise ValueError(f"{len(scratch_blocks)} scratch blocks of {block_size} slots cannot pad a "
-                             f"{max(self.widths)}-row bucket (reserve scratch_blocks_needed())")
+                             f"{widest}-row bucket (reserve scratch_blocks_needed())")
         self.contexts = [c for c in (SHORT_CONTEXT,) if c < max_model_len] + [max_model_len]
         self.buckets = [(n, w, c) for w in self.widths for n in self.batch_sizes if n * w <= max_tokens
                         for c in (self.contexts if w == 1 else [max_model_len])]
-        rows = max((n * w for n, w, _ in self.buckets), default=1)
+        self.prompt_widths = [w for w in PROMPT_WIDTHS if w <= max_tokens]
+        self.prompt_buckets = [(n, w, max_model_len) for w in self.prompt_widths for n in self.batch_sizes
+                               if n <= PROMPT_SEQS and n * w <= max_tokens]
+        every_width = sorted({*self.widths, *self.prompt_widths})
+        rows = max((n * w for n, w, _ in self.buckets + self.prompt_buckets), default=1)
         seqs = max(self.batch_sizes, default=1)
         i64, i32 = dict(dtype=torch.int64, device=device), dict(dtype=torch.int32, device=device)
         self.input_ids = torch.zeros(rows, **i64)
@@ -100,21 +119,21 @@ class CudaGraphs:
         self.query_start_loc = torch.zeros(seqs + 1, **i32)
         self.seq_lens = torch.zeros(seqs, **i32)
         self.block_tables = torch.zeros(seqs, max(max_blocks, len(scratch_blocks)), **i32)
-        self.tree_masks = {w: torch.zeros(rows, w, dtype=torch.bool, device=device) for w in self.widths if w > 1}
+        self.tree_masks = {w: torch.zeros(rows, w, dtype=torch.bool, device=device) for w in every_width if w > 1}
         # the scratch blocks and their slots, on the device once (a host list copied every step would synchronize)
         self.scratch = torch.tensor(scratch_blocks, dtype=torch.int32, device=device)
         self.scratch_slots = (self.scratch.long()[:, None] * block_size
                               + torch.arange(block_size, device=device)).reshape(-1)
         # each width's request offsets (i * w), on the device once
-        self._starts = {w: torch.arange(seqs + 1, device=device) * w for w in {1, *self.widths}}
-        self._columns = torch.arange(max(self.widths), device=device)  # a row's index inside its request
+        self._starts = {w: torch.arange(seqs + 1, device=device) * w for w in {1, *every_width}}
+        self._columns = torch.arange(max(every_width), device=device)  # a row's index inside its request
         self._layout: tuple | None = None  # (num_seqs, n, w, width) of the last replay: its padding is in place
         self.last_key: tuple[int, int, int] | None = None  # the bucket run() replayed last
         self.graphs: dict[tuple[int, int, int], _Captured] = {}  # (requests, rows each, context capacity)
         self.pool = None
         self.emulate = emulate
         if emulate:
-            self.graphs = {b: None for b in self.buckets}
+            self.graphs = {b: None for b in self.buckets + self.prompt_buckets}
 
     # ---------------------------------------------------------------------------------------------- capture
 
@@ -133,8 +152,8 @@ class CudaGraphs:
     def capture(self) -> None:
         """Captures every bucket, largest first (they share one memory pool)."""
         t0 = time.perf_counter()
-        for n, w, c in tqdm(sorted(self.buckets, key=lambda b: (-b[0] * b[1], -b[2])), desc="capturing CUDA graphs",
-                            unit="graph", disable=None, leave=False):
+        buckets = sorted({*self.buckets, *self.prompt_buckets}, key=lambda b: (-b[0] * b[1], -b[2]))
+        for n, w, c in tqdm(buckets, desc="capturing CUDA graphs", unit="graph", disable=None, leave=False):
             self._fill_padding(0, n, w)
             meta = self.meta(n, w, c)
             ids = self.input_ids[:n * w]
@@ -148,8 +167,9 @@ class CudaGraphs:
             self.graphs[n, w, c] = _Captured(graph, hidden, captured)
         self._layout = None  # capture wrote every bucket's padding
         torch.cuda.synchronize(self.device)
-        logger.info("captured %d CUDA graphs (batch sizes %s, verify widths %s, plain-decoding contexts %s) in "
-                    "%.1f s", len(self.graphs), self.batch_sizes, self.widths, self.contexts, time.perf_counter() - t0)
+        logger.info("captured %d CUDA graphs (batch sizes %s, verify widths %s, plain-decoding contexts %s, prompt "
+                    "widths %s) in %.1f s", len(self.graphs), self.batch_sizes, self.widths, self.contexts,
+                    self.prompt_widths, time.perf_counter() - t0)
 
     # ----------------------------------------------------------------------------------------------- replay
 
@@ -163,13 +183,19 @@ class CudaGraphs:
         key = (n, w, next((c for c in self.contexts if short and max_seq_len <= c + w), self.max_model_len))
         return key if key in self.graphs else None
 
-    def run(self, input_ids: torch.Tensor, meta: AttentionMetadata, num_seqs: int, width: int
-            ) -> tuple[torch.Tensor, list[torch.Tensor]] | None:
+    def prompt_bucket(self, num_seqs: int, width: int) -> tuple[int, int, int] | None:
+        """The prompt bucket for num_seqs prompt pieces of at most `width` rows, or None."""
+        n, w = bucket_of(tuple(self.batch_sizes), num_seqs), bucket_of(tuple(self.prompt_widths), width)
+        key = (n, w, self.max_model_len)
+        return key if n is not None and w is not None and key in self.graphs else None
+
+    def run(self, input_ids: torch.Tensor, meta: AttentionMetadata, num_seqs: int, width: int,
+            key: tuple[int, int, int] | None = None) -> tuple[torch.Tensor, list[torch.Tensor]] | None:
         """Replays the bucket for a step of num_seqs requests x width rows (inputs laid out request-major, as
-        engine.inputs builds them); returns the first num_seqs * width rows of hidden and captured layers (for
-        plain decoding, views of the graph's output buffers, valid until the next replay), or None when no bucket
-        fits."""
-        key = self.bucket(num_seqs, width, max(meta.seq_lens_host) if meta.seq_lens_host else None)
+        engine.inputs builds them; key: that bucket, default the smallest that holds the step); returns the first
+        num_seqs * width rows of hidden and captured layers (for plain decoding, views of the graph's output
+        buffers, valid until the next replay), or None when no bucket fits."""
+        key = key or self.bucket(num_seqs, width, max(meta.seq_lens_host) if meta.seq_lens_host else None)
         if key is None:
             return None
         self.last_key = key

@@ -9,6 +9,7 @@ import time
 from collections.abc import Callable
 import torch
 
+from engine.admission import plan_replays
 from engine.inputs import StepInputs, decode_rows, prepare_inputs, prepare_tree_inputs_ahead
 from engine.plan import ScheduledSeq, StepPlan, StepResult
 from engine.sampler import SampleOutput, Sampler, SamplingBatch
@@ -35,6 +36,7 @@ class ModelRunner:
         self.graphs = None  # engine.cuda_graphs.CudaGraphs once captured (CUDA, not --enforce-eager)
         self.rounds = None  # engine.round_graphs.RoundGraphs: tree steps as whole-round graphs (with graphs)
         self.plain_graphs = None  # engine.plain_graphs.PlainGraphs: decode steps' sampling as graphs (with graphs)
+        self.admissions = None  # engine.admission.Admissions: prompt chunks beside decoding rows as graphs (with graphs)
         self.staging = Staging(device)  # pinned host buffers for the step's metadata (reset every step)
         self.sampler.stage = self.staging
         if speculator is not None:
@@ -87,8 +89,8 @@ class ModelRunner:
         input_ids = after.sampled_tokens([s.request for s in plan.seqs], self.staging) if after else None
         spec = self.speculator
         is_tree = [spec is not None and s.spec_budget > 0 for s in plan.seqs]
-        if self.uniform_trees and any(is_tree) and all(_decoding(s) for s in plan.seqs):
-            is_tree = [True] * len(plan.seqs)  # budget-0 requests ride as root-only trees: one graph shape
+        if self.uniform_trees and any(is_tree):  # budget-0 requests ride as root-only trees: one graph shape (beside
+            is_tree = [t or _decoding(s) for s, t in zip(plan.seqs, is_tree)]  # an admission's prompt pieces)
         plain = [s for s, t in zip(plan.seqs, is_tree) if not t]
         tree_seqs = [s for s, t in zip(plan.seqs, is_tree) if t]
         # a budget-0 request riding as a root-only tree drafts only when the adaptive budget watches it
@@ -183,17 +185,58 @@ class ModelRunner:
     def _launch(self, plain: list[ScheduledSeq], batch: TreeBatch | None, watched: tuple | None,
                 ahead_ids: torch.Tensor | None, round_why: str | None = None) -> PendingStep:
         t1 = time.perf_counter()
-        shape = _uniform_shape(plain, batch)  # None: a mixed step, never a graph replay
+        shape = _uniform_shape(plain, batch)  # None: a mixed step, never one graph replay
         if batch is None and shape is not None and self.graphs is not None:  # plain decoding: N requests x 1 row
             inputs = self._decode_in_graph(plain, ahead_ids)
             if inputs is not None:
                 return self._run(plain, batch, watched, inputs, t1, round_why)
+        mixed_why = "mixed step"
+        if shape is None and self.admissions is not None and ahead_ids is None:
+            step = self._launch_admission(plain, batch, watched, t1, round_why)
+            if not isinstance(step, str):
+                return step
+            mixed_why = step
         pad_to = self.eager_pad_to if (self.graphs is None or shape is None) and ahead_ids is None else 0
         inputs = prepare_inputs(plain, batch, self.block_size, self.device, self.staging, pad_to,
                                 self.dense_prefill_min_tokens)
         if ahead_ids is not None:
             inputs.input_ids = ahead_ids
-        return self._run(plain, batch, watched, inputs, t1, round_why)
+        return self._run(plain, batch, watched, inputs, t1, round_why, mixed_why)
+
+    def _launch_admission(self, plain: list[ScheduledSeq], batch: TreeBatch | None, watched: tuple | None,
+                          t1: float, round_why: str | None) -> PendingStep | str:
+        """A step of prompt chunks beside decoding requests (all plain, or all trees) as graph replays: the chunks'
+        pieces (engine/admission.py), then the decoding rows' own graph; its plain rows are the chunks' then the
+        decoders'. Why not, when it cannot."""
+        prompts = [s for s in plain if not _decoding(s)]
+        decoders = [s for s in plain if _decoding(s)]
+        if decoders and batch is not None:
+            return "mixed step"
+        replays = plan_replays(prompts, self.graphs)
+        if isinstance(replays, str):
+            return replays
+        tree_inputs = prepare_inputs([], batch, self.block_size, self.device, self.staging) if batch else None
+        if batch is not None and self.graphs.bucket(batch.num_requests, batch.width) is None:
+            return f"no graph for {batch.num_requests}x{batch.width}"
+        if decoders and self.graphs.bucket(len(decoders), 1, max(s.request.num_tokens for s in decoders)) is None:
+            return f"no graph for {len(decoders)}x1"
+        hidden, layers = self.admissions.run(prompts, replays, self.staging)
+        # the decoding rows' replay last: its outputs are the graph's own buffers, read (concatenated) at once
+        if batch is not None:
+            rest = self.graphs.run(tree_inputs.input_ids, tree_inputs.meta, batch.num_requests, batch.width)
+        elif decoders:
+            rest = self.graphs.replay_rows(self._decode_in_graph(decoders, None).graph_key, len(decoders))
+        if batch is not None or decoders:
+            hidden = torch.cat([hidden, rest[0]])
+            layers = [torch.cat([a, b]) for a, b in zip(layers, rest[1])]
+        rows, first = [], 0
+        for s in prompts + decoders:
+            rows.append((first, s.num_new_tokens))
+            first += s.num_new_tokens
+        inputs = StepInputs(None, None, rows, first, tree_inputs.tree_slots if batch else None,
+                            tree_inputs.tree_starts if batch else None)
+        return self._run(prompts + decoders, batch, watched, inputs, t1, round_why,
+                         forward=(hidden, layers, "replay: admission"))
 
     def _decode_in_graph(self, plain: list[ScheduledSeq], ahead_ids: torch.Tensor | None) -> StepInputs | None:
         """A plain decoding step's inputs written straight into its graph's static buffers (CudaGraphs.
@@ -207,11 +250,12 @@ class ModelRunner:
         return StepInputs(self.graphs.input_ids[:n], None, [(i, 1) for i in range(n)], n, None, graph_key=key)
 
     def _run(self, plain: list[ScheduledSeq], batch: TreeBatch | None, watched: tuple | None, inputs: StepInputs,
-             t1: float, round_why: str | None = None) -> PendingStep:
-        """The target forward, sampling, walk and compaction of a prepared step, and its results' copy. round_why:
-        why a step of only trees is not a whole-round graph (said in the step's graph mode when it replays)."""
-        shape = _uniform_shape(plain, batch)
-        hidden, captured, graph_mode = self._forward(shape, inputs)
+             t1: float, round_why: str | None = None, mixed_why: str = "mixed step",
+             forward: tuple[torch.Tensor, list[torch.Tensor], str] | None = None) -> PendingStep:
+        """The target forward (unless given: hidden, captured layers, graph mode), sampling, walk and compaction of
+        a prepared step, and its results' copy. round_why: why a step of only trees is not a whole-round graph
+        (said in the step's graph mode when it replays); mixed_why: why a step of several shapes runs eagerly."""
+        hidden, captured, graph_mode = forward or self._forward(_uniform_shape(plain, batch), inputs, mixed_why)
         features = torch.cat(captured, dim=-1) if captured else None  # [num_tokens, num_layers * hidden]
         t2 = time.perf_counter()
         sampling = [(s.request, r0 + n - 1) for s, (r0, n) in zip(plain, inputs.plain_rows) if s.sample]
@@ -262,7 +306,7 @@ class ModelRunner:
             result.timings.update(forward=step.t2 - step.t1, sample=t3 - step.t2)
         return result
 
-    def _forward(self, shape: tuple[int, int] | None, inputs: StepInputs
+    def _forward(self, shape: tuple[int, int] | None, inputs: StepInputs, mixed_why: str = "mixed step"
                  ) -> tuple[torch.Tensor, list[torch.Tensor], str]:
         """The target forward: a CUDA-graph replay when the step is N decoding requests x W rows (shape, from
         _uniform_shape) and a graph fits, else eager. Returns (hidden, captured layers, "replay" | "eager: <why>"
@@ -276,7 +320,7 @@ class ModelRunner:
             out = self.graphs.run(inputs.input_ids, inputs.meta, *shape) if shape is not None else None
             if out is not None:
                 return out[0], out[1], "replay"
-            mode = "eager: mixed step" if shape is None else f"eager: no graph for {shape[0]}x{shape[1]}"
+            mode = f"eager: {mixed_why}" if shape is None else f"eager: no graph for {shape[0]}x{shape[1]}"
         hidden, captured = self.model(inputs.input_ids, inputs.meta, self.kv_caches, capture_layer_ids=capture)
         return hidden, captured, mode
 

@@ -169,7 +169,8 @@ def test_emulated_graph_layout_equals_eager_for_ddtree(tiny_checkpoints, batch, 
     out, modes = graph_modes(llm, ps, logprobs)
     assert out == ref
     tree_mode = "replay: whole round" if logprobs is None else "replay: forward only (requests ask for logprobs)"
-    allowed = {tree_mode, "replay: whole step" if logprobs is None else tree_mode}  # the decode steps' own mode
+    # the decode steps' own mode, and the prompts' steps (engine/admission.py)
+    allowed = {tree_mode, "replay: whole step" if logprobs is None else tree_mode, "replay: admission"}
     assert tree_mode in modes and not any(m.startswith("replay") and m not in allowed for m in modes), modes
     for num_nodes, nodes in walks:
         assert bool((num_nodes <= budget + 1).all())  # a bucket's rows past the budget are padding, not nodes

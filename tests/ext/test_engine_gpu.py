@@ -499,3 +499,28 @@ def test_drafting_first_on_cuda_equals_plain_decoding(tiny_checkpoints, plain_cu
                                                            ignore_eos=True)] * len(ref) + sampled)
         assert [o.token_ids for o in outs[:len(ref)]] == ref
         assert all(len(o.token_ids) == MAX_TOKENS for o in outs[len(ref):])
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_admission_steps_replay_prompt_pieces_on_cuda_like_eager_steps(tiny_checkpoints, family):
+    """Prompt chunks admitted beside decoding requests replay as causal pieces of the prompt buckets (a 300-token
+    prompt in two replays of 257 rows) and emit what eager steps emit: greedy, seeded sampling at T = 0.8 with
+    top-p and logprobs, and with DDTree trees replayed beside the pieces."""
+    folder, _ = tiny_checkpoints(family)
+    g = torch.Generator().manual_seed(5)
+    lengths = [int(torch.randint(3, 120, (1,), generator=g)) for _ in range(8)] + [300]
+    ps = [torch.randint(0, 1000, (k,), generator=g).tolist() for k in lengths]
+    params = [SamplingParams(max_tokens=8 + 3 * i, temperature=0, ignore_eos=True) for i in range(len(ps))]
+    params += [SamplingParams(max_tokens=8 + 3 * i, temperature=0.8, top_p=0.9, seed=i, logprobs=2, ignore_eos=True)
+               for i in range(len(ps))]
+    common = dict(dtype="fp32", device="cuda", max_num_seqs=3)
+    eager = LLM(folder, enforce_eager=True, **common)
+    want = eager.generate(ps * 2, params)
+    out, modes = step_modes(LLM(folder, **common), ps * 2, params)
+    assert out == [o.token_ids for o in want] and "replay: admission" in modes, modes
+    greedy_ref = [o.token_ids for o in want[:len(ps)]]
+    oracle = OracleDrafter(golden_lookup([(p + r, len(p)) for p, r in zip(ps, greedy_ref)]), 1000, horizon=HORIZON,
+                           noise=0.3, noise_rank=2, seed=3)
+    spec = LLM(folder, drafter=oracle, spec_budget=8, adaptive=False, **common)
+    out, modes = step_modes(spec, ps, params[:len(ps)])
+    assert out == greedy_ref and "replay: admission" in modes, modes

@@ -16,7 +16,7 @@ from engine.sampler import SampleOutput, Sampler, SamplingBatch
 from engine.speculative.speculator import Proposal, Speculator, TreeBatch, Walk
 from engine.pending import PendingStep
 from engine.staging import Staging
-from engine.step_results import HostResults, ResultCopy, RoundCopy
+from engine.step_results import ResultCopy, RoundCopy, tree_results
 
 
 # Eager steps' row counts are rounded up to a multiple of this on CUDA: cuBLAS picks its kernels once per row
@@ -299,7 +299,8 @@ class ModelRunner:
         result.draft_seconds = sum(c.seconds() for c in clocks)  # the fetch synchronized: events are complete
         if batch is not None:
             result.num_grammar_pruned = batch.num_pruned
-            self._tree_results(batch, inputs, host, len(sampling), features, result)
+            tree_results(batch, inputs.tree_row0, host, len(sampling), features, result,
+                         self.speculator.record_hidden)
             result.timings.update(draft=batch.draft_s, tree_build=batch.tree_build_s, verify=step.t2 - step.t1,
                                   accept=time.perf_counter() - step.t2)
         else:
@@ -360,34 +361,6 @@ class ModelRunner:
             walk = Speculator.walk(batch, targets)
             Speculator.compact(self.slot_views, walk, inputs.tree_slots)
         return out, walk
-
-    def _tree_results(self, batch: TreeBatch, inputs: StepInputs, host: "HostResults", num_plain: int,
-                      features: torch.Tensor | None, result: StepResult) -> None:
-        width, curves = batch.width, len(host.curves) > 0
-        for i, s in enumerate(batch.seqs):
-            req = s.request
-            tau = host.accept_len[i]
-            # accepted rows; drafts then the bonus
-            acc, emitted = host.accepted[i][:tau], host.emitted[i][:tau]
-            result.new_token_ids[req.request_id] = emitted
-            if curves and batch.drafted[i]:
-                result.curves[req.request_id] = host.curves[i]
-            if req.sampling.logprobs is not None:  # token j was chosen at accepted row acc[j]
-                result.logprobs[req.request_id] = [host.logprob(num_plain + i * width + a, req.sampling.logprobs)
-                                                   for a in acc]
-            if features is not None:
-                base = inputs.tree_row0 + i * width
-                self.speculator.record_hidden(req.request_id, features[[base + a for a in acc]])
-            if batch.budgets[i] == 0:
-                continue  # a root-only tree (CUDA-graph layout): a plain decoding step, not speculation
-            result.accepted_rows[req.request_id] = acc[1:]
-            result.num_draft_tokens[req.request_id] = batch.budgets[i]
-            result.accept_lengths.append(tau)
-            result.tree_nodes.append(batch.budgets[i])
-            for d in range(tau - 1):
-                if d >= len(result.accepted_per_position):
-                    result.accepted_per_position.append(0)
-                result.accepted_per_position[d] += 1
 
 
 def _grammar_masks(sampling: list, batch: TreeBatch | None) -> tuple[list[int], list[bytes]]:

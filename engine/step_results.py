@@ -3,12 +3,15 @@ confidence, logprobs) packed on the device and brought over in one non-blocking 
 unpacked into Python lists once the copy's event has completed."""
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 import torch
 
+from engine.plan import StepResult
 from engine.sampler import SampleOutput
 from engine.speculative.confidence import node_confidence
-from engine.speculative.speculator import Walk
+from engine.speculative.speculator import TreeBatch, Walk
 
 
 class HostResults:
@@ -115,3 +118,35 @@ class RoundCopy(_HostCopy):
 
     def wait(self) -> HostResults:
         return HostResults.of_round(self.values(), self.num_accepted)
+
+
+def tree_results(batch: TreeBatch, tree_row0: int, host: HostResults, num_plain: int, features: torch.Tensor | None,
+                 result: StepResult, record_hidden: Callable[[str, torch.Tensor], None]) -> None:
+    """A step's trees into its StepResult: each request's emitted tokens (accepted drafts then the bonus), curves,
+    logprobs, accepted rows and the acceptance statistics; the accepted rows' target features go to
+    record_hidden (a drafter fed by them). tree_row0: the first verify row among the step's rows."""
+    width, curves = batch.width, len(host.curves) > 0
+    for i, s in enumerate(batch.seqs):
+        req = s.request
+        tau = host.accept_len[i]
+        # accepted rows; drafts then the bonus
+        acc, emitted = host.accepted[i][:tau], host.emitted[i][:tau]
+        result.new_token_ids[req.request_id] = emitted
+        if curves and batch.drafted[i]:
+            result.curves[req.request_id] = host.curves[i]
+        if req.sampling.logprobs is not None:  # token j was chosen at accepted row acc[j]
+            result.logprobs[req.request_id] = [host.logprob(num_plain + i * width + a, req.sampling.logprobs)
+                                               for a in acc]
+        if features is not None:
+            base = tree_row0 + i * width
+            record_hidden(req.request_id, features[[base + a for a in acc]])
+        if batch.budgets[i] == 0:
+            continue  # a root-only tree (CUDA-graph layout): a plain decoding step, not speculation
+        result.accepted_rows[req.request_id] = acc[1:]
+        result.num_draft_tokens[req.request_id] = batch.budgets[i]
+        result.accept_lengths.append(tau)
+        result.tree_nodes.append(batch.budgets[i])
+        for d in range(tau - 1):
+            if d >= len(result.accepted_per_position):
+                result.accepted_per_position.append(0)
+            result.accepted_per_position[d] += 1

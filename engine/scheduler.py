@@ -139,8 +139,8 @@ class Scheduler:
         step_budget = self.step_budget(len(self.running) + admits)
         # every tree of the step is padded to one width: decide the budgets first, then reserve that width. Under
         # CUDA graphs they are chosen for all decoding requests at once (uniform_of), in an admission step too: the
-        # runner lays such a step out uniformly when the admitted prompts need one row each (else it runs eagerly,
-        # trees beside the prompt's chunk), and a synchronous step's trees are priced at what such steps measured
+        # runner replays such a step's trees as one graph beside its prompt chunks' pieces (engine/admission.py),
+        # and a synchronous step's trees are priced at what such steps measured
         uniform = self.uniform_trees and all(r.num_tokens - r.num_computed_tokens == 1 for r in self.running)
         chosen, verified = self.one_width(self.running, [self.spec_budget(r, step_budget) for r in self.running],
                                           lambda: [self.budget_cap(r, step_budget) for r in self.running], uniform,

@@ -2,7 +2,8 @@
 read (EngineCore.step), so the host's bookkeeping of step k runs while the device computes step k+1. Two kinds:
   - a plain decoding step after a step that sampled every request without a tree (plain decoding, a root-only
     tree step, or a prompt's last chunk): each request feeds the token the previous step samples for it, gathered
-    on the device (engine.scheduler.schedule_ahead);
+    on the device, and waiting requests that may take a seat join with their prompts' chunks (an admission:
+    engine.scheduler.schedule_ahead);
   - a tree step after any step that sampled every request (decoding, with or without trees, beside prompts' last
     chunks too: an admission), with a drafter that drafts from the device (Speculator.cannot_draft_ahead) and
     under CUDA graphs (an eager step plans attention from exact host lengths): each request's root, root
@@ -90,13 +91,15 @@ class AheadLauncher:
             self.why_not = plan
             return None
         if budgets is not None:  # this step counts for the adaptive budget as a plain one at budget 0
-            # each request's budget is counted before its draft (a tree chosen resets its drafting interval)
-            request_ids = [s.request.request_id for s in plan.seqs]
+            # each request's budget is counted before its draft (a tree chosen resets its drafting interval); the
+            # requests it admits are asked once they decode, as in a synchronous admission
+            decoding = [s for s in plan.seqs if s.num_ahead]
+            request_ids = [s.request.request_id for s in decoding]
             budgets.count_plain(request_ids)
             # a drafter fed by target features drafts a request just past its prompt once the prompt's features
             # reached the host (the step in flight computes them)
             features = bool(self.speculator.capture_layer_ids)
-            for s, drafts in zip(plan.seqs, budgets.drafts_of(request_ids, ahead=True)):
+            for s, drafts in zip(decoding, budgets.drafts_of(request_ids, ahead=True)):
                 req = s.request
                 s.watched = drafts and watch_ahead and not (features and req.num_computed_tokens + 1 < req.num_tokens)
         return self._launch(plan, current, t0)
@@ -133,6 +136,9 @@ class AheadLauncher:
 
     def _launch(self, plan: StepPlan, current: Launched, t0: float) -> Launched | None:
         t_launch = time.perf_counter()
+        now = time.monotonic()
+        for s in plan.seqs:  # an admission's requests
+            s.request.first_scheduled_time = s.request.first_scheduled_time or now
         try:
             step = self.runner.launch(plan, after=current.step)
         except RequestFault:

@@ -10,7 +10,7 @@ from collections.abc import Callable
 import torch
 
 from engine.admission import plan_replays
-from engine.inputs import StepInputs, decode_rows, prepare_inputs, prepare_tree_inputs_ahead
+from engine.inputs import StepInputs, decode_rows, first_position, prepare_inputs, prepare_tree_inputs_ahead
 from engine.plan import ScheduledSeq, StepPlan, StepResult
 from engine.sampler import SampleOutput, Sampler, SamplingBatch
 from engine.speculative.speculator import Proposal, Speculator, TreeBatch, Walk
@@ -86,7 +86,9 @@ class ModelRunner:
         self.staging.reset()  # the buffers of the step before the previous one: its results came back
         if plan.seqs and plan.seqs[0].root_on_device:
             return self._launch_tree_ahead(plan, after)
-        input_ids = after.sampled_tokens([s.request for s in plan.seqs], self.staging) if after else None
+        # the tokens fed from the device, [number of requests scheduled ahead] (an admission's prompts feed theirs)
+        input_ids = after.sampled_tokens([s.request for s in plan.seqs if s.num_ahead], self.staging) if after \
+            else None
         spec = self.speculator
         is_tree = [spec is not None and s.spec_budget > 0 for s in plan.seqs]
         if self.uniform_trees and any(is_tree):  # budget-0 requests ride as root-only trees: one graph shape (beside
@@ -111,7 +113,7 @@ class ModelRunner:
         watched = None
         if spec is not None and self.watch is not None:
             watch = [s for s in plain if _decoding(s)
-                     and (s.watched if s.num_ahead else self.watch(s.request.request_id))]
+                     and (s.watched if s.num_ahead else input_ids is None and self.watch(s.request.request_id))]
             ahead = self._watch_ahead(watch, plain, input_ids, after) if input_ids is not None and watch else None
             watched = (watch, *spec.curves(watch, ahead)) if watch else None
         return self._launch(plain, batch, watched, input_ids, why)
@@ -122,7 +124,7 @@ class ModelRunner:
         their roots (the tokens fed, [M]), root positions (one past their host tokens), one new token each, and
         for a drafter fed by target features the row `after` computed for each ([M, 1, F]: its features reach
         the host only with `after`'s results)."""
-        where = {id(s): i for i, s in enumerate(plain)}
+        where = {id(s): i for i, s in enumerate(s for s in plain if s.num_ahead)}  # its row in input_ids
         index = [where[id(s)] for s in watch]
         # every request watched (the aligned steps' interval drafts): the fed tokens as they are; each torch call
         # here is ~30-40 us of host time on an H100's host, in a step that launches ~30 of them for the drafts
@@ -191,25 +193,29 @@ class ModelRunner:
             if inputs is not None:
                 return self._run(plain, batch, watched, inputs, t1, round_why)
         mixed_why = "mixed step"
-        if shape is None and self.admissions is not None and ahead_ids is None:
-            step = self._launch_admission(plain, batch, watched, t1, round_why)
+        if shape is None and self.admissions is not None:
+            step = self._launch_admission(plain, batch, watched, ahead_ids, t1, round_why)
             if not isinstance(step, str):
                 return step
             mixed_why = step
         pad_to = self.eager_pad_to if (self.graphs is None or shape is None) and ahead_ids is None else 0
         inputs = prepare_inputs(plain, batch, self.block_size, self.device, self.staging, pad_to,
                                 self.dense_prefill_min_tokens)
-        if ahead_ids is not None:
-            inputs.input_ids = ahead_ids
+        if ahead_ids is not None:  # into the rows of the requests scheduled ahead (all of them, but for admissions)
+            first = [r0 for s, (r0, _) in zip(plain, inputs.plain_rows) if s.num_ahead]
+            whole = len(first) == inputs.input_ids.shape[0]
+            inputs.input_ids = ahead_ids if whole else inputs.input_ids.index_copy(0, self.staging(first), ahead_ids)
         return self._run(plain, batch, watched, inputs, t1, round_why, mixed_why)
 
     def _launch_admission(self, plain: list[ScheduledSeq], batch: TreeBatch | None, watched: tuple | None,
-                          t1: float, round_why: str | None) -> PendingStep | str:
+                          ahead_ids: torch.Tensor | None, t1: float, round_why: str | None) -> PendingStep | str:
         """A step of prompt chunks beside decoding requests (all plain, or all trees) as graph replays: the chunks'
         pieces (engine/admission.py), then the decoding rows' own graph; its plain rows are the chunks' then the
-        decoders'. Why not, when it cannot."""
-        prompts = [s for s in plain if not _decoding(s)]
-        decoders = [s for s in plain if _decoding(s)]
+        decoders'. ahead_ids: scheduled ahead, the decoders' tokens (the requests scheduled ahead, in order). Why
+        not, when it cannot."""
+        decoding = [(s.num_ahead > 0) if ahead_ids is not None else _decoding(s) for s in plain]
+        prompts = [s for s, d in zip(plain, decoding) if not d]
+        decoders = [s for s, d in zip(plain, decoding) if d]
         if decoders and batch is not None:
             return "mixed step"
         replays = plan_replays(prompts, self.graphs)
@@ -218,14 +224,14 @@ class ModelRunner:
         tree_inputs = prepare_inputs([], batch, self.block_size, self.device, self.staging) if batch else None
         if batch is not None and self.graphs.bucket(batch.num_requests, batch.width) is None:
             return f"no graph for {batch.num_requests}x{batch.width}"
-        if decoders and self.graphs.bucket(len(decoders), 1, max(s.request.num_tokens for s in decoders)) is None:
+        if decoders and self.graphs.bucket(len(decoders), 1, max(first_position(s) + 1 for s in decoders)) is None:
             return f"no graph for {len(decoders)}x1"
         hidden, layers = self.admissions.run(prompts, replays, self.staging)
         # the decoding rows' replay last: its outputs are the graph's own buffers, read (concatenated) at once
         if batch is not None:
             rest = self.graphs.run(tree_inputs.input_ids, tree_inputs.meta, batch.num_requests, batch.width)
         elif decoders:
-            rest = self.graphs.replay_rows(self._decode_in_graph(decoders, None).graph_key, len(decoders))
+            rest = self.graphs.replay_rows(self._decode_in_graph(decoders, ahead_ids).graph_key, len(decoders))
         if batch is not None or decoders:
             hidden = torch.cat([hidden, rest[0]])
             layers = [torch.cat([a, b]) for a, b in zip(layers, rest[1])]

@@ -172,7 +172,14 @@ class Scheduler:
                 budget -= n + lookahead
                 i += 1
         # 2. admit waiting requests while seats, budget and blocks allow
-        while admits and self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+        if admits:
+            self._admit(plan, budget, step_budget)
+        return plan
+
+    def _admit(self, plan: StepPlan, budget: int, step_budget: int) -> None:
+        """Admits waiting requests into `plan` while seats, the token budget and blocks allow: each feeds its
+        prompt's next chunk (its KV from the prefix cache where it can)."""
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             req = self.waiting[0]
             cached = self.blocks.match_prefix(req)
             n = min(req.num_tokens - req.num_computed_tokens, budget)
@@ -192,17 +199,16 @@ class Scheduler:
             self.running.append(req)
             plan.seqs.append(ScheduledSeq(req, n, sample, nodes))
             budget -= n + lookahead
-        return plan
 
     def schedule_ahead(self, previous: StepPlan) -> StepPlan | str:
         """Asynchronous scheduling: the next step, planned before `previous`'s results reach the host. Only when
-        `previous` sampled every running request without a tree (decoding, or the last chunk of its prompt) and no
-        waiting request may take a seat (admits): each request then decodes the token `previous` samples for it
-        (num_ahead = 1; that token is fed from the device).
+        `previous` sampled every running request without a tree (decoding, or the last chunk of its prompt): each
+        request then decodes the token `previous` samples for it (num_ahead = 1; that token is fed from the
+        device), and waiting requests that may take a seat (admits) join with their prompts' chunks, which the
+        host knows (an admission step, CUDA graphs replaying it beside the decodes: engine/admission.py).
         Requests that certainly finish with that token (max_tokens, the context length) are left out. When
         this does not apply or blocks run out, why not (the next step is then scheduled after the results)."""
-        if self.admits():
-            return "waiting requests"
+        admits = self.admits()
         # a request whose prompt's last chunk ran in `previous` samples its first token there: it decodes like the
         # others (engine.inputs.first_position); one mid-prompt has no token to feed
         decoding = {id(s.request) for s in previous.seqs if s.sample and not s.spec_budget}
@@ -223,6 +229,8 @@ class Scheduler:
                 return "KV blocks"
             plan.seqs.append(ScheduledSeq(req, 1, True, 0, num_ahead=1))
         plan.spec_budgets = [0] * len(plan.seqs)
+        if admits:
+            self._admit(plan, self.config.max_num_batched_tokens - len(plan.seqs), 0)
         return plan if plan.seqs else "every request finishes"
 
     def schedule_ahead_trees(self, previous: StepPlan, budget_of: Callable[[Request], int],

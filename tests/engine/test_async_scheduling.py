@@ -101,35 +101,57 @@ def steps_ahead_while_waiting(core) -> tuple[list[str], list[int]]:
     return seen, count
 
 
+def admission_plans(core) -> dict[str, int]:
+    """Spies on the scheduler: how many of its plans admitted a request, scheduled after their predecessor's
+    results ("synchronous") or ahead of them, filled as the core steps."""
+    counts = {"synchronous": 0, "ahead": 0}
+    schedule, schedule_ahead = core.scheduler.schedule, core.scheduler.schedule_ahead
+
+    def spy_schedule():
+        plan = schedule()
+        counts["synchronous"] += plan.prefix_cache_queries > 0  # prompt tokens of requests admitted by the plan
+        return plan
+
+    def spy_ahead(previous):
+        plan = schedule_ahead(previous)
+        counts["ahead"] += not isinstance(plan, str) and plan.prefix_cache_queries > 0
+        return plan
+
+    core.scheduler.schedule, core.scheduler.schedule_ahead = spy_schedule, spy_ahead
+    return counts
+
+
 @pytest.mark.parametrize("graphs", [False, True])
 def test_a_full_batch_runs_ahead_while_requests_wait(tiny_checkpoints, graphs):
     """A server under load: more requests than seats (max_num_seqs). While every seat is taken the queue cannot
-    join, so the running requests still decode ahead of their predecessor's results; a freed seat makes the next
-    step synchronous, which admits a waiting request at once. Output equals stepping synchronously."""
+    join, so the running requests still decode ahead of their predecessor's results; a freed seat is taken by a
+    step launched ahead too: the queue's head joins with its prompt's chunk (known on the host) beside the
+    running requests' decodes (fed from the device). Output equals stepping synchronously."""
     folder, _ = tiny_checkpoints("llama")
     ps = prompts(6)
     params = [SamplingParams(max_tokens=8 + 3 * i, temperature=0, ignore_eos=True) for i in range(6)]
     ref, _, _ = run(engine(folder, False, graphs, max_num_seqs=2).engine, ps, params)
     core = engine(folder, True, graphs, max_num_seqs=2).engine
     seen, ahead_waiting = steps_ahead_while_waiting(core)
+    admitted = admission_plans(core)
     out, _, ahead = run(core, ps, params)
     assert out == ref
     assert ahead_waiting[0] >= 10, (ahead_waiting, seen)
-    assert "synchronous: waiting requests" in seen  # seats freed: the queue's head admitted after the results
+    assert admitted["ahead"] >= 3 and "synchronous: waiting requests" not in seen, (admitted, seen)
 
 
 def test_seats_freed_apart_are_filled_by_one_admission_step(tiny_checkpoints):
     """--admission-wait-steps: a waiting request takes a free seat only once a seat has been free that many steps,
-    so requests finishing a few steps apart are replaced in one admission step (with real prompts an admission
-    runs eagerly under CUDA graphs, ~9x a decoding step); the steps in between run ahead. The first requests are
-    admitted at once (nothing runs), and output equals admitting at once."""
+    so requests finishing a few steps apart are replaced in one admission step (each costs its prompt pieces'
+    replays beside the decoding step); the steps in between run ahead. The first requests are admitted at once
+    (nothing runs), and output equals admitting at once."""
     folder, _ = tiny_checkpoints("llama")
     ps = prompts(10)
     params = [SamplingParams(max_tokens=6 + 2 * i, temperature=0, ignore_eos=True) for i in range(10)]
 
-    def admissions(wait: int) -> tuple[list[list[int]], list[str], list[int]]:
+    def admissions(wait: int) -> tuple[list[list[int]], int, list[int]]:
         core = engine(folder, True, True, max_num_seqs=4, admission_wait_steps=wait).engine
-        seen, _ = steps_ahead_while_waiting(core)
+        admitted = admission_plans(core)
         running, step = [], core.step
 
         def spy():
@@ -139,13 +161,12 @@ def test_seats_freed_apart_are_filled_by_one_admission_step(tiny_checkpoints):
 
         core.step = spy
         out, _, _ = run(core, ps, params)
-        return out, seen, running
+        return out, admitted["synchronous"] + admitted["ahead"], running
 
-    at_once, seen_at_once, _ = admissions(0)
-    out, seen, running = admissions(3)
+    at_once, steps_at_once, _ = admissions(0)
+    out, steps, running = admissions(3)
     assert out == at_once
-    admitted = seen.count("synchronous: waiting requests")
-    assert 0 < admitted < seen_at_once.count("synchronous: waiting requests"), (seen, seen_at_once)
+    assert 1 < steps < steps_at_once, (steps, steps_at_once)  # the first admission, then fewer
     assert min(running[:3]) == 4 and min(running) < 4  # the first four at once; later seats stayed free a while
     with pytest.raises(ValueError, match="admission_wait_steps"):
         EngineConfig(admission_wait_steps=-1)
@@ -193,9 +214,12 @@ def test_a_step_run_ahead_for_finished_requests_reports_nothing(tiny_checkpoints
         core.step()
     core.abort(rid)  # the step in flight was launched for it
     assert not core.has_unfinished() and core.inflight is not None
-    core.add_request(prompts(2)[1], SamplingParams(max_tokens=2, temperature=0, ignore_eos=True))
+    rid2 = core.add_request(prompts(2)[1], SamplingParams(max_tokens=2, temperature=0, ignore_eos=True))
     assert core.step() == [] and core.last_stats is None  # the dropped step: no deltas, no step statistics
-    assert core.inflight is None
+    # the request that arrived meanwhile was admitted by a step launched ahead of the dropped one
+    assert [s.request.request_id for s in core.inflight.plan.seqs] == [rid2]
+    tokens = [t for _ in range(3) for d in core.step() for t in d.new_token_ids]
+    assert len(tokens) == 2 and not core.has_unfinished()
 
 
 def test_stop_tokens_and_seeded_sampling_equal_synchronous_steps(tiny_checkpoints):
@@ -250,6 +274,7 @@ def test_abort_and_arrival_while_a_step_is_in_flight(tiny_checkpoints):
 def test_each_step_says_why_it_did_not_run_ahead(tiny_checkpoints):
     folder, _ = tiny_checkpoints("llama")
     core = engine(folder, True).engine
+    admitted = admission_plans(core)
     sp = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
     core.add_request(prompts(1)[0], sp)
     seen = []
@@ -262,7 +287,8 @@ def test_each_step_says_why_it_did_not_run_ahead(tiny_checkpoints):
         if core.last_stats is not None:
             seen.append(core.last_stats.scheduling)
     assert seen[1] == "ahead" and seen[2] == "ahead"  # the step after the prompt runs ahead: it feeds its token
-    assert "synchronous: waiting requests" in seen
+    assert admitted == {"synchronous": 1, "ahead": 1}  # the request that arrived joined a step launched ahead
+    assert all(s == "ahead" or s.startswith("synchronous: ") for s in seen[1:]), seen
 
 
 @pytest.mark.parametrize("kind", ["penalty", "grammar"])

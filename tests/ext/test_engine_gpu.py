@@ -504,8 +504,9 @@ def test_drafting_first_on_cuda_equals_plain_decoding(tiny_checkpoints, plain_cu
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
 def test_admission_steps_replay_prompt_pieces_on_cuda_like_eager_steps(tiny_checkpoints, family):
     """Prompt chunks admitted beside decoding requests replay as causal pieces of the prompt buckets (a 300-token
-    prompt in two replays of 257 rows) and emit what eager steps emit: greedy, seeded sampling at T = 0.8 with
-    top-p and logprobs, and with DDTree trees replayed beside the pieces."""
+    prompt in two replays of 257 rows), launched ahead of the previous step's results (the decoders' tokens fed
+    from the device), and emit what eager synchronous steps emit: greedy, seeded sampling at T = 0.8 with top-p
+    and logprobs, and with DDTree trees replayed beside the pieces."""
     folder, _ = tiny_checkpoints(family)
     g = torch.Generator().manual_seed(5)
     lengths = [int(torch.randint(3, 120, (1,), generator=g)) for _ in range(8)] + [300]
@@ -514,10 +515,10 @@ def test_admission_steps_replay_prompt_pieces_on_cuda_like_eager_steps(tiny_chec
     params += [SamplingParams(max_tokens=8 + 3 * i, temperature=0.8, top_p=0.9, seed=i, logprobs=2, ignore_eos=True)
                for i in range(len(ps))]
     common = dict(dtype="fp32", device="cuda", max_num_seqs=3)
-    eager = LLM(folder, enforce_eager=True, **common)
+    eager = LLM(folder, enforce_eager=True, async_scheduling=False, **common)
     want = eager.generate(ps * 2, params)
-    out, modes = step_modes(LLM(folder, **common), ps * 2, params)
-    assert out == [o.token_ids for o in want] and "replay: admission" in modes, modes
+    out, steps, _ = step_through(LLM(folder, **common), ps * 2, params)
+    assert out == [o.token_ids for o in want] and ("replay: admission", "ahead") in steps, steps
     greedy_ref = [o.token_ids for o in want[:len(ps)]]
     oracle = OracleDrafter(golden_lookup([(p + r, len(p)) for p, r in zip(ps, greedy_ref)]), 1000, horizon=HORIZON,
                            noise=0.3, noise_rank=2, seed=3)

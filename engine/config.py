@@ -79,10 +79,8 @@ class EngineConfig:
     max_num_seqs: int = opt(64, "requests running in the engine at once")
     admission_wait_steps: int = opt(0, "a waiting request takes a free seat only once a seat has been free this "
                                        "many steps (or nothing runs), so seats freed a few steps apart are filled "
-                                       "by one admission step: under asynchronous scheduling on CUDA an admission "
-                                       "is a synchronous step, run eagerly when it prefills a prompt (11-15 ms "
-                                       "against 1.3 for a decoding step at batch 64 with the embedded model on an "
-                                       "H100); 0 = at once")
+                                       "by one admission step (on CUDA its prompts' pieces replay beside the "
+                                       "decoding step); 0 = at once")
     max_num_batched_tokens: int | None = opt(None, "token budget of one engine step (prefill chunks + decodes + "
                                                    "tree rows; default: 8192 on CUDA, as vLLM's server, 2048 on "
                                                    "CPU)")

@@ -44,11 +44,11 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def admits(self) -> bool:
-        """Whether a waiting request may take a seat now (fewer than max_num_seqs running). Such a step is
-        scheduled after its predecessor's results, so the request is admitted at once; while every seat is taken
-        the waiting requests cannot join and the running ones may decode ahead (a server under load keeps its
-        queue non-empty: refusing then would make every step synchronous). With --admission-wait-steps a seat
-        is taken only once one has been free that many steps, or when nothing runs."""
+        """Whether a waiting request may take a seat now (fewer than max_num_seqs running): it joins the next
+        step, scheduled ahead of its predecessor's results when that step could be (schedule_ahead; a tree step
+        cannot admit: it is then scheduled after them). While every seat is taken the waiting requests cannot join
+        and the running ones decode ahead. With --admission-wait-steps a seat is taken only once one has been
+        free that many steps, or when nothing runs."""
         if not self.waiting or len(self.running) >= self.config.max_num_seqs:
             return False
         return not self.running or self.steps_seat_free >= self.config.admission_wait_steps

@@ -43,11 +43,19 @@ def plan_replays(prompts: list[ScheduledSeq], graphs: CudaGraphs) -> list[list[P
             if j == len(rounds):
                 rounds.append([])
             rounds[j].append(Piece(i, offset, min(widest, s.num_new_tokens - offset)))
-    replays = [r[k:k + PROMPT_SEQS] for r in rounds for k in range(0, len(r), PROMPT_SEQS)]
+    replays: list[list[Piece]] = []
+    for pieces in rounds:  # a round's pieces, as many a replay as a captured bucket holds
+        for p in pieces:
+            group = replays[-1] if replays and replays[-1][0].offset == p.offset else None
+            if group and len(group) < PROMPT_SEQS and \
+                    graphs.prompt_bucket(len(group) + 1, max(p.length, *(q.length for q in group))) is not None:
+                group.append(p)
+            elif graphs.prompt_bucket(1, p.length) is None:
+                return "no prompt graph for the step's pieces"
+            else:
+                replays.append([p])
     if len(replays) > MAX_REPLAYS:
         return f"prompt chunks beyond {MAX_REPLAYS} replays"
-    if any(graphs.prompt_bucket(len(r), max(p.length for p in r)) is None for r in replays):
-        return "no prompt graph for the step's pieces"
     return replays
 
 

@@ -85,3 +85,8 @@ def test_pieces_of_a_chunk_replay_in_order_and_share_replays():
     assert plan_replays(long, graphs) == f"prompt chunks beyond {admission.MAX_REPLAYS} replays"
     assert plan_replays(prompts, SimpleNamespace(prompt_widths=[5, 9], prompt_bucket=lambda n, w: None)) \
         == "no prompt graph for the step's pieces"
+    # buckets of at most 18 rows (a small --max-num-batched-tokens): a round's pieces split over more replays
+    small = SimpleNamespace(prompt_widths=[5, 9], prompt_bucket=lambda n, w: (n, w) if n * (5 if w <= 5 else 9) <= 18
+                            else None)
+    assert plan_replays(prompts, small) == [[Piece(0, 0, 9), Piece(1, 0, 3)], [Piece(2, 0, 9), Piece(3, 0, 9)],
+                                            [Piece(0, 9, 9), Piece(3, 9, 1)], [Piece(0, 18, 2)]]

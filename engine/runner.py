@@ -188,6 +188,12 @@ class ModelRunner:
                 ahead_ids: torch.Tensor | None, round_why: str | None = None) -> PendingStep:
         t1 = time.perf_counter()
         shape = _uniform_shape(plain, batch)  # None: a mixed step, never one graph replay
+        if ahead_ids is not None and shape is not None and ahead_ids.shape[0] < len(plain):
+            # an admission launched ahead whose prompts need one row each (their prefixes cached): every row
+            # decodes, the admitted ones their prompt's last token, from the host
+            ids = self.staging(decode_rows(plain, self.block_size)[0])
+            fed = self.staging([i for i, s in enumerate(plain) if s.num_ahead])
+            ahead_ids = ids.index_copy(0, fed, ahead_ids)
         if batch is None and shape is not None and self.graphs is not None:  # plain decoding: N requests x 1 row
             inputs = self._decode_in_graph(plain, ahead_ids)
             if inputs is not None:
@@ -201,10 +207,11 @@ class ModelRunner:
         pad_to = self.eager_pad_to if (self.graphs is None or shape is None) and ahead_ids is None else 0
         inputs = prepare_inputs(plain, batch, self.block_size, self.device, self.staging, pad_to,
                                 self.dense_prefill_min_tokens)
-        if ahead_ids is not None:  # into the rows of the requests scheduled ahead (all of them, but for admissions)
+        if ahead_ids is not None and ahead_ids.shape[0] == inputs.input_ids.shape[0]:  # every row fed from there
+            inputs.input_ids = ahead_ids
+        elif ahead_ids is not None:  # into the rows of the requests scheduled ahead (an admission's prompts beside)
             first = [r0 for s, (r0, _) in zip(plain, inputs.plain_rows) if s.num_ahead]
-            whole = len(first) == inputs.input_ids.shape[0]
-            inputs.input_ids = ahead_ids if whole else inputs.input_ids.index_copy(0, self.staging(first), ahead_ids)
+            inputs.input_ids = inputs.input_ids.index_copy(0, self.staging(first), ahead_ids)
         return self._run(plain, batch, watched, inputs, t1, round_why, mixed_why)
 
     def _launch_admission(self, plain: list[ScheduledSeq], batch: TreeBatch | None, watched: tuple | None,

@@ -140,6 +140,30 @@ def test_a_full_batch_runs_ahead_while_requests_wait(tiny_checkpoints, graphs):
     assert admitted["ahead"] >= 3 and "synchronous: waiting requests" not in seen, (admitted, seen)
 
 
+@pytest.mark.parametrize("graphs", [False, True])
+def test_admissions_ahead_of_prompts_served_by_the_prefix_cache(tiny_checkpoints, graphs):
+    """One prompt for all (its blocks cached after the first): an admitted request computes only its prompt's last
+    token, a decoding-shaped row whose token comes from the host beside the running requests' tokens fed from the
+    device; output equals stepping synchronously."""
+    folder, _ = tiny_checkpoints("llama")
+    ps = [prompts(1)[0][:1] * 33] * 6  # two full blocks of 16 cached, then one token
+    params = [SamplingParams(max_tokens=6 + 3 * i, temperature=0, ignore_eos=True) for i in range(6)]
+    ref, _, _ = run(engine(folder, False, graphs, max_num_seqs=2, block_size=16).engine, ps, params)
+    core = engine(folder, True, graphs, max_num_seqs=2, block_size=16).engine
+    plans, schedule_ahead = [], core.scheduler.schedule_ahead
+
+    def spy(previous):
+        plan = schedule_ahead(previous)
+        plans.append(plan)
+        return plan
+
+    core.scheduler.schedule_ahead = spy
+    out, _, _ = run(core, ps, params)
+    assert out == ref
+    one_row = [s for p in plans if not isinstance(p, str) for s in p.seqs if not s.num_ahead]
+    assert one_row and all(s.num_new_tokens == 1 for s in one_row), one_row
+
+
 def test_seats_freed_apart_are_filled_by_one_admission_step(tiny_checkpoints):
     """--admission-wait-steps: a waiting request takes a free seat only once a seat has been free that many steps,
     so requests finishing a few steps apart are replaced in one admission step (each costs its prompt pieces'

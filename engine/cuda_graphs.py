@@ -14,9 +14,9 @@ length), so a replay serves any lengths. Plain decoding (W = 1) is captured twic
 SHORT_CONTEXT and up to max_model_len: the short capacity plans at most 8 KV splits, which combine inside the
 attention launch (ext/csrc/attention_mma.cuh, sm_90 clusters) instead of a second kernel.
 
-Prompt buckets (PROMPT_WIDTHS x up to PROMPT_SEQS requests) are captured beside those for admission steps:
-their prompt chunks replay as causal pieces (engine/admission.py). A bucket's key is (requests, rows each,
-context capacity); prompt buckets that coincide with verify buckets are one graph.
+Prompt buckets (one request of PROMPT_WIDTHS rows) are captured beside those for admission steps: their prompt
+chunks replay as causal pieces (engine/admission.py). A bucket's key is (requests, rows each, context capacity);
+prompt buckets that coincide with verify buckets are one graph.
 
 Graphs run only where they can: CUDA, no --enforce-eager, models without host-synchronizing layers (MoE layers
 qualify when their grouped-GEMM dispatch serves the device and dtype), steps of decoding requests, and admission
@@ -41,10 +41,9 @@ BATCH_SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384,
 # a graph's capacity, and at most 8 splits (a capacity this short) combine inside one launch on sm_90
 SHORT_CONTEXT = 1024
 WIDTHS = (1, 2, 3, 5, 9, 17, 33, 65, 129, 257)  # verify rows per request (budget + 1); 1 = plain decoding
-# admission steps (engine/admission.py): prompt chunks run as causal pieces of these many rows, up to PROMPT_SEQS
-# prompts a replay; a chain is a tree, so they are verify-layout buckets with a causal mask
+# admission steps (engine/admission.py): prompt chunks run as causal pieces of up to these many rows, one piece a
+# replay; a chain is a tree, so they are verify-layout buckets of one request with a causal mask
 PROMPT_WIDTHS = (17, 65, 257)
-PROMPT_SEQS = 8
 
 
 def bucket_of(values: tuple[int, ...], n: int) -> int | None:
@@ -107,8 +106,7 @@ class CudaGraphs:
         self.buckets = [(n, w, c) for w in self.widths for n in self.batch_sizes if n * w <= max_tokens
                         for c in (self.contexts if w == 1 else [max_model_len])]
         self.prompt_widths = [w for w in PROMPT_WIDTHS if w <= max_tokens]
-        self.prompt_buckets = [(n, w, max_model_len) for w in self.prompt_widths for n in self.batch_sizes
-                               if n <= PROMPT_SEQS and n * w <= max_tokens]
+        self.prompt_buckets = [(1, w, max_model_len) for w in self.prompt_widths]
         every_width = sorted({*self.widths, *self.prompt_widths})
         rows = max((n * w for n, w, _ in self.buckets + self.prompt_buckets), default=1)
         seqs = max(self.batch_sizes, default=1)
@@ -183,11 +181,10 @@ class CudaGraphs:
         key = (n, w, next((c for c in self.contexts if short and max_seq_len <= c + w), self.max_model_len))
         return key if key in self.graphs else None
 
-    def prompt_bucket(self, num_seqs: int, width: int) -> tuple[int, int, int] | None:
-        """The prompt bucket for num_seqs prompt pieces of at most `width` rows, or None."""
-        n, w = bucket_of(tuple(self.batch_sizes), num_seqs), bucket_of(tuple(self.prompt_widths), width)
-        key = (n, w, self.max_model_len)
-        return key if n is not None and w is not None and key in self.graphs else None
+    def prompt_bucket(self, width: int) -> tuple[int, int, int] | None:
+        """The prompt bucket for a prompt piece of `width` rows, or None."""
+        w = bucket_of(tuple(self.prompt_widths), width)
+        return (1, w, self.max_model_len) if w is not None else None
 
     def run(self, input_ids: torch.Tensor, meta: AttentionMetadata, num_seqs: int, width: int,
             key: tuple[int, int, int] | None = None) -> tuple[torch.Tensor, list[torch.Tensor]] | None:

@@ -225,6 +225,8 @@ class ModelRunner:
         decoders = [s for s, d in zip(plain, decoding) if d]
         if decoders and batch is not None:
             return "mixed step"
+        if self.dense_prefill_min_tokens and any(s.num_new_tokens >= self.dense_prefill_min_tokens for s in prompts):
+            return "prompt chunks for dense prefill"  # --dense-prefill-min-tokens routes them (eager)
         replays = plan_replays(prompts, self.graphs)
         if isinstance(replays, str):
             return replays

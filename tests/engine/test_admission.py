@@ -1,6 +1,6 @@
 """Admission steps as graph replays (engine/admission.py), on the CPU with the graph layout emulated (the same
 static buffers and padding, run eagerly): prompt chunks beside decoding requests run as causal pieces of the
-prompt buckets, chunks longer than the widest one in several replays, and the output equals an engine without
+prompt buckets, one a replay, chunks longer than the widest one in several, and the output equals an engine without
 graphs, greedy and seeded, with plain decoding and with DDTree trees beside the pieces. The GPU test replays
 real graphs (tests/ext/test_engine_gpu.py)."""
 from __future__ import annotations
@@ -18,10 +18,10 @@ from tests.speculative.test_ddtree_e2e import golden_lookup
 
 
 def staggered(n: int, seed: int = 0) -> tuple[list[list[int]], list[int]]:
-    """n distinct prompts of 3..40 tokens (one of 60: past MAX_REPLAYS pieces of 9) and output lengths 4..24:
+    """n distinct prompts of 3..40 tokens (one of 80: past MAX_REPLAYS pieces of 9) and output lengths 4..24:
     behind 3 seats, requests finish apart and admissions run beside decoding ones."""
     g = torch.Generator().manual_seed(seed)
-    lengths = [int(torch.randint(3, 40, (1,), generator=g)) for _ in range(n - 1)] + [60]
+    lengths = [int(torch.randint(3, 40, (1,), generator=g)) for _ in range(n - 1)] + [80]
     ps = [torch.randint(0, 1000, (k,), generator=g).tolist() for k in lengths]
     return ps, [int(torch.randint(4, 25, (1,), generator=g)) for _ in range(n)]
 
@@ -73,20 +73,11 @@ def test_trees_beside_prompt_pieces_equal_plain_greedy(tiny_checkpoints, narrow_
     assert "replay: admission" in modes and any(launched), (modes, launched)  # trees replayed beside pieces
 
 
-def test_pieces_of_a_chunk_replay_in_order_and_share_replays():
-    graphs = SimpleNamespace(prompt_widths=[5, 9], prompt_bucket=lambda n, w: (n, w, 0))
-    prompts = [SimpleNamespace(num_new_tokens=k) for k in (20, 3, 9, 10)]
-    replays = plan_replays(prompts, graphs)
-    assert replays == [[Piece(0, 0, 9), Piece(1, 0, 3), Piece(2, 0, 9), Piece(3, 0, 9)],
-                       [Piece(0, 9, 9), Piece(3, 9, 1)], [Piece(0, 18, 2)]]
-    many = [SimpleNamespace(num_new_tokens=4)] * (cuda_graphs.PROMPT_SEQS + 1)
-    assert [len(r) for r in plan_replays(many, graphs)] == [cuda_graphs.PROMPT_SEQS, 1]
+def test_each_piece_of_a_chunk_replays_in_order():
+    graphs = SimpleNamespace(prompt_widths=[5, 9])
+    prompts = [SimpleNamespace(num_new_tokens=k) for k in (20, 3, 9)]
+    assert plan_replays(prompts, graphs) == [Piece(0, 0, 9), Piece(0, 9, 9), Piece(0, 18, 2), Piece(1, 0, 3),
+                                             Piece(2, 0, 9)]
     long = [SimpleNamespace(num_new_tokens=9 * admission.MAX_REPLAYS + 1)]
     assert plan_replays(long, graphs) == f"prompt chunks beyond {admission.MAX_REPLAYS} replays"
-    assert plan_replays(prompts, SimpleNamespace(prompt_widths=[5, 9], prompt_bucket=lambda n, w: None)) \
-        == "no prompt graph for the step's pieces"
-    # buckets of at most 18 rows (a small --max-num-batched-tokens): a round's pieces split over more replays
-    small = SimpleNamespace(prompt_widths=[5, 9], prompt_bucket=lambda n, w: (n, w) if n * (5 if w <= 5 else 9) <= 18
-                            else None)
-    assert plan_replays(prompts, small) == [[Piece(0, 0, 9), Piece(1, 0, 3)], [Piece(2, 0, 9), Piece(3, 0, 9)],
-                                            [Piece(0, 9, 9), Piece(3, 9, 1)], [Piece(0, 18, 2)]]
+    assert plan_replays(prompts, SimpleNamespace(prompt_widths=[])) == "no prompt graphs"

@@ -124,7 +124,8 @@ def test_fp8_checkpoint_runs_fp8_gemms_close_to_its_bf16_dequantization(pair, re
     calls = [0]
     hooks = [m.register_forward_hook(lambda *_: calls.__setitem__(0, calls[0] + 1)) for m in modules]
     compared = assert_close_to_reference(greedy_paths(llm, MAX_TOKENS), reference)
-    assert calls[0] > 0  # eager steps (every prefill; every step with enforce_eager) ran the FP8 modules
+    if enforce_eager:  # (with graphs every step replays, admissions too: the FP8 modules run inside the graphs)
+        assert calls[0] > 0
     assert compared > 2 * len(reference)  # decode steps compared too (graph replays unless enforce_eager)
     for h in hooks:
         h.remove()

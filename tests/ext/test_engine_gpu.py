@@ -525,3 +525,20 @@ def test_admission_steps_replay_prompt_pieces_on_cuda_like_eager_steps(tiny_chec
     spec = LLM(folder, drafter=oracle, spec_budget=8, adaptive=False, **common)
     out, modes = step_modes(spec, ps, params[:len(ps)])
     assert out == greedy_ref and "replay: admission" in modes, modes
+
+
+def test_seeded_request_alone_equals_choice_0_beside_a_twin_in_bf16(tiny_checkpoints):
+    """bf16 under CUDA graphs: a seeded request whose prompt's tail (past its cached blocks) is admitted alone
+    samples what it samples admitted beside a twin (what n = 2 does): each prompt piece replays on its own, so
+    its rows run through the same kernels whatever else the step admits (engine/admission.py)."""
+    folder, _ = tiny_checkpoints("llama")
+    prompt = torch.randint(0, 1000, (37,), generator=torch.Generator().manual_seed(1)).tolist()  # 5 past 2 blocks
+    llm = LLM(folder, dtype="bf16", device="cuda")
+    llm.generate([prompt], SamplingParams(max_tokens=4, temperature=0))  # its two full blocks cached
+
+    def sp(seed):
+        return SamplingParams(max_tokens=48, temperature=1.0, top_p=0.9, seed=seed, ignore_eos=True)
+
+    alone = llm.generate([prompt], sp(7))[0].token_ids
+    assert llm.generate([prompt], sp(7))[0].token_ids == alone
+    assert llm.generate([prompt, prompt], [sp(7), sp(8)])[0].token_ids == alone

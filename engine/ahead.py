@@ -136,9 +136,6 @@ class AheadLauncher:
 
     def _launch(self, plan: StepPlan, current: Launched, t0: float) -> Launched | None:
         t_launch = time.perf_counter()
-        now = time.monotonic()
-        for s in plan.seqs:  # an admission's requests
-            s.request.first_scheduled_time = s.request.first_scheduled_time or now
         try:
             step = self.runner.launch(plan, after=current.step)
         except RequestFault:

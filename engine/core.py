@@ -330,9 +330,6 @@ class EngineCore:
         if not plan.seqs:
             self.last_stats = None
             return None
-        now = time.monotonic()
-        for s in plan.seqs:
-            s.request.first_scheduled_time = s.request.first_scheduled_time or now
         schedule_time = time.perf_counter() - t0
         t_launch = time.perf_counter()
         try:

@@ -188,12 +188,6 @@ class ModelRunner:
                 ahead_ids: torch.Tensor | None, round_why: str | None = None) -> PendingStep:
         t1 = time.perf_counter()
         shape = _uniform_shape(plain, batch)  # None: a mixed step, never one graph replay
-        if ahead_ids is not None and shape is not None and ahead_ids.shape[0] < len(plain):
-            # an admission launched ahead whose prompts need one row each (their prefixes cached): every row
-            # decodes, the admitted ones their prompt's last token, from the host
-            ids = self.staging(decode_rows(plain, self.block_size)[0])
-            fed = self.staging([i for i, s in enumerate(plain) if s.num_ahead])
-            ahead_ids = ids.index_copy(0, fed, ahead_ids)
         if batch is None and shape is not None and self.graphs is not None:  # plain decoding: N requests x 1 row
             inputs = self._decode_in_graph(plain, ahead_ids)
             if inputs is not None:
@@ -230,11 +224,11 @@ class ModelRunner:
         replays = plan_replays(prompts, self.graphs)
         if isinstance(replays, str):
             return replays
-        tree_inputs = prepare_inputs([], batch, self.block_size, self.device, self.staging) if batch else None
         if batch is not None and self.graphs.bucket(batch.num_requests, batch.width) is None:
             return f"no graph for {batch.num_requests}x{batch.width}"
         if decoders and self.graphs.bucket(len(decoders), 1, max(first_position(s) + 1 for s in decoders)) is None:
             return f"no graph for {len(decoders)}x1"
+        tree_inputs = prepare_inputs([], batch, self.block_size, self.device, self.staging) if batch else None
         hidden, layers = self.admissions.run(prompts, replays, self.staging)
         # the decoding rows' replay last: its outputs are the graph's own buffers, read (concatenated) at once
         if batch is not None:
@@ -257,6 +251,11 @@ class ModelRunner:
         """A plain decoding step's inputs written straight into its graph's static buffers (CudaGraphs.
         write_decode: fewer copies and no device tensors in between); None when no graph holds the step."""
         ids, positions, slots, seq_lens = decode_rows(plain, self.block_size)
+        if ahead_ids is not None and ahead_ids.shape[0] < len(plain):
+            # an admission launched ahead whose prompts need one row each (their prefixes cached): their prompts'
+            # last tokens from the host, the others' tokens from the device
+            fed = self.staging([i for i, s in enumerate(plain) if s.num_ahead])
+            ahead_ids = self.staging(ids).index_copy(0, fed, ahead_ids)
         key = self.graphs.write_decode(ahead_ids if ahead_ids is not None else ids, positions, slots, seq_lens,
                                        [s.request.block_ids for s in plain], self.staging)
         if key is None:

@@ -4,6 +4,7 @@ chunked prefill and decode share one loop. When blocks run out the newest runnin
 recompute (its KV dropped, it re-queues at the front)."""
 from __future__ import annotations
 
+import time
 from collections import deque
 from typing import Callable
 
@@ -196,6 +197,7 @@ class Scheduler:
                 plan.prefix_cache_hits += cached
             self.waiting.popleft()
             req.status = Status.RUNNING
+            req.first_scheduled_time = req.first_scheduled_time or time.monotonic()  # queue time ends (metrics)
             self.running.append(req)
             plan.seqs.append(ScheduledSeq(req, n, sample, nodes))
             budget -= n + lookahead

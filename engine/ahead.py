@@ -126,11 +126,11 @@ class AheadLauncher:
         if isinstance(plan, str):
             self.why_not = plan
             return None
-        if self.runner.graphs.bucket(len(plan.seqs), max(plan.spec_budgets) + 1) is None:
+        if self.runner.graphs.bucket(len(plan.spec_budgets), max(plan.spec_budgets) + 1) is None:  # (the trees)
             self.why_not = "no graph for the tree step"
             return None
         if budgets is not None:  # counted now (the same answers as the dry run: the same clock)
-            for s in plan.seqs:
+            for s in plan.seqs[:len(plan.spec_budgets)]:  # (those it admits are asked once they decode)
                 budgets.budget(s.request.request_id, ahead=True)
         return self._launch(plan, current, t0)
 

@@ -103,12 +103,30 @@ class PendingStep:
         index = stage([where[id(r)] for r in requests])
         return tuple(v[index] for v in values)
 
+    def watch_inputs(self, watch: list[ScheduledSeq], plain: list[ScheduledSeq], input_ids: torch.Tensor,
+                     stage: Staging, features: bool) -> tuple:
+        """What a drafter drafting from the device needs for the watched requests of a plain step scheduled ahead
+        of this one's results: their roots (the tokens fed, input_ids: one per request of `plain` scheduled ahead;
+        [M]), root positions (one past their host tokens), one new token each, and with `features` (a drafter fed
+        by target features) the row this step computed for each ([M, 1, F]: its features reach the host only with
+        this step's results)."""
+        where = {id(s): i for i, s in enumerate(s for s in plain if s.num_ahead)}  # its row in input_ids
+        index = [where[id(s)] for s in watch]
+        # every request watched (the aligned steps' interval drafts): the fed tokens as they are; each torch call
+        # here is ~30-40 us of host time on an H100's host, in a step that launches ~30 of them for the drafts
+        whole = index == list(range(input_ids.shape[0]))
+        roots = input_ids if whole else input_ids[stage(index)]
+        positions, num_new = stage.pack([[s.request.num_tokens for s in watch], [1] * len(watch)])
+        feats = self.accepted_features([s.request for s in watch], stage) if features else None
+        return roots, positions, num_new, feats, roots[:, None]
+
     def sampled_tokens(self, requests: list, stage: Staging) -> torch.Tensor:
         """[len(requests)] int64 on the device: the token this step samples for each of these requests (a plain
         decoding step's rows, or a root-only tree step's bonus tokens), for a step scheduled ahead of this one's
         results."""
-        if self.is_tree_step:
-            return self._per_request(requests, stage, (self.walk.emitted[:, 0],))[0]
+        if self.batch is not None:  # root-only trees (an admission's prompts' first tokens beside them)
+            plain = (self.out.tokens[:len(self.sampling)],) if self.sampling else None
+            return self._per_request(requests, stage, (self.walk.emitted[:, 0],), plain)[0]
         if len(requests) <= len(self.sampling) and all(r is q for r, (q, _) in zip(requests, self.sampling)):
             return self.out.tokens[:len(requests)]  # the same requests in the same order (the usual case): a view
         where = {id(req): i for i, (req, _) in enumerate(self.sampling)}

@@ -9,10 +9,11 @@ import time
 from collections.abc import Callable
 import torch
 
-from engine.admission import plan_replays
+from engine.admission import Piece, plan_replays
 from engine.inputs import StepInputs, decode_rows, first_position, prepare_inputs, prepare_tree_inputs_ahead
 from engine.plan import ScheduledSeq, StepPlan, StepResult
 from engine.sampler import SampleOutput, Sampler, SamplingBatch
+from engine.structured import step_grammar_masks
 from engine.speculative.speculator import Proposal, Speculator, TreeBatch, Walk
 from engine.pending import PendingStep
 from engine.staging import Staging
@@ -114,26 +115,10 @@ class ModelRunner:
         if spec is not None and self.watch is not None:
             watch = [s for s in plain if _decoding(s)
                      and (s.watched if s.num_ahead else input_ids is None and self.watch(s.request.request_id))]
-            ahead = self._watch_ahead(watch, plain, input_ids, after) if input_ids is not None and watch else None
+            ahead = after.watch_inputs(watch, plain, input_ids, self.staging, bool(spec.capture_layer_ids)) \
+                if input_ids is not None and watch else None
             watched = (watch, *spec.curves(watch, ahead)) if watch else None
         return self._launch(plain, batch, watched, input_ids, why)
-
-    def _watch_ahead(self, watch: list[ScheduledSeq], plain: list[ScheduledSeq], input_ids: torch.Tensor,
-                     after: PendingStep) -> tuple:
-        """What a drafter drafting from the device needs for watched requests of a plain step scheduled ahead:
-        their roots (the tokens fed, [M]), root positions (one past their host tokens), one new token each, and
-        for a drafter fed by target features the row `after` computed for each ([M, 1, F]: its features reach
-        the host only with `after`'s results)."""
-        where = {id(s): i for i, s in enumerate(s for s in plain if s.num_ahead)}  # its row in input_ids
-        index = [where[id(s)] for s in watch]
-        # every request watched (the aligned steps' interval drafts): the fed tokens as they are; each torch call
-        # here is ~30-40 us of host time on an H100's host, in a step that launches ~30 of them for the drafts
-        whole = index == list(range(input_ids.shape[0]))
-        roots = input_ids if whole else input_ids[self.staging(index)]
-        positions, num_new = self.staging.pack([[s.request.num_tokens for s in watch], [1] * len(watch)])
-        feats = after.accepted_features([s.request for s in watch], self.staging) \
-            if self.speculator.capture_layer_ids else None
-        return roots, positions, num_new, feats, roots[:, None]
 
     def _round_plan(self, proposal: Proposal) -> tuple[str | None, str]:
         """A step of only trees as a whole-round graph (engine/round_graphs.py): (its epilogue variant, "") or
@@ -163,7 +148,8 @@ class ModelRunner:
         decoding step, tree or plain) has reported: each request's root is the token `after` emits last for it
         and its root position is past `after`'s tokens, all on the device
         (engine.inputs.prepare_tree_inputs_ahead)."""
-        seqs = plan.seqs
+        seqs = [s for s in plan.seqs if s.root_on_device]
+        prompts = [s for s in plan.seqs if not s.root_on_device]  # admitted ahead: their prompts' chunks
         requests = [s.request for s in seqs]
         roots, starts, num_new, emitted_ids = after.successors(requests, self.staging)
         # a drafter fed by target features takes the accepted rows' from the device
@@ -171,7 +157,7 @@ class ModelRunner:
         drafted = [s.spec_budget > 0 or self.watch is None or self.watch(s.request.request_id, ahead=True)
                    for s in seqs]
         proposal = self.speculator.propose(seqs, drafted, ahead=(roots, starts, num_new, feats, emitted_ids))
-        variant, why = self._round_plan(proposal)
+        variant, why = self._round_plan(proposal) if not prompts else (None, "admission")
         if variant is not None:
             return self._launch_round(proposal, variant)
         batch = self.speculator.build(proposal)
@@ -182,6 +168,11 @@ class ModelRunner:
         t1 = time.perf_counter()
         inputs = prepare_tree_inputs_ahead(batch, max_starts, self.block_size, self.staging,
                                            self.dense_prefill_min_tokens)
+        if prompts:  # the chunks' replays (or one eager forward), then the trees' verify replay
+            replays = self._replays(prompts)
+            first = self._prompt_forward(prompts, replays)
+            rest = self._forward((batch.num_requests, batch.width), inputs)[:2]
+            return self._run_beside(prompts, [], batch, None, first, rest, inputs, t1, why)
         return self._run(plain=[], batch=batch, watched=None, inputs=inputs, t1=t1, round_why=why)
 
     def _launch(self, plain: list[ScheduledSeq], batch: TreeBatch | None, watched: tuple | None,
@@ -219,9 +210,7 @@ class ModelRunner:
         decoders = [s for s, d in zip(plain, decoding) if d]
         if decoders and batch is not None:
             return "mixed step"
-        if self.dense_prefill_min_tokens and any(s.num_new_tokens >= self.dense_prefill_min_tokens for s in prompts):
-            return "prompt chunks for dense prefill"  # --dense-prefill-min-tokens routes them (eager)
-        replays = plan_replays(prompts, self.graphs)
+        replays = self._replays(prompts)
         if isinstance(replays, str):
             return replays
         if batch is not None and self.graphs.bucket(batch.num_requests, batch.width) is None:
@@ -229,23 +218,51 @@ class ModelRunner:
         if decoders and self.graphs.bucket(len(decoders), 1, max(first_position(s) + 1 for s in decoders)) is None:
             return f"no graph for {len(decoders)}x1"
         tree_inputs = prepare_inputs([], batch, self.block_size, self.device, self.staging) if batch else None
-        hidden, layers = self.admissions.run(prompts, replays, self.staging)
-        # the decoding rows' replay last: its outputs are the graph's own buffers, read (concatenated) at once
+        first = self._prompt_forward(prompts, replays)
+        rest = None  # the decoding rows' replay last: its outputs are the graph's own buffers, read at once
         if batch is not None:
             rest = self.graphs.run(tree_inputs.input_ids, tree_inputs.meta, batch.num_requests, batch.width)
         elif decoders:
             rest = self.graphs.replay_rows(self._decode_in_graph(decoders, ahead_ids).graph_key, len(decoders))
-        if batch is not None or decoders:
+        return self._run_beside(prompts, decoders, batch, watched, first, rest, tree_inputs, t1, round_why)
+
+    def _replays(self, prompts: list[ScheduledSeq]) -> list[Piece] | str:
+        """The prompt buckets' replays that compute these chunks (engine/admission.py), or why not."""
+        if self.dense_prefill_min_tokens and any(s.num_new_tokens >= self.dense_prefill_min_tokens for s in prompts):
+            return "prompt chunks for dense prefill"  # --dense-prefill-min-tokens routes them (eager)
+        return plan_replays(prompts, self.graphs)
+
+    def _prompt_forward(self, prompts: list[ScheduledSeq], replays: list[Piece] | str
+                        ) -> tuple[torch.Tensor, list[torch.Tensor], str]:
+        """The prompt chunks' rows of an admission step (hidden, captured layers, graph mode): their replays, or
+        one eager forward when there are none (replays: why not; only beside a tree step launched ahead, whose
+        verify rows need the graph: the synchronous admission step runs eagerly whole instead)."""
+        if not isinstance(replays, str):
+            return (*self.admissions.run(prompts, replays, self.staging), "replay: admission")
+        inputs = prepare_inputs(prompts, None, self.block_size, self.device, self.staging, self.eager_pad_to,
+                                self.dense_prefill_min_tokens)
+        hidden, layers = self.model(inputs.input_ids, inputs.meta, self.kv_caches,
+                                    capture_layer_ids=self.speculator.capture_layer_ids)
+        rows = inputs.tree_row0  # (without its padding rows)
+        return hidden[:rows], [layer[:rows] for layer in layers], f"eager: {replays}"
+
+    def _run_beside(self, prompts: list[ScheduledSeq], decoders: list[ScheduledSeq], batch: TreeBatch | None,
+                    watched: tuple | None, first: tuple, rest: tuple | None, tree_inputs: StepInputs | None,
+                    t1: float, round_why: str | None) -> PendingStep:
+        """An admission step's outputs, the prompt chunks' (first: hidden, layers, graph mode) then the decoding
+        rows' (rest: hidden, layers; None without decoding rows), sampled as one step: its plain rows are the
+        chunks' then the decoders', its verify rows (tree_inputs: their slots and roots) after them."""
+        hidden, layers, mode = first
+        if rest is not None:
             hidden = torch.cat([hidden, rest[0]])
             layers = [torch.cat([a, b]) for a, b in zip(layers, rest[1])]
-        rows, first = [], 0
+        rows, row = [], 0
         for s in prompts + decoders:
-            rows.append((first, s.num_new_tokens))
-            first += s.num_new_tokens
-        inputs = StepInputs(None, None, rows, first, tree_inputs.tree_slots if batch else None,
+            rows.append((row, s.num_new_tokens))
+            row += s.num_new_tokens
+        inputs = StepInputs(None, None, rows, row, tree_inputs.tree_slots if batch else None,
                             tree_inputs.tree_starts if batch else None)
-        return self._run(prompts + decoders, batch, watched, inputs, t1, round_why,
-                         forward=(hidden, layers, "replay: admission"))
+        return self._run(prompts + decoders, batch, watched, inputs, t1, round_why, forward=(hidden, layers, mode))
 
     def _decode_in_graph(self, plain: list[ScheduledSeq], ahead_ids: torch.Tensor | None) -> StepInputs | None:
         """A plain decoding step's inputs written straight into its graph's static buffers (CudaGraphs.
@@ -366,7 +383,7 @@ class ModelRunner:
         if not requests:
             return SampleOutput(torch.empty(0, dtype=torch.int64, device=self.device), [], None, None, None), None
         logits = self.model.compute_logits(hidden[rows])  # [R, vocab] fp32
-        grammar_rows, grammar_masks = _grammar_masks(sampling, batch)
+        grammar_rows, grammar_masks = step_grammar_masks(sampling, batch)
         out = self.sampler(logits, SamplingBatch(requests, num_rows, depths, tree_tokens, tree_vis,
                                                  grammar_rows, grammar_masks))
         walk = None
@@ -375,23 +392,6 @@ class ModelRunner:
             walk = Speculator.walk(batch, targets)
             Speculator.compact(self.slot_views, walk, inputs.tree_slots)
         return out, walk
-
-
-def _grammar_masks(sampling: list, batch: TreeBatch | None) -> tuple[list[int], list[bytes]]:
-    """Sampled rows (numbered as the sampler sees them: plain rows, then every tree's rows) whose request has a
-    grammar, and the bitmask of each row's grammar state."""
-    rows, masks = [], []
-    for i, (req, _) in enumerate(sampling):
-        if req.constraint is not None:
-            rows.append(i)
-            masks.append(req.constraint.mask())
-    if batch is not None:
-        width = batch.width
-        for i, built in batch.constrained.items():
-            first = len(sampling) + i * width
-            rows.extend(range(first, first + width))
-            masks.extend(built.row_masks(width))
-    return rows, masks
 
 
 def _decoding(s: ScheduledSeq) -> bool:

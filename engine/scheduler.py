@@ -46,10 +46,10 @@ class Scheduler:
 
     def admits(self) -> bool:
         """Whether a waiting request may take a seat now (fewer than max_num_seqs running): it joins the next
-        step, scheduled ahead of its predecessor's results when that step could be (schedule_ahead; a tree step
-        cannot admit: it is then scheduled after them). While every seat is taken the waiting requests cannot join
-        and the running ones decode ahead. With --admission-wait-steps a seat is taken only once one has been
-        free that many steps, or when nothing runs."""
+        step, scheduled ahead of its predecessor's results when that step could be (schedule_ahead, or
+        schedule_ahead_trees beside trees). While every seat is taken the waiting requests cannot join and the
+        running ones decode ahead. With --admission-wait-steps a seat is taken only once one has been free that
+        many steps, or when nothing runs."""
         if not self.waiting or len(self.running) >= self.config.max_num_seqs:
             return False
         return not self.running or self.steps_seat_free >= self.config.admission_wait_steps
@@ -240,17 +240,17 @@ class Scheduler:
         """Asynchronous scheduling of a tree step: the next step, planned before `previous`'s results reach the
         host, when `previous` sampled every running request (a tree step, root-only trees included, a plain
         decoding step, either beside prompts' last chunks: after_prompts, which a drafter fed by the target's
-        features cannot draft from, their features still on the device) and no waiting request may take a seat
-        (admits). A request then lies up to its previous budget + 1 tokens past its host state (a prompt's last
-        chunk: 1 past the prompt), so its KV is reserved for the longest case, its budget (budget_of)
-        is capped as if it had advanced that far (0 when it may reach max_tokens with `previous`'s tokens), and a
-        request that may reach the context's end is left out; budgets that differ are harmonized and filled to one
-        width (one_width) as in schedule(). When no request wants a tree after a step that verified one, every
-        request gets a root-only tree: a plain decoding step whose roots and positions come from the device (so
-        leaving trees never waits for the host); after a step of known lengths the plain step (schedule_ahead)
-        serves instead. Why not, when this does not apply, blocks run out or no request wants a tree."""
-        if self.admits():
-            return "waiting requests"
+        features cannot draft from, their features still on the device). A request then lies up to its previous
+        budget + 1 tokens past its host state (a prompt's last chunk: 1 past the prompt), so its KV is reserved
+        for the longest case, its budget (budget_of) is capped as if it had advanced that far (0 when it may reach
+        max_tokens with `previous`'s tokens), and a request that may reach the context's end is left out; budgets
+        that differ are harmonized and filled to one width (one_width) as in schedule(). When no request wants a
+        tree after a step that verified one, every request gets a root-only tree: a plain decoding step whose
+        roots and positions come from the device (so leaving trees never waits for the host); after a step of
+        known lengths the plain step (schedule_ahead) serves instead. Waiting requests that may take a seat
+        (admits) join after the trees with their prompts' chunks, as in schedule_ahead (the runner computes them
+        before the verify rows). Why not, when this does not apply, blocks run out or no request wants a tree."""
+        admits = self.admits()
         sampled = {id(s.request) for s in previous.seqs if s.sample and (s.num_new_tokens == 1 or after_prompts)}
         if any(id(r) not in sampled for r in self.running):
             return "a request not decoding in the previous step"
@@ -281,6 +281,8 @@ class Scheduler:
                 return "KV blocks"
             plan.seqs.append(ScheduledSeq(req, 1, True, budget, root_on_device=True, chosen_budget=own))
         plan.spec_budgets = wanted
+        if admits:  # their chunks replay before the trees' verify rows (engine/runner.py)
+            self._admit(plan, self.config.max_num_batched_tokens - width * len(plan.seqs), 0)
         return plan
 
     def update(self, plan: StepPlan, result: StepResult, in_flight: StepPlan | None = None) -> list[Request]:

@@ -157,3 +157,21 @@ def apply_masks(logits: torch.Tensor, rows: torch.Tensor, masks: torch.Tensor) -
     out = logits.clone()
     out[rows] = logits[rows].masked_fill(~allowed, float("-inf"))
     return out
+
+
+def step_grammar_masks(sampling: list, batch) -> tuple[list[int], list[bytes]]:
+    """A step's sampled rows (numbered as the sampler sees them: plain rows, then every tree's rows; sampling:
+    (request, row) per sampled plain row, batch: the step's speculative TreeBatch or None) whose request has a
+    grammar, and the bitmask of each row's grammar state."""
+    rows, masks = [], []
+    for i, (req, _) in enumerate(sampling):
+        if req.constraint is not None:
+            rows.append(i)
+            masks.append(req.constraint.mask())
+    if batch is not None:
+        width = batch.width
+        for i, built in batch.constrained.items():
+            first = len(sampling) + i * width
+            rows.extend(range(first, first + width))
+            masks.extend(built.row_masks(width))
+    return rows, masks

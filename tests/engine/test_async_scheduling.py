@@ -103,9 +103,11 @@ def steps_ahead_while_waiting(core) -> tuple[list[str], list[int]]:
 
 def admission_plans(core) -> dict[str, int]:
     """Spies on the scheduler: how many of its plans admitted a request, scheduled after their predecessor's
-    results ("synchronous") or ahead of them, filled as the core steps."""
-    counts = {"synchronous": 0, "ahead": 0}
+    results ("synchronous") or ahead of them (plain decoding beside: "ahead"; trees: "ahead beside trees"),
+    filled as the core steps."""
+    counts = {"synchronous": 0, "ahead": 0, "ahead beside trees": 0}
     schedule, schedule_ahead = core.scheduler.schedule, core.scheduler.schedule_ahead
+    schedule_ahead_trees = core.scheduler.schedule_ahead_trees
 
     def spy_schedule():
         plan = schedule()
@@ -117,7 +119,13 @@ def admission_plans(core) -> dict[str, int]:
         counts["ahead"] += not isinstance(plan, str) and plan.prefix_cache_queries > 0
         return plan
 
+    def spy_ahead_trees(previous, *args):
+        plan = schedule_ahead_trees(previous, *args)
+        counts["ahead beside trees"] += not isinstance(plan, str) and plan.prefix_cache_queries > 0
+        return plan
+
     core.scheduler.schedule, core.scheduler.schedule_ahead = spy_schedule, spy_ahead
+    core.scheduler.schedule_ahead_trees = spy_ahead_trees
     return counts
 
 
@@ -185,7 +193,7 @@ def test_seats_freed_apart_are_filled_by_one_admission_step(tiny_checkpoints):
 
         core.step = spy
         out, _, _ = run(core, ps, params)
-        return out, admitted["synchronous"] + admitted["ahead"], running
+        return out, sum(admitted.values()), running
 
     at_once, steps_at_once, _ = admissions(0)
     out, steps, running = admissions(3)
@@ -311,7 +319,7 @@ def test_each_step_says_why_it_did_not_run_ahead(tiny_checkpoints):
         if core.last_stats is not None:
             seen.append(core.last_stats.scheduling)
     assert seen[1] == "ahead" and seen[2] == "ahead"  # the step after the prompt runs ahead: it feeds its token
-    assert admitted == {"synchronous": 1, "ahead": 1}  # the request that arrived joined a step launched ahead
+    assert admitted == {"synchronous": 1, "ahead": 1, "ahead beside trees": 0}  # the request that arrived joined a step launched ahead
     assert all(s == "ahead" or s.startswith("synchronous: ") for s in seen[1:]), seen
 
 

@@ -12,7 +12,8 @@ import pytest
 
 from engine import LLM, SamplingParams
 from engine.speculative.oracle import DeviceOracle, OracleDrafter
-from tests.engine.test_async_scheduling import answer_with, assert_same_logprobs, run, steps_ahead_while_waiting
+from tests.engine.test_async_scheduling import (admission_plans, answer_with, assert_same_logprobs, run,
+                                                steps_ahead_while_waiting)
 from tests.engine.test_cuda_graphs import prompts
 from tests.speculative.test_ddtree_e2e import golden_lookup
 
@@ -76,19 +77,35 @@ def test_greedy_tree_steps_ahead_equal_plain_decoding(tiny_checkpoints, batch):
     assert ahead >= 3, ahead  # tree steps did run ahead as whole rounds (with drafts rejected at varying depths)
 
 
-def test_tree_steps_run_ahead_while_requests_wait_for_a_seat(tiny_checkpoints):
-    """More requests than seats: with every seat taken, tree steps still run ahead as whole rounds (the queue
-    cannot join them); output equals plain decoding."""
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_tree_steps_run_ahead_while_requests_wait_and_admit_them(tiny_checkpoints, temperature):
+    """More requests than seats: with every seat taken, tree steps still run ahead as whole rounds; a freed seat is
+    taken by a tree step launched ahead too: the queue's head joins with its prompt's chunk (replayed as prompt
+    pieces before the trees' verify rows). Before, the step after a tree round waited for its results whenever a
+    request could take a seat. Output equals plain decoding (greedy) or stepping synchronously (seeded)."""
     folder, _ = tiny_checkpoints("llama")
     ps = prompts(6)
-    params = [SamplingParams(max_tokens=MAX_TOKENS - 2 * i, temperature=0, ignore_eos=True) for i in range(6)]
+    params = [SamplingParams(max_tokens=MAX_TOKENS - 2 * i, temperature=temperature, seed=i, ignore_eos=True)
+              for i in range(6)]
     ref = plain_greedy(folder, ps, params)
+    want = ref if temperature == 0 else run(tree_engine(folder, ps, ref, False, max_num_seqs=3).engine, ps, params)[0]
     core = tree_engine(folder, ps, ref, True, max_num_seqs=3).engine
+    admitted = admission_plans(core)
+    modes, launch = [], core.runner.launch
+
+    def spy(plan, after=None):
+        step = launch(plan, after)
+        if plan.seqs[0].root_on_device and not plan.seqs[-1].root_on_device:  # trees, then admitted prompts
+            modes.append(step.graph_mode)
+        return step
+
+    core.runner.launch = spy
     seen, ahead_waiting = steps_ahead_while_waiting(core)
     out, _, ahead = tree_steps_ahead(core, ps, params, "replay: whole round")
-    assert out == ref and ahead >= 3
+    assert out == want and ahead >= 3
     assert ahead_waiting[0] >= 3, (ahead_waiting, seen)
-    assert "synchronous: waiting requests" in seen
+    assert admitted["ahead beside trees"] >= 2 and "synchronous: waiting requests" not in seen, (admitted, seen)
+    assert modes and set(modes) == {"replay: admission"}, modes
 
 
 @pytest.mark.parametrize("temperature", [0.0, 0.8])
@@ -392,13 +409,14 @@ def dflash_ahead_against_synchronous(tiny_checkpoints, tmp_path, device: str, bu
 
 def test_abort_and_arrival_while_a_tree_step_runs_ahead(tiny_checkpoints):
     """A request aborted while the tree step after it is in flight gets nothing more; a request arriving then
-    waits for a synchronous step, and the others' outputs are unchanged. Every block comes back, in-flight ones
+    joins a tree step launched ahead, and the others' outputs are unchanged. Every block comes back, in-flight ones
     too."""
     folder, _ = tiny_checkpoints("llama")
     ps = prompts(3)
     sp = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
     ref = plain_greedy(folder, ps, sp)
     core = tree_engine(folder, ps, ref, True).engine
+    admitted = admission_plans(core)
     ids = [core.add_request(p, sp) for p in ps[:2]]
     out = {i: [] for i in ids}
     while not (core.inflight is not None and core.inflight.step.is_tree_step):
@@ -413,6 +431,6 @@ def test_abort_and_arrival_while_a_tree_step_runs_ahead(tiny_checkpoints):
         reasons.add(core.last_stats.scheduling if core.last_stats else None)
     assert out[ids[0]] == ref[0] and out[late] == ref[2]
     assert len(out[ids[1]]) == aborted_after and out[ids[1]] == ref[1][:aborted_after]
-    assert "synchronous: waiting requests" in reasons and "ahead" in reasons
+    assert admitted == {"synchronous": 1, "ahead": 0, "ahead beside trees": 1} and reasons == {"ahead"}, admitted
     assert core.blocks.num_free_blocks == core.blocks.num_blocks
 

@@ -7,8 +7,9 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
-from engine.speculative.oracle import OracleDrafter
+from engine.speculative.oracle import DeviceOracle, OracleDrafter
 from ext import build, ops
+from tests.engine.test_async_scheduling import admission_plans
 from tests.speculative.test_ddtree_e2e import HORIZON, golden_lookup, prompts
 
 pytestmark = pytest.mark.gpu
@@ -506,7 +507,8 @@ def test_admission_steps_replay_prompt_pieces_on_cuda_like_eager_steps(tiny_chec
     """Prompt chunks admitted beside decoding requests replay as causal pieces of the prompt buckets (a 300-token
     prompt in two replays of 257 rows), launched ahead of the previous step's results (the decoders' tokens fed
     from the device), and emit what eager synchronous steps emit: greedy, seeded sampling at T = 0.8 with top-p
-    and logprobs, and with DDTree trees replayed beside the pieces."""
+    and logprobs, and with DDTree trees replayed beside the pieces, synchronous or launched ahead (a drafter
+    drafting from the device: its tree steps admit too)."""
     folder, _ = tiny_checkpoints(family)
     g = torch.Generator().manual_seed(5)
     lengths = [int(torch.randint(3, 120, (1,), generator=g)) for _ in range(8)] + [300]
@@ -525,6 +527,16 @@ def test_admission_steps_replay_prompt_pieces_on_cuda_like_eager_steps(tiny_chec
     spec = LLM(folder, drafter=oracle, spec_budget=8, adaptive=False, **common)
     out, modes = step_modes(spec, ps, params[:len(ps)])
     assert out == greedy_ref and "replay: admission" in modes, modes
+    # a drafter drafting from the device: tree steps run ahead and admit (the pieces, then the verify replay)
+    golden = {tuple(p[:3]): p + r for p, r in zip(ps, greedy_ref)}
+    outs = {}
+    for overlap in (False, True):
+        oracle = DeviceOracle(golden, 3, 1000, horizon=HORIZON, device="cuda")
+        spec = LLM(folder, drafter=oracle, spec_budget=8, adaptive=False, async_scheduling=overlap, **common)
+        admitted = admission_plans(spec.engine)
+        outs[overlap], steps, _ = step_through(spec, ps * 2, params)
+    assert outs[True][:len(ps)] == greedy_ref and outs[True] == outs[False]
+    assert admitted["ahead beside trees"] >= 1 and ("replay: admission", "ahead") in steps, (admitted, steps)
 
 
 def test_seeded_request_alone_equals_choice_0_beside_a_twin_in_bf16(tiny_checkpoints):

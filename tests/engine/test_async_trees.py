@@ -78,11 +78,15 @@ def test_greedy_tree_steps_ahead_equal_plain_decoding(tiny_checkpoints, batch):
 
 
 @pytest.mark.parametrize("temperature", [0.0, 0.8])
-def test_tree_steps_run_ahead_while_requests_wait_and_admit_them(tiny_checkpoints, temperature):
+@pytest.mark.parametrize("max_replays", [8, 0])
+def test_tree_steps_run_ahead_while_requests_wait_and_admit_them(tiny_checkpoints, monkeypatch, temperature,
+                                                                 max_replays):
     """More requests than seats: with every seat taken, tree steps still run ahead as whole rounds; a freed seat is
     taken by a tree step launched ahead too: the queue's head joins with its prompt's chunk (replayed as prompt
-    pieces before the trees' verify rows). Before, the step after a tree round waited for its results whenever a
-    request could take a seat. Output equals plain decoding (greedy) or stepping synchronously (seeded)."""
+    pieces before the trees' verify rows; with too many pieces for MAX_REPLAYS, one eager forward of the chunks
+    instead). Before, the step after a tree round waited for its results whenever a request could take a seat.
+    Output equals plain decoding (greedy) or stepping synchronously (seeded)."""
+    monkeypatch.setattr("engine.admission.MAX_REPLAYS", max_replays)
     folder, _ = tiny_checkpoints("llama")
     ps = prompts(6)
     params = [SamplingParams(max_tokens=MAX_TOKENS - 2 * i, temperature=temperature, seed=i, ignore_eos=True)
@@ -105,7 +109,8 @@ def test_tree_steps_run_ahead_while_requests_wait_and_admit_them(tiny_checkpoint
     assert out == want and ahead >= 3
     assert ahead_waiting[0] >= 3, (ahead_waiting, seen)
     assert admitted["ahead beside trees"] >= 2 and "synchronous: waiting requests" not in seen, (admitted, seen)
-    assert modes and set(modes) == {"replay: admission"}, modes
+    want_mode = "replay: admission" if max_replays else "eager: prompt chunks beyond 0 replays"
+    assert modes and set(modes) == {want_mode}, modes
 
 
 @pytest.mark.parametrize("temperature", [0.0, 0.8])

@@ -11,7 +11,8 @@ read (EngineCore.step), so the host's bookkeeping of step k runs while the devic
     the longest case (engine.scheduler.schedule_ahead_trees), the drafter is fed the emitted tokens (or
     accepted rows) from the device. When no request wants a tree after a step that verified one, the step is
     made of root-only trees: plain decoding whose positions come from the device. So neither entering trees nor
-    leaving them waits for the host.
+    leaving them waits for the host. Waiting requests that may take a seat join it too, their prompts' chunks
+    computed before the trees' verify rows.
 Requests whose sampling needs the newest token on the host (a grammar, penalties) never run ahead; when the
 next step cannot run ahead, `why_not` says why (StepStats.scheduling)."""
 from __future__ import annotations

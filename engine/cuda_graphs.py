@@ -24,8 +24,10 @@ steps as above; other steps run eagerly, and each eager step is counted with its
 """
 from __future__ import annotations
 
+import gc
 import logging
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -44,6 +46,23 @@ WIDTHS = (1, 2, 3, 5, 9, 17, 33, 65, 129, 257)  # verify rows per request (budge
 # admission steps (engine/admission.py): prompt chunks run as causal pieces of up to these many rows, one piece a
 # replay; a chain is a tree, so they are verify-layout buckets of one request with a causal mask
 PROMPT_WIDTHS = (17, 65, 257)
+
+
+@contextmanager
+def collector_paused():
+    """Python's garbage collector off while graphs are captured (after one collection): a collection mid-capture
+    that frees another engine's graphs (kept in reference cycles until then) destroys graph executables, which a
+    capturing stream forbids; the capture is invalidated and the random generators are left inside it. torch's
+    capture no longer collects first (torch.compiler.config.force_cudagraph_gc). Seen on an H100 when GPU tests
+    built several engines in one process."""
+    gc.collect()
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
 
 
 def bucket_of(values: tuple[int, ...], n: int) -> int | None:
@@ -147,6 +166,7 @@ class CudaGraphs:
             query_lens_host=[w] * n, seq_lens_host=[context + w] * n)
 
     @torch.inference_mode()
+    @collector_paused()
     def capture(self) -> None:
         """Captures every bucket, largest first (they share one memory pool)."""
         t0 = time.perf_counter()

@@ -17,6 +17,7 @@ import logging
 import torch
 
 from engine import graph_sampling
+from engine.cuda_graphs import collector_paused
 from engine.graph_sampling import VARIANTS, GraphSampling
 from engine.plan import ScheduledSeq
 from engine.staging import Staging
@@ -48,6 +49,7 @@ class PlainGraphs:
         return chosen, why
 
     @torch.inference_mode()
+    @collector_paused()
     def capture(self) -> None:
         """Every bucket's epilogue per variant, in one memory pool of their own."""
         for key in sorted(self.keys, key=lambda b: (-b[0], -b[2])):

@@ -33,6 +33,7 @@ from dataclasses import dataclass
 import torch
 
 from engine import graph_sampling
+from engine.cuda_graphs import collector_paused
 from engine.graph_sampling import GREEDY, VARIANTS, GraphSampling
 from engine.plan import ScheduledSeq
 from engine.speculative.speculator import Proposal, Speculator, Walk
@@ -122,6 +123,7 @@ class RoundGraphs:
     # ---------------------------------------------------------------------------------------------- capture
 
     @torch.inference_mode()
+    @collector_paused()
     def capture(self) -> None:
         """Prologue and epilogue graphs of every tree bucket (an epilogue per variant), in one memory pool of their
         own."""

@@ -20,6 +20,7 @@ import time
 import torch
 from tqdm import tqdm
 
+from engine.cuda_graphs import collector_paused
 from engine.speculative.draft_kv import PAGE_TOKENS
 from ext.dispatch import count_slow_path
 from ext.metadata import AttentionMetadata
@@ -78,6 +79,7 @@ class DraftGraphs:
             query_lens_host=[self.bs] * n, seq_lens_host=[self.capacity] * n)
 
     @torch.inference_mode()
+    @collector_paused()
     def _capture(self) -> None:
         t0 = time.perf_counter()
         pool = None

@@ -153,19 +153,19 @@ def test_plain_steps_ahead_draft_their_curves_from_the_device(tiny_checkpoints, 
     """With a drafter that drafts from the device, a plain step scheduled ahead of its predecessor's results still
     drafts the curves the adaptive budget asks for (its roots are the tokens fed from the device), so those drafts
     do not make the step synchronous; greedy output equals plain decoding."""
-    from engine.runner import ModelRunner
+    from engine.pending import PendingStep
 
     folder, _ = tiny_checkpoints("llama")
     ps = prompts(5)
     params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
     ref = plain_greedy(folder, ps, params)
-    calls, watch_ahead = [], ModelRunner._watch_ahead
+    calls, watch_inputs = [], PendingStep.watch_inputs
 
     def spy(self, watch, *args):
         calls.append(len(watch))
-        return watch_ahead(self, watch, *args)
+        return watch_inputs(self, watch, *args)
 
-    monkeypatch.setattr(ModelRunner, "_watch_ahead", spy)
+    monkeypatch.setattr(PendingStep, "watch_inputs", spy)
     llm = LLM(folder, dtype="fp32", drafter=DeviceNgramDrafter(1000, horizon=6), spec_budget=6, max_num_seqs=8)
     llm.engine.enable_graphs(emulate=True)
     llm.engine.overlap = True

@@ -231,3 +231,35 @@ def test_emulated_graphs_with_the_dflash_drafter_equal_eager(tiny_checkpoints, t
     drafter.graphs.run = lambda call, top_k: calls.append(call.bonus.shape[0]) or run(call, top_k)
     out, modes = graph_modes(llm, ps)
     assert out == ref and "replay: whole round" in modes and calls
+
+
+def test_graph_capture_pauses_the_garbage_collector(monkeypatch):
+    """Every graph capture runs with Python's garbage collector paused after one collection, and leaves it as it
+    was, after an error too: on an H100 a collection mid-capture freed a previous engine's graphs and invalidated
+    the capture (torch's capture no longer collects first), failing every GPU test after it."""
+    import gc
+
+    from engine.cuda_graphs import CudaGraphs, collector_paused
+    from engine.plain_graphs import PlainGraphs
+    from engine.round_graphs import RoundGraphs
+    from engine.speculative.dflash_graphs import DraftGraphs
+
+    seen = []
+
+    @collector_paused()
+    def capture(fail: bool):
+        seen.append(gc.isenabled())
+        if fail:
+            raise RuntimeError("capture failed")
+
+    assert gc.isenabled()
+    capture(False)
+    with pytest.raises(RuntimeError):
+        capture(True)
+    assert seen == [False, False] and gc.isenabled()
+    paused = []
+    monkeypatch.setattr(gc, "disable", lambda: paused.append(True))
+    for method in (CudaGraphs.capture, PlainGraphs.capture, RoundGraphs.capture, DraftGraphs._capture):
+        with pytest.raises(AttributeError):  # (no graphs object: the body fails at once)
+            method(object())
+    assert len(paused) == 4

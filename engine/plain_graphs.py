@@ -80,6 +80,13 @@ class PlainGraphs:
         graph.replay()
         return tokens[:num]
 
+    def tokens(self, seqs: list[ScheduledSeq], key: tuple[int, int, int], stage: Staging, hidden: torch.Tensor,
+               fault_injection: bool = False) -> torch.Tensor | None:
+        """plan() then run(): the tokens of decoding rows whose forward graph (bucket `key`) replayed last, or None
+        when they cannot be chosen in a graph."""
+        chosen, _ = self.plan(seqs, key, fault_injection)
+        return self.run(seqs, key, chosen, stage, hidden) if chosen is not None else None
+
     def _epilogue(self, hidden: torch.Tensor, n: int, chosen: str) -> torch.Tensor:
         logits = self.model.compute_logits(hidden, fp32=chosen != graph_sampling.GREEDY)
         return self.sampling.choose(logits, n, 1, None, chosen)

@@ -26,6 +26,14 @@ class ScheduledSeq:
     # (the request's host state lags by that step)
     root_on_device: bool = False
 
+    @property
+    def decodes(self) -> bool:
+        """Feeds only its last token and samples the next (scheduled ahead: the token the step in flight samples,
+        also right after its prompt's last chunk, when its host count of computed tokens lags by that chunk)."""
+        if not (self.sample and self.num_new_tokens == 1):
+            return False
+        return self.num_ahead > 0 or self.request.num_computed_tokens == self.request.num_tokens - 1
+
 
 @dataclass
 class StepPlan:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from dataclasses import replace
 import torch
 
 from engine.admission import Piece, plan_replays
@@ -93,7 +94,7 @@ class ModelRunner:
         spec = self.speculator
         is_tree = [spec is not None and s.spec_budget > 0 for s in plan.seqs]
         if self.uniform_trees and any(is_tree):  # budget-0 requests ride as root-only trees: one graph shape (beside
-            is_tree = [t or _decoding(s) for s, t in zip(plan.seqs, is_tree)]  # an admission's prompt pieces)
+            is_tree = [t or s.decodes for s, t in zip(plan.seqs, is_tree)]  # an admission's prompt pieces)
         plain = [s for s, t in zip(plan.seqs, is_tree) if not t]
         tree_seqs = [s for s, t in zip(plan.seqs, is_tree) if t]
         # a budget-0 request riding as a root-only tree drafts only when the adaptive budget watches it
@@ -113,7 +114,7 @@ class ModelRunner:
         # device, s.watched)
         watched = None
         if spec is not None and self.watch is not None:
-            watch = [s for s in plain if _decoding(s)
+            watch = [s for s in plain if s.decodes
                      and (s.watched if s.num_ahead else input_ids is None and self.watch(s.request.request_id))]
             ahead = after.watch_inputs(watch, plain, input_ids, self.staging, bool(spec.capture_layer_ids)) \
                 if input_ids is not None and watch else None
@@ -205,7 +206,7 @@ class ModelRunner:
         pieces (engine/admission.py), then the decoding rows' own graph; its plain rows are the chunks' then the
         decoders'. ahead_ids: scheduled ahead, the decoders' tokens (the requests scheduled ahead, in order). Why
         not, when it cannot."""
-        decoding = [(s.num_ahead > 0) if ahead_ids is not None else _decoding(s) for s in plain]
+        decoding = [(s.num_ahead > 0) if ahead_ids is not None else s.decodes for s in plain]
         prompts = [s for s, d in zip(plain, decoding) if not d]
         decoders = [s for s, d in zip(plain, decoding) if d]
         if decoders and batch is not None:
@@ -262,7 +263,8 @@ class ModelRunner:
             row += s.num_new_tokens
         inputs = StepInputs(None, None, rows, row, tree_inputs.tree_slots if batch else None,
                             tree_inputs.tree_starts if batch else None)
-        return self._run(prompts + decoders, batch, watched, inputs, t1, round_why, forward=(hidden, layers, mode))
+        return self._run(prompts + decoders, batch, watched, inputs, t1, round_why, forward=(hidden, layers, mode),
+                         graph_tail=len(decoders) if self.plain_graphs is not None else 0)
 
     def _decode_in_graph(self, plain: list[ScheduledSeq], ahead_ids: torch.Tensor | None) -> StepInputs | None:
         """A plain decoding step's inputs written straight into its graph's static buffers (CudaGraphs.
@@ -282,21 +284,29 @@ class ModelRunner:
 
     def _run(self, plain: list[ScheduledSeq], batch: TreeBatch | None, watched: tuple | None, inputs: StepInputs,
              t1: float, round_why: str | None = None, mixed_why: str = "mixed step",
-             forward: tuple[torch.Tensor, list[torch.Tensor], str] | None = None) -> PendingStep:
+             forward: tuple[torch.Tensor, list[torch.Tensor], str] | None = None, graph_tail: int = 0) -> PendingStep:
         """The target forward (unless given: hidden, captured layers, graph mode), sampling, walk and compaction of
         a prepared step, and its results' copy. round_why: why a step of only trees is not a whole-round graph
-        (said in the step's graph mode when it replays); mixed_why: why a step of several shapes runs eagerly."""
+        (said in the step's graph mode when it replays); mixed_why: why a step of several shapes runs eagerly;
+        graph_tail: the step's last rows are that many decoding rows whose decode graph replayed last."""
         hidden, captured, graph_mode = forward or self._forward(_uniform_shape(plain, batch), inputs, mixed_why)
         features = torch.cat(captured, dim=-1) if captured else None  # [num_tokens, num_layers * hidden]
         t2 = time.perf_counter()
         sampling = [(s.request, r0 + n - 1) for s, (r0, n) in zip(plain, inputs.plain_rows) if s.sample]
-        chosen = None
+        out = walk = None
+        fault = self.sampler.fault_seed is not None
         if graph_mode == "replay" and batch is None and self.plain_graphs is not None:  # N decodes x 1 row
-            chosen, round_why = self.plain_graphs.plan(plain, self.graphs.last_key, self.sampler.fault_seed is not None)
-        if chosen is not None:
-            tokens = self.plain_graphs.run(plain, self.graphs.last_key, chosen, self.staging, hidden)
-            out, walk, graph_mode = SampleOutput(tokens, [], None, None, None), None, "replay: whole step"
-        else:
+            chosen, round_why = self.plain_graphs.plan(plain, self.graphs.last_key, fault)
+            if chosen is not None:
+                tokens = self.plain_graphs.run(plain, self.graphs.last_key, chosen, self.staging, hidden)
+                out, graph_mode = SampleOutput(tokens, [], None, None, None), "replay: whole step"
+        elif graph_tail:  # an admission's decoders, replayed last in their decode graph: its sampling graph's tokens
+            tail = self.plain_graphs.tokens(plain[-graph_tail:], self.graphs.last_key, self.staging,
+                                            hidden[-graph_tail:], fault)
+            if tail is not None:  # the prompts' sampled rows (sampled first) by the sampler
+                head, _ = self._sample(hidden, inputs, sampling[:-graph_tail], None, [0] * (len(sampling) - graph_tail))
+                out = replace(head, tokens=torch.cat([head.tokens, tail]))
+        if out is None:
             if graph_mode == "replay" and round_why:
                 graph_mode = f"replay: forward only ({round_why})"
             out, walk = self._sample(hidden, inputs, sampling, batch, [s.num_ahead for s in plain if s.sample])
@@ -394,16 +404,8 @@ class ModelRunner:
         return out, walk
 
 
-def _decoding(s: ScheduledSeq) -> bool:
-    """A request feeding only its last token and sampling the next (scheduled ahead: the token the step in flight
-    samples, also right after its prompt's last chunk, when its host count of computed tokens lags by that chunk)."""
-    if not (s.sample and s.num_new_tokens == 1):
-        return False
-    return s.num_ahead > 0 or s.request.num_computed_tokens == s.request.num_tokens - 1
-
-
 def _uniform_shape(plain: list[ScheduledSeq], batch: TreeBatch | None) -> tuple[int, int] | None:
     """(requests, rows each) when every request of the step has the same rows and only decodes, else None."""
     if batch is not None:
         return (batch.num_requests, batch.width) if not plain else None
-    return (len(plain), 1) if plain and all(_decoding(s) for s in plain) else None
+    return (len(plain), 1) if plain and all(s.decodes for s in plain) else None

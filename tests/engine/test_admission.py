@@ -1,7 +1,8 @@
 """Admission steps as graph replays (engine/admission.py), on the CPU with the graph layout emulated (the same
 static buffers and padding, run eagerly): prompt chunks beside decoding requests run as causal pieces of the
-prompt buckets, one a replay, chunks longer than the widest one in several, and the output equals an engine without
-graphs, greedy and seeded, with plain decoding and with DDTree trees beside the pieces. The GPU test replays
+prompt buckets, one a replay, chunks longer than the widest one in several, the decoding rows' tokens chosen by the
+plain-decoding sampling graph, and the output equals an engine without graphs, greedy and seeded, with plain
+decoding and with DDTree trees beside the pieces. The GPU test replays
 real graphs (tests/ext/test_engine_gpu.py)."""
 from __future__ import annotations
 
@@ -46,9 +47,13 @@ def test_admission_steps_replay_prompt_pieces_as_eager_computes_them(tiny_checkp
     ref, _ = run(LLM(folder, dtype="fp32", max_num_seqs=3), ps, max_tokens, temperature)
     llm = LLM(folder, dtype="fp32", max_num_seqs=3)
     llm.engine.enable_graphs(emulate=True)
+    graphs = llm.engine.runner.plain_graphs
+    chosen, tokens = [], graphs.tokens
+    graphs.tokens = lambda *args: chosen.append(tokens(*args)) or chosen[-1]  # (called by admission steps only)
     out, modes = run(llm, ps, max_tokens, temperature)
     assert out == ref
     assert "replay: admission" in modes, modes
+    assert chosen and all(t is not None for t in chosen)  # the decoders' tokens chosen by the sampling graph
     assert f"eager: prompt chunks beyond {admission.MAX_REPLAYS} replays" in modes, modes  # the 60-token prompt
 
 

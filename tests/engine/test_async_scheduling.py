@@ -319,7 +319,8 @@ def test_each_step_says_why_it_did_not_run_ahead(tiny_checkpoints):
         if core.last_stats is not None:
             seen.append(core.last_stats.scheduling)
     assert seen[1] == "ahead" and seen[2] == "ahead"  # the step after the prompt runs ahead: it feeds its token
-    assert admitted == {"synchronous": 1, "ahead": 1, "ahead beside trees": 0}  # the request that arrived joined a step launched ahead
+    # the request that arrived joined a step launched ahead
+    assert admitted == {"synchronous": 1, "ahead": 1, "ahead beside trees": 0}
     assert all(s == "ahead" or s.startswith("synchronous: ") for s in seen[1:]), seen
 
 

@@ -158,7 +158,8 @@ class ModelRunner:
         drafted = [s.spec_budget > 0 or self.watch is None or self.watch(s.request.request_id, ahead=True)
                    for s in seqs]
         proposal = self.speculator.propose(seqs, drafted, ahead=(roots, starts, num_new, feats, emitted_ids))
-        variant, why = self._round_plan(proposal) if not prompts else (None, "admission")
+        # (a whole-round graph holds no prompt rows)
+        variant, why = self._round_plan(proposal) if not prompts else (None, None)
         if variant is not None:
             return self._launch_round(proposal, variant)
         batch = self.speculator.build(proposal)

@@ -12,7 +12,7 @@ import numpy as np
 import torch
 
 from engine.plan import ScheduledSeq
-from engine.sampler import apply_top_k_top_p, needs_penalty, uniforms
+from engine.sampler import apply_top_k_top_p, needs_penalty
 from engine.staging import Staging
 from ext import ops
 
@@ -71,9 +71,8 @@ class GraphSampling:
         -> [n * w] int64 tokens: the argmax, or for the
         requests at temperature > 0 the draw (depths [n, w]: each row's output position past its request's
         first; None = 0)."""
-        greedy = logits.argmax(-1)
         if chosen == GREEDY:
-            return greedy
+            return logits.argmax(-1)
 
         def per_row(values: torch.Tensor) -> torch.Tensor:  # [n] -> [n * w]
             return values[:n, None].expand(n, w).reshape(-1)
@@ -86,5 +85,6 @@ class GraphSampling:
         output = per_row(self.ints[OUTPUT]) + per_row(self.ints[OFFSET])
         if depths is not None:
             output = output + depths.reshape(-1)
-        drawn = ops.sample_tokens(x, torch.ones_like(temperature), min_p, uniforms(per_row(self.ints[SEED]), output))
-        return torch.where(sampled, drawn, greedy)
+        # temperature 1 for the sampled rows (x is already scaled), 0 for the greedy ones: the kernel takes their
+        # argmax (of x, whose filters keep each row's largest logit: the logits' argmax, ties to the lowest id)
+        return ops.sample_tokens(x, sampled.float(), min_p, ops.seeded_uniforms(per_row(self.ints[SEED]), output))

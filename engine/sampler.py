@@ -25,28 +25,6 @@ from engine.staging import Staging
 from engine.structured import apply_masks, masks_tensor
 from ext import ops
 
-_GOLDEN = 0x9E3779B97F4A7C15 - (1 << 64)  # splitmix64 constants as signed int64 (torch wraps on overflow)
-_MIX1 = 0xBF58476D1CE4E5B9 - (1 << 64)
-_MIX2 = 0x94D049BB133111EB - (1 << 64)
-
-
-def _shift_right(x: torch.Tensor, k: int) -> torch.Tensor:
-    """Logical right shift of int64 bit patterns."""
-    return (x >> k) & ((1 << (64 - k)) - 1)
-
-
-def _splitmix64(x: torch.Tensor) -> torch.Tensor:
-    z = x + _GOLDEN
-    z = (z ^ _shift_right(z, 30)) * _MIX1
-    z = (z ^ _shift_right(z, 27)) * _MIX2
-    return z ^ _shift_right(z, 31)
-
-
-def uniforms(seeds: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
-    """[R] int64 seeds, [R] int64 output indices -> [R] float64 uniforms in [0, 1), a pure function of both."""
-    h = _splitmix64(_splitmix64(seeds) + indices)
-    return _shift_right(h, 11).double() * (1.0 / (1 << 53))
-
 
 class RequestFault(Exception):
     """A failure tied to one request: the engine fails that request and goes on with the others."""
@@ -199,7 +177,7 @@ class Sampler:
         params = self._tensor(rows.sampled_params, torch.float32)  # [S, 4]: temperature, top_p, min_p, top_k
         seeds_and_pos = self._tensor(rows.sampled_keys)  # [S, 2]: seed, committed output length
         x = logits[index] / params[:, 0:1]
-        u = uniforms(seeds_and_pos[:, 0], seeds_and_pos[:, 1] + self._row_depths(batch, index))
+        u = ops.seeded_uniforms(seeds_and_pos[:, 0], seeds_and_pos[:, 1] + self._row_depths(batch, index))
         min_p = params[:, 2]
         if rows.any_top_k_top_p:
             top_k, top_p = params[:, 3].to(torch.int64), params[:, 1]

@@ -60,6 +60,10 @@ def register() -> None:
     def _(logits, temperature, min_p, uniform):
         return logits.new_empty((logits.shape[0],), dtype=torch.int64)
 
+    @fake("ddtree::seeded_uniforms")
+    def _(seeds, indices):
+        return seeds.new_empty(seeds.shape, dtype=torch.float64)
+
     @fake("ddtree::top_k_top_p_floor")
     def _(logits, top_k, top_p):
         return logits.new_empty((logits.shape[0],), dtype=torch.float32)

@@ -235,6 +235,19 @@ def sample_tokens(logits: torch.Tensor, temperature: torch.Tensor, min_p: torch.
     return reference.sample_tokens(logits, temperature, min_p, uniform)
 
 
+def seeded_uniforms(seeds: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+    """[R] int64 seeds, [R] int64 output indices -> [R] float64 uniforms in [0, 1), a pure function of both (the
+    sampler's counter-based draw: ext.reference.sampling.seeded_uniforms). On CUDA one launch, where the twin's
+    splitmix64 in tensor ops is ~27 (each ~1 us of a graph-replayed sampling epilogue, or a launch of an eager one)."""
+    ops = _cuda_ops(seeds)
+    if (ops is not None and seeds.dtype == indices.dtype == torch.int64 and seeds.dim() == 1
+            and indices.shape == seeds.shape and indices.device == seeds.device):
+        _served("seeded_uniforms", ops)
+        return ops.seeded_uniforms(seeds, indices)
+    _fallback("seeded_uniforms", seeds, ops)
+    return reference.seeded_uniforms(seeds, indices)
+
+
 def top_k_top_p_floor(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     """logits [R, V] (fp32/bf16/fp16), top_k [R] (outside (0, V) = off), top_p [R] (>= 1 = off) -> [R] fp32: the
     smallest value each row keeps under top-k then top-p (-inf: keeps all), without a sort; see

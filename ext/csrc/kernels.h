@@ -130,6 +130,10 @@ constexpr int kSampleMaxVocab = 1 << 30;
 constexpr int kSampleMaxChunks = 4096;  // per-chunk masses kept in shared memory (8 bytes each)
 cudaError_t sample_tokens(const void* logits, DType dtype, int rows, int vocab, const float* temperature,
                           const float* min_p, const double* uniform, int64_t* out, cudaStream_t stream);
+// The counter-based uniform of each sampled row (engine/sampler.py draws with it; the definition is
+// ext/reference/sampling.py's seeded_uniforms): out[r] = (h >> 11) * 2^-53 for
+// h = splitmix64(splitmix64(seeds[r]) + indices[r]), all in uint64 arithmetic; one thread a row.
+cudaError_t seeded_uniforms(const int64_t* seeds, const int64_t* indices, int rows, double* out, cudaStream_t stream);
 // The floor of top-k / top-p per row (sampling_filter.cu; the definition is ext/reference/sampling.py's
 // top_k_top_p_floor): out[r] = the smallest value row r keeps; -inf when neither filter is on or the row has no finite
 // max. top_k[r] outside (0, V) and top_p[r] >= 1 are off.

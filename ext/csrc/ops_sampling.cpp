@@ -1,6 +1,7 @@
-// The torch side of the sampling ops (kernels in sampling.cu and sampling_filter.cu): the token per row and the
-// top-k / top-p floor per row. Their schemas are a TORCH_LIBRARY_FRAGMENT of the `ddtree` namespace that ops.cpp
-// defines; fakes in ext/fake.py. Neither synchronizes with the host (CUDA-graph safe).
+// The torch side of the sampling ops (kernels in sampling.cu and sampling_filter.cu): the token per row, the
+// top-k / top-p floor per row and the rows' counter-based uniforms. Their schemas are a TORCH_LIBRARY_FRAGMENT of
+// the `ddtree` namespace that ops.cpp defines; fakes in ext/fake.py. None synchronizes with the host (CUDA-graph
+// safe).
 #include <torch/library.h>
 
 #include "ops_common.h"
@@ -32,6 +33,23 @@ Tensor sample_tokens(Tensor logits, Tensor temperature, Tensor min_p, Tensor uni
   return out;
 }
 
+Tensor seeded_uniforms(Tensor seeds, Tensor indices) {
+  CHECK_CUDA(seeds); CHECK_CUDA(indices);
+  CHECK_TYPE(seeds, at::kLong); CHECK_TYPE(indices, at::kLong);
+  TORCH_CHECK(seeds.dim() == 1 && indices.dim() == 1 && seeds.size(0) == indices.size(0),
+              "ddtree::seeded_uniforms: seeds and indices must be [rows]");
+  TORCH_CHECK(seeds.device() == indices.device(), "ddtree::seeded_uniforms: seeds and indices on different devices");
+  const int64_t R = seeds.size(0);
+  TORCH_CHECK(R < (int64_t{1} << 31), "ddtree::seeded_uniforms: too many rows");
+  c10::cuda::CUDAGuard guard(seeds.device());
+  Tensor out = at::empty({R}, seeds.options().dtype(at::kDouble));
+  Tensor s = seeds.contiguous(), i = indices.contiguous();
+  check(ddtree::seeded_uniforms(s.data_ptr<int64_t>(), i.data_ptr<int64_t>(), static_cast<int>(R),
+                                out.data_ptr<double>(), stream()),
+        "seeded_uniforms");
+  return out;
+}
+
 Tensor top_k_top_p_floor(Tensor logits, Tensor top_k, Tensor top_p) {
   CHECK_CUDA(logits); CHECK_CUDA(top_k); CHECK_CUDA(top_p);
   CHECK_TYPE(top_k, at::kLong); CHECK_TYPE(top_p, at::kFloat);
@@ -58,9 +76,11 @@ Tensor top_k_top_p_floor(Tensor logits, Tensor top_k, Tensor top_p) {
 TORCH_LIBRARY_FRAGMENT(ddtree, m) {
   m.def("sample_tokens(Tensor logits, Tensor temperature, Tensor min_p, Tensor uniform) -> Tensor");
   m.def("top_k_top_p_floor(Tensor logits, Tensor top_k, Tensor top_p) -> Tensor");
+  m.def("seeded_uniforms(Tensor seeds, Tensor indices) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(ddtree, CUDA, m) {
   m.impl("sample_tokens", &sample_tokens);
   m.impl("top_k_top_p_floor", &top_k_top_p_floor);
+  m.impl("seeded_uniforms", &seeded_uniforms);
 }

@@ -201,7 +201,31 @@ __global__ void __launch_bounds__(kSmThreads, 2) sample_tokens_kernel(const T* _
   if (lane == 0) out[row] = pick;
 }
 
+// splitmix64's finalizer of x + the golden gamma (the twin's _splitmix64, whose int64 arithmetic wraps alike).
+__device__ __forceinline__ uint64_t splitmix64(uint64_t x) {
+  uint64_t z = x + 0x9E3779B97F4A7C15ull;
+  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+  return z ^ (z >> 31);
+}
+
+__global__ void seeded_uniforms_kernel(const int64_t* __restrict__ seeds, const int64_t* __restrict__ indices,
+                                       int rows, double* __restrict__ out) {
+  const int r = blockIdx.x * blockDim.x + threadIdx.x;
+  if (r >= rows) return;
+  const uint64_t h = splitmix64(splitmix64(static_cast<uint64_t>(seeds[r])) + static_cast<uint64_t>(indices[r]));
+  out[r] = static_cast<double>(h >> 11) * (1.0 / 9007199254740992.0);  // (h >> 11) < 2^53: exact in fp64
+}
+
 }  // namespace
+
+cudaError_t seeded_uniforms(const int64_t* seeds, const int64_t* indices, int rows, double* out,
+                            cudaStream_t stream) {
+  if (rows == 0) return cudaSuccess;
+  constexpr int kThreads = 256;
+  seeded_uniforms_kernel<<<(rows + kThreads - 1) / kThreads, kThreads, 0, stream>>>(seeds, indices, rows, out);
+  return cudaGetLastError();
+}
 
 cudaError_t sample_tokens(const void* logits, DType dtype, int rows, int vocab, const float* temperature,
                           const float* min_p, const double* uniform, int64_t* out, cudaStream_t stream) {

@@ -63,6 +63,31 @@ def _sample_block(x: torch.Tensor, temperature: torch.Tensor, min_p: torch.Tenso
 MASS_SCALE = 1 << 24  # top-p's masses are integers: floor(exp(x - max) * 2^24), so sums are exact in any order
 
 
+# splitmix64's constants as signed int64 (torch's int64 arithmetic wraps, as the kernel's uint64 does)
+_GOLDEN = 0x9E3779B97F4A7C15 - (1 << 64)
+_MIX1 = 0xBF58476D1CE4E5B9 - (1 << 64)
+_MIX2 = 0x94D049BB133111EB - (1 << 64)
+
+
+def _shift_right(x: torch.Tensor, k: int) -> torch.Tensor:
+    """Logical right shift of int64 bit patterns."""
+    return (x >> k) & ((1 << (64 - k)) - 1)
+
+
+def _splitmix64(x: torch.Tensor) -> torch.Tensor:
+    z = x + _GOLDEN
+    z = (z ^ _shift_right(z, 30)) * _MIX1
+    z = (z ^ _shift_right(z, 27)) * _MIX2
+    return z ^ _shift_right(z, 31)
+
+
+def seeded_uniforms(seeds: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+    """[R] int64 seeds, [R] int64 output indices -> [R] float64 uniforms in [0, 1), a pure function of both:
+    (h >> 11) * 2^-53 for h = splitmix64(splitmix64(seed) + index) (the `seeded_uniforms` kernel's definition)."""
+    h = _splitmix64(_splitmix64(seeds) + indices)
+    return _shift_right(h, 11).double() * (1.0 / (1 << 53))
+
+
 def top_k_top_p_floor(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     """PyTorch twin of the `top_k_top_p_floor` kernel (ext/csrc/sampling_filter.cu), and its definition: logits
     [R, V] float, top_k [R] (outside (0, V) = off), top_p [R] (>= 1 = off) -> [R] fp32, the smallest value each row

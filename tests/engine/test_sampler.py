@@ -13,7 +13,8 @@ from transformers.generation.logits_process import (MinPLogitsWarper, Repetition
                                                     TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper)
 
 from engine.request import Request, SamplingParams
-from engine.sampler import Sampler, SamplingBatch, apply_top_k_top_p, uniforms
+from engine.sampler import Sampler, SamplingBatch, apply_top_k_top_p
+from ext import ops
 
 VOCAB = 12
 
@@ -141,11 +142,23 @@ def test_seeded_rows_do_not_depend_on_the_batch():
 def test_uniforms_are_a_pure_function_of_seed_and_index():
     seeds = torch.tensor([0, 1, -5, 2**62, -(2**63)])
     idx = torch.tensor([0, 0, 7, 3, 1])
-    u = uniforms(seeds, idx)
-    assert torch.equal(u, uniforms(seeds.clone(), idx.clone()))
+    u = ops.seeded_uniforms(seeds, idx)
+    assert torch.equal(u, ops.seeded_uniforms(seeds.clone(), idx.clone()))
     assert bool(((u >= 0) & (u < 1)).all()) and len(set(u.tolist())) == 5
-    many = uniforms(torch.zeros(100000, dtype=torch.int64), torch.arange(100000))
+    many = ops.seeded_uniforms(torch.zeros(100000, dtype=torch.int64), torch.arange(100000))
     assert abs(many.mean().item() - 0.5) < 0.005 and abs(many.var().item() - 1 / 12) < 0.002
+
+
+def test_uniforms_follow_published_splitmix64():
+    """The hash is splitmix64 as published (Vigna; its generator from state 0 first returns 0xE220A8397B1DCDAF,
+    then 0x6E789E6AA1B965F4): seed 0 and index 0 give the first output hashed again, each bit kept."""
+    first, second = 0xE220A8397B1DCDAF, 0x6E789E6AA1B965F4
+    golden = 0x9E3779B97F4A7C15
+    # splitmix64(splitmix64(0) + index) with index = second state step: the published second output
+    index = (golden - first) % (1 << 64)
+    index = index - (1 << 64) if index >= 1 << 63 else index
+    u = ops.seeded_uniforms(torch.tensor([0]), torch.tensor([index]))
+    assert u.item() == (second >> 11) * 2.0 ** -53
 
 
 def test_min_tokens_masks_eos_and_stop_ids_by_depth():

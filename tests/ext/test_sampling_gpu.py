@@ -186,3 +186,28 @@ def test_rejects_bad_inputs(cuda_ops):
     with pytest.raises(RuntimeError, match="kDouble|Double"):
         cuda_ops.sample_tokens(x, t, mp, u.float())
     assert cuda_ops.sample_tokens(x[:0], t[:0], mp[:0], u[:0]).shape == (0,)
+
+
+def test_seeded_uniforms_equal_the_twin_bit_for_bit(cuda_ops):
+    """The seeded_uniforms kernel against ext.reference.sampling.seeded_uniforms on the CPU: every bit, over seeds
+    and indices across the whole int64 range (negative ones, wrapping sums) and a batch past one block; in a graph."""
+    gen = torch.Generator().manual_seed(7)
+    seeds = torch.randint(-(2**63), 2**63 - 1, (1000,), generator=gen, dtype=torch.int64)
+    indices = torch.randint(-(2**63), 2**63 - 1, (1000,), generator=gen, dtype=torch.int64)
+    seeds[:4] = torch.tensor([0, -1, 2**63 - 1, -(2**63)])
+    indices[:4] = torch.tensor([0, 2**63 - 1, 1, -1])
+    before = ops.cuda_calls().get("seeded_uniforms", 0)
+    got = ops.seeded_uniforms(seeds.to(DEV), indices.to(DEV))
+    assert ops.cuda_calls().get("seeded_uniforms", 0) == before + 1
+    assert got.dtype == torch.float64 and torch.equal(got.cpu(), reference.seeded_uniforms(seeds, indices))
+    torch.library.opcheck(cuda_ops.seeded_uniforms.default, (seeds.to(DEV), indices.to(DEV)),
+                          test_utils=("test_schema", "test_faketensor"))
+    s, i = seeds.to(DEV), indices.to(DEV)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = ops.seeded_uniforms(s, i)
+    i.add_(1)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out.cpu(), reference.seeded_uniforms(seeds, indices + 1))

@@ -81,6 +81,10 @@ class EngineConfig:
                                        "many steps (or nothing runs), so seats freed a few steps apart are filled "
                                        "by one admission step (on CUDA its prompts' pieces replay beside the "
                                        "decoding step); 0 = at once")
+    admission_decode_rows: int = opt(0, "under CUDA graphs: an admission step may run its prompt chunks as one-row "
+                                        "requests beside its decoding requests, up to this many rows past "
+                                        "--max-num-seqs, in one plain-decoding graph replay (those graphs are "
+                                        "captured too); 0 = off: each chunk replays a prompt graph of its own")
     max_num_batched_tokens: int | None = opt(None, "token budget of one engine step (prefill chunks + decodes + "
                                                    "tree rows; default: 8192 on CUDA, as vLLM's server, 2048 on "
                                                    "CPU)")
@@ -116,6 +120,8 @@ class EngineConfig:
             object.__setattr__(self, "max_num_batched_tokens", STEP_TOKENS_CUDA if self.is_cuda else STEP_TOKENS_CPU)
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
+        if self.admission_decode_rows < 0:
+            raise ValueError(f"admission_decode_rows must be >= 0 (0 = off), got {self.admission_decode_rows}")
         if self.admission_wait_steps < 0:
             raise ValueError(f"admission_wait_steps must be >= 0 (0 = at once), got {self.admission_wait_steps}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:

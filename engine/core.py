@@ -175,7 +175,7 @@ class EngineCore:
         capture = self.speculator.capture_layer_ids if self.speculator is not None else ()
         graphs = CudaGraphs(self.model, self.runner.kv_caches, config.block_size, scratch, config.max_num_seqs,
                             max_budget + 1, config.max_num_batched_tokens, self.max_model_len, max_blocks, capture,
-                            torch.device(config.device), emulate=emulate)
+                            torch.device(config.device), emulate=emulate, admission_rows=config.admission_decode_rows)
         if not emulate:
             graphs.capture()
         self.runner.graphs = graphs

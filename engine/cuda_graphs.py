@@ -108,9 +108,12 @@ class _Captured:
 class CudaGraphs:
     def __init__(self, model, kv_caches: list[torch.Tensor], block_size: int, scratch_blocks: list[int],
                  max_num_seqs: int, max_width: int, max_tokens: int, max_model_len: int, max_blocks: int,
-                 capture_layer_ids: tuple[int, ...], device: torch.device, emulate: bool = False):
+                 capture_layer_ids: tuple[int, ...], device: torch.device, emulate: bool = False,
+                 admission_rows: int = 0):
         """emulate: no capture; each "replay" runs the model eagerly over the same padded static buffers (CPU
-        tests of the layout and the padding)."""
+        tests of the layout and the padding). admission_rows: plain-decoding buckets are also captured past
+        max_num_seqs, up to the one that holds max_num_seqs + admission_rows rows (full context only), for
+        admission steps whose prompt chunks run as one-row requests (engine/admission.py)."""
         self.model, self.kv_caches, self.block_size = model, kv_caches, block_size
         self.scratch_blocks, self.max_model_len = scratch_blocks, max_model_len
         self.capture_layer_ids, self.device = capture_layer_ids, device
@@ -124,11 +127,17 @@ class CudaGraphs:
         self.contexts = [c for c in (SHORT_CONTEXT,) if c < max_model_len] + [max_model_len]
         self.buckets = [(n, w, c) for w in self.widths for n in self.batch_sizes if n * w <= max_tokens
                         for c in (self.contexts if w == 1 else [max_model_len])]
+        holder = bucket_of(BATCH_SIZES, max_num_seqs + admission_rows) if admission_rows else None
+        # plain-decoding sizes past max_num_seqs, for admission steps' rows only
+        self.row_sizes = [n for n in BATCH_SIZES if max(self.batch_sizes, default=0) < n <= (holder or 0)
+                          and n <= max_tokens]
+        self.buckets += [(n, 1, max_model_len) for n in self.row_sizes]
+        self.decode_sizes = tuple(self.batch_sizes + self.row_sizes)
         self.prompt_widths = [w for w in PROMPT_WIDTHS if w <= max_tokens]
         self.prompt_buckets = [(1, w, max_model_len) for w in self.prompt_widths]
         every_width = sorted({*self.widths, *self.prompt_widths})
         rows = max((n * w for n, w, _ in self.buckets + self.prompt_buckets), default=1)
-        seqs = max(self.batch_sizes, default=1)
+        seqs = max(self.decode_sizes, default=1)
         i64, i32 = dict(dtype=torch.int64, device=device), dict(dtype=torch.int32, device=device)
         self.input_ids = torch.zeros(rows, **i64)
         self.positions = torch.zeros(rows, **i64)
@@ -186,20 +195,28 @@ class CudaGraphs:
         self._layout = None  # capture wrote every bucket's padding
         torch.cuda.synchronize(self.device)
         logger.info("captured %d CUDA graphs (batch sizes %s, verify widths %s, plain-decoding contexts %s, prompt "
-                    "widths %s) in %.1f s", len(self.graphs), self.batch_sizes, self.widths, self.contexts,
-                    self.prompt_widths, time.perf_counter() - t0)
+                    "widths %s, admission rows %s) in %.1f s", len(self.graphs), self.batch_sizes, self.widths,
+                    self.contexts, self.prompt_widths, self.row_sizes, time.perf_counter() - t0)
 
     # ----------------------------------------------------------------------------------------------- replay
 
     def bucket(self, num_seqs: int, width: int, max_seq_len: int | None = None) -> tuple[int, int, int] | None:
         """The graph for a step: the smallest batch and width buckets that hold it and, for plain decoding, the
         shortest context capacity that holds its longest sequence (max_seq_len keys; None: the full one)."""
-        n, w = bucket_of(tuple(self.batch_sizes), num_seqs), bucket_of(tuple(self.widths), width)
+        w = bucket_of(tuple(self.widths), width)
+        n = bucket_of(self.decode_sizes if w == 1 else tuple(self.batch_sizes), num_seqs)
         if n is None or w is None:
             return None
         short = w == 1 and max_seq_len is not None
         key = (n, w, next((c for c in self.contexts if short and max_seq_len <= c + w), self.max_model_len))
+        if key not in self.graphs and n in self.row_sizes:
+            key = (n, w, self.max_model_len)  # (admission rows: full context only)
         return key if key in self.graphs else None
+
+    @property
+    def max_decode_rows(self) -> int:
+        """Rows of the largest plain-decoding bucket (admission rows included)."""
+        return max(self.decode_sizes, default=0)
 
     def prompt_bucket(self, width: int) -> tuple[int, int, int] | None:
         """The prompt bucket for a prompt piece of `width` rows, or None."""

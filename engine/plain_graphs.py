@@ -29,7 +29,7 @@ class PlainGraphs:
     def __init__(self, graphs, model):
         """graphs: the engine's CudaGraphs (their buckets and forward outputs); emulated like them."""
         self.graphs, self.model = graphs, model
-        self.sampling = GraphSampling(max(graphs.batch_sizes), graphs.device)
+        self.sampling = GraphSampling(max(graphs.decode_sizes), graphs.device)
         self.keys = [b for b in graphs.buckets if b[1] == 1]
         self.epilogues: dict[tuple, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}  # (key, variant) -> graph, tokens
         self.pool = None

@@ -83,7 +83,8 @@ class RoundGraphs:
         self.sampling = GraphSampling(most, device)
         # tree buckets, and root-only trees at the full context (a step leaving trees while its predecessor's
         # accepted lengths are still on the device: engine.scheduler.schedule_ahead_trees)
-        self.keys = [b for b in graphs.buckets if b[1] > 1 or b[2] == graphs.max_model_len]
+        # (not the plain buckets past max_num_seqs: an admission step's rows, never a round)
+        self.keys = [b for b in graphs.buckets if (b[1] > 1 or b[2] == graphs.max_model_len) and b[0] <= most]
         self.columns = torch.arange(max(graphs.widths), device=device)  # a row's index inside its request
         self.rounds: dict[tuple[int, int, int], _Round] = {}
         # a pool of their own: a prologue's outputs must survive the forward graph's replay, and in the forward

@@ -10,7 +10,7 @@ from collections.abc import Callable
 from dataclasses import replace
 import torch
 
-from engine.admission import Piece, plan_replays
+from engine.admission import Piece, plan_replays, row_layout
 from engine.inputs import StepInputs, decode_rows, first_position, prepare_inputs, prepare_tree_inputs_ahead
 from engine.plan import ScheduledSeq, StepPlan, StepResult
 from engine.sampler import SampleOutput, Sampler, SamplingBatch
@@ -212,6 +212,10 @@ class ModelRunner:
         decoders = [s for s, d in zip(plain, decoding) if d]
         if decoders and batch is not None:
             return "mixed step"
+        if decoders and batch is None and self.graphs.row_sizes:
+            step = self._admission_rows(prompts, decoders, watched, ahead_ids, t1, round_why)
+            if not isinstance(step, str):
+                return step  # (else its prompt chunks replay as pieces)
         replays = self._replays(prompts)
         if isinstance(replays, str):
             return replays
@@ -228,11 +232,30 @@ class ModelRunner:
             rest = self.graphs.replay_rows(self._decode_in_graph(decoders, ahead_ids).graph_key, len(decoders))
         return self._run_beside(prompts, decoders, batch, watched, first, rest, tree_inputs, t1, round_why)
 
+    def _admission_rows(self, prompts: list[ScheduledSeq], decoders: list[ScheduledSeq], watched: tuple | None,
+                        ahead_ids: torch.Tensor | None, t1: float, round_why: str | None) -> PendingStep | str:
+        """An admission step as one plain-decoding replay of one-row requests (Admissions.run_rows), or why not."""
+        if self._dense_routed(prompts):
+            return "prompt chunks for dense prefill"
+        done = self.admissions.run_rows(prompts, decoders, ahead_ids, self.staging, self.plain_graphs,
+                                        self.sampler.fault_seed is not None)
+        if isinstance(done, str):
+            return done
+        hidden, layers, tokens = done
+        inputs = StepInputs(None, None, *row_layout(prompts + decoders), None)
+        return self._run(prompts + decoders, None, watched, inputs, t1, round_why,
+                         forward=(hidden, layers, "replay: admission rows"), tokens=tokens)
+
     def _replays(self, prompts: list[ScheduledSeq]) -> list[Piece] | str:
         """The prompt buckets' replays that compute these chunks (engine/admission.py), or why not."""
-        if self.dense_prefill_min_tokens and any(s.num_new_tokens >= self.dense_prefill_min_tokens for s in prompts):
-            return "prompt chunks for dense prefill"  # --dense-prefill-min-tokens routes them (eager)
+        if self._dense_routed(prompts):
+            return "prompt chunks for dense prefill"
         return plan_replays(prompts, self.graphs)
+
+    def _dense_routed(self, prompts: list[ScheduledSeq]) -> bool:
+        """--dense-prefill-min-tokens routes some of these chunks (an eager step)."""
+        return bool(self.dense_prefill_min_tokens) and any(s.num_new_tokens >= self.dense_prefill_min_tokens
+                                                           for s in prompts)
 
     def _prompt_forward(self, prompts: list[ScheduledSeq], replays: list[Piece] | str
                         ) -> tuple[torch.Tensor, list[torch.Tensor], str]:
@@ -258,11 +281,7 @@ class ModelRunner:
         if rest is not None:
             hidden = torch.cat([hidden, rest[0]])
             layers = [torch.cat([a, b]) for a, b in zip(layers, rest[1])]
-        rows, row = [], 0
-        for s in prompts + decoders:
-            rows.append((row, s.num_new_tokens))
-            row += s.num_new_tokens
-        inputs = StepInputs(None, None, rows, row, tree_inputs.tree_slots if batch else None,
+        inputs = StepInputs(None, None, *row_layout(prompts + decoders), tree_inputs.tree_slots if batch else None,
                             tree_inputs.tree_starts if batch else None)
         return self._run(prompts + decoders, batch, watched, inputs, t1, round_why, forward=(hidden, layers, mode),
                          graph_tail=len(decoders) if self.plain_graphs is not None else 0)
@@ -285,18 +304,22 @@ class ModelRunner:
 
     def _run(self, plain: list[ScheduledSeq], batch: TreeBatch | None, watched: tuple | None, inputs: StepInputs,
              t1: float, round_why: str | None = None, mixed_why: str = "mixed step",
-             forward: tuple[torch.Tensor, list[torch.Tensor], str] | None = None, graph_tail: int = 0) -> PendingStep:
+             forward: tuple[torch.Tensor, list[torch.Tensor], str] | None = None, graph_tail: int = 0,
+             tokens: torch.Tensor | None = None) -> PendingStep:
         """The target forward (unless given: hidden, captured layers, graph mode), sampling, walk and compaction of
         a prepared step, and its results' copy. round_why: why a step of only trees is not a whole-round graph
         (said in the step's graph mode when it replays); mixed_why: why a step of several shapes runs eagerly;
-        graph_tail: the step's last rows are that many decoding rows whose decode graph replayed last."""
+        graph_tail: the step's last rows are that many decoding rows whose decode graph replayed last; tokens:
+        the sampled rows' tokens, already chosen in a graph."""
         hidden, captured, graph_mode = forward or self._forward(_uniform_shape(plain, batch), inputs, mixed_why)
         features = torch.cat(captured, dim=-1) if captured else None  # [num_tokens, num_layers * hidden]
         t2 = time.perf_counter()
         sampling = [(s.request, r0 + n - 1) for s, (r0, n) in zip(plain, inputs.plain_rows) if s.sample]
         out = walk = None
         fault = self.sampler.fault_seed is not None
-        if graph_mode == "replay" and batch is None and self.plain_graphs is not None:  # N decodes x 1 row
+        if tokens is not None:
+            out = SampleOutput(tokens, [], None, None, None)
+        elif graph_mode == "replay" and batch is None and self.plain_graphs is not None:  # N decodes x 1 row
             chosen, round_why = self.plain_graphs.plan(plain, self.graphs.last_key, fault)
             if chosen is not None:
                 tokens = self.plain_graphs.run(plain, self.graphs.last_key, chosen, self.staging, hidden)

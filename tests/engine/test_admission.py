@@ -2,8 +2,9 @@
 static buffers and padding, run eagerly): prompt chunks beside decoding requests run as causal pieces of the
 prompt buckets, one a replay, chunks longer than the widest one in several, the decoding rows' tokens chosen by the
 plain-decoding sampling graph, and the output equals an engine without graphs, greedy and seeded, with plain
-decoding and with DDTree trees beside the pieces. The GPU test replays
-real graphs (tests/ext/test_engine_gpu.py)."""
+decoding and with DDTree trees beside the pieces; with --admission-decode-rows the prompt chunks run as one-row
+requests in one plain-decoding replay beside the decoders, with the same output. The GPU test replays real graphs
+(tests/ext/test_engine_gpu.py)."""
 from __future__ import annotations
 
 from types import SimpleNamespace
@@ -12,7 +13,8 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams, admission, cuda_graphs
-from engine.admission import Piece, plan_replays
+from engine.admission import Piece, pick_rows, plan_replays, rows_as_decodes
+from engine.staging import Staging
 from engine.speculative.oracle import OracleDrafter
 from tests.engine.test_cuda_graphs import graph_modes
 from tests.speculative.test_ddtree_e2e import golden_lookup
@@ -55,6 +57,70 @@ def test_admission_steps_replay_prompt_pieces_as_eager_computes_them(tiny_checkp
     assert "replay: admission" in modes, modes
     assert chosen and all(t is not None for t in chosen)  # the decoders' tokens chosen by the sampling graph
     assert f"eager: prompt chunks beyond {admission.MAX_REPLAYS} replays" in modes, modes  # the 60-token prompt
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["synchronous", "ahead"])
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_admission_steps_as_decode_rows_equal_eager_steps(tiny_checkpoints, narrow_prompt_graphs, temperature,
+                                                          overlap, monkeypatch):
+    """Prompt chunks as one-row requests (causal through their KV lengths) beside the decoding rows, in one replay
+    of a plain bucket past max_num_seqs, their tokens and the decoders' chosen by its sampling graph: the output of
+    an engine without graphs, also when the step is launched ahead (the decoders' tokens fed from the device); the
+    80-token prompt (82 rows past the 48-row bucket) replays as pieces instead."""
+    folder, _ = tiny_checkpoints("llama")
+    ps, max_tokens = staggered(9)
+    ref, _ = run(LLM(folder, dtype="fp32", max_num_seqs=3), ps, max_tokens, temperature)
+    llm = LLM(folder, dtype="fp32", max_num_seqs=3, admission_decode_rows=40)
+    llm.engine.enable_graphs(emulate=True)
+    llm.engine.overlap = overlap
+    assert llm.engine.runner.graphs.row_sizes == [4, 6, 8, 12, 16, 24, 32, 48]
+    runner, ahead = llm.engine.runner, []
+    rows = runner._admission_rows
+
+    def spy(prompts, decoders, watched, ahead_ids, *args):
+        ahead.append(ahead_ids is not None)
+        return rows(prompts, decoders, watched, ahead_ids, *args)
+
+    monkeypatch.setattr(runner, "_admission_rows", spy)
+    out, modes = run(llm, ps, max_tokens, temperature)
+    assert out == ref
+    assert "replay: admission rows" in modes, modes
+    assert any(ahead) == overlap, ahead
+    assert f"eager: prompt chunks beyond {admission.MAX_REPLAYS} replays" in modes, modes  # the 80-token prompt
+
+
+def test_admission_decode_rows_are_a_cli_flag_and_never_negative():
+    from engine.config import EngineConfig
+
+    with pytest.raises(ValueError, match="admission_decode_rows"):
+        EngineConfig(admission_decode_rows=-1)
+    assert EngineConfig().admission_decode_rows == 0
+
+
+def test_decode_rows_of_an_admission_step():
+    """Two prompt chunks and two decoders as one-row requests: each prompt row's KV length ends at its own token,
+    the rows a step samples are each sampling chunk's last and the decoders', the fed rows the decoders ahead."""
+    def seq(prompt, computed, n, sample, ahead=0, blocks=(7, 3)):
+        req = SimpleNamespace(num_computed_tokens=computed, num_tokens=len(prompt), block_ids=list(blocks),
+                              token_ids=lambda a, b: prompt[a:b])
+        return SimpleNamespace(request=req, num_new_tokens=n, sample=sample, num_ahead=ahead)
+
+    first = seq(list(range(100, 120)), 2, 3, False)  # a middle chunk: tokens 2..4, nothing sampled
+    second = seq([5, 6, 7], 0, 3, True, blocks=(9,))
+    decoders = [seq(list(range(30)), 29, 1, True, ahead=1, blocks=(1, 2)), seq([1, 2], 1, 1, True, blocks=(4,))]
+    rows = rows_as_decodes([first, second], decoders, 16, 8)
+    assert rows.ids == [102, 103, 104, 5, 6, 7, 0, 2]
+    assert rows.positions == [2, 3, 4, 0, 1, 2, 30, 1]  # (the decoder ahead: past its 30 host tokens)
+    assert rows.slots == [7 * 16 + 2, 7 * 16 + 3, 7 * 16 + 4, 9 * 16, 9 * 16 + 1, 9 * 16 + 2, 2 * 16 + 14, 4 * 16 + 1]
+    assert rows.seq_lens == [3, 4, 5, 1, 2, 3, 31, 2]
+    assert rows.sampled == [5, 6, 7] and rows.fed == [6]
+    assert rows.tables[:3] == [[7, 3]] * 3 and rows.seqs[3] is second
+    assert rows_as_decodes([first, second], decoders, 16, 7) == "8 rows past the largest plain bucket (7)"
+    long = seq(list(range(300)), 0, 200, True)
+    assert "keys" in rows_as_decodes([long], decoders, 16, 512)
+    values = torch.arange(10) * 10
+    assert pick_rows(values, [5, 6, 7], Staging("cpu")).tolist() == [50, 60, 70]
+    assert pick_rows(values, [2, 6, 7], Staging("cpu")).tolist() == [20, 60, 70]
 
 
 def test_trees_beside_prompt_pieces_equal_plain_greedy(tiny_checkpoints, narrow_prompt_graphs, monkeypatch):

@@ -539,6 +539,30 @@ def test_admission_steps_replay_prompt_pieces_on_cuda_like_eager_steps(tiny_chec
     assert admitted["ahead beside trees"] >= 1 and ("replay: admission", "ahead") in steps, (admitted, steps)
 
 
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_admission_steps_as_decode_rows_on_cuda_like_eager_steps(tiny_checkpoints, family):
+    """--admission-decode-rows: prompt chunks admitted beside decoding requests run as one-row requests in one
+    replay of a plain bucket past max_num_seqs (engine/admission.py rows_as_decodes), launched ahead of the previous
+    step's results, and emit what eager synchronous steps emit: greedy, seeded T = 0.8 with top-p (tokens from the
+    bucket's sampling graph) and with logprobs (the sampler after the replay); the 300-token prompt replays as
+    pieces."""
+    folder, _ = tiny_checkpoints(family)
+    g = torch.Generator().manual_seed(6)
+    lengths = [int(torch.randint(3, 120, (1,), generator=g)) for _ in range(8)] + [300]
+    ps = [torch.randint(0, 1000, (k,), generator=g).tolist() for k in lengths]
+    params = [SamplingParams(max_tokens=8 + 3 * i, temperature=0, ignore_eos=True) for i in range(len(ps))]
+    params += [SamplingParams(max_tokens=8 + 3 * i, temperature=0.8, top_p=0.9, seed=i, ignore_eos=True)
+               for i in range(len(ps))]
+    params += [SamplingParams(max_tokens=8 + 3 * i, temperature=0.8, seed=i, logprobs=2, ignore_eos=True)
+               for i in range(len(ps))]
+    common = dict(dtype="fp32", device="cuda", max_num_seqs=3)
+    want = LLM(folder, enforce_eager=True, async_scheduling=False, **common).generate(ps * 3, params)
+    out, steps, _ = step_through(LLM(folder, admission_decode_rows=128, **common), ps * 3, params)
+    assert out == [o.token_ids for o in want]
+    assert ("replay: admission rows", "ahead") in steps, steps
+    assert any(mode == "replay: admission" for mode, _ in steps), steps  # the 300-token prompt's pieces
+
+
 def test_seeded_request_alone_equals_choice_0_beside_a_twin_in_bf16(tiny_checkpoints):
     """bf16 under CUDA graphs: a seeded request whose prompt's tail (past its cached blocks) is admitted alone
     samples what it samples admitted beside a twin (what n = 2 does): each prompt piece replays on its own, so

@@ -12,7 +12,9 @@ each kind's steps slower than F times its median, with the methods (all of them 
 beyond that kind's median step: where a heavy tail's time goes (on the H100 at batch 16 it found the n-gram
 engine's curve drafts at every 16th step). --queue K queues K times the batch's requests behind its seats, their
 lengths spread, as a loaded server sees them (one closed batch of equal lengths lasts as long as its slowest
-request: speculation there can only shorten the run by speeding up every request).
+request: speculation there can only shorten the run by speeding up every request). --admission-rows 0 256 runs each
+configuration with the engine's --admission-decode-rows at each value in turn (admission steps as prompt pieces,
+then as one-row requests beside the decoders).
 
     python bench/step_kinds.py --model SmolLM2-135M-Instruct.Q4_1.gguf --device cuda --runs 16:0 1:1 1:0
     python bench/step_kinds.py --model ... --runs 16:0 --scheduling async --repeat 3 --trace steps.jsonl
@@ -76,9 +78,10 @@ def request_prompts(llm, dummy: bool, num_requests: int, distinct: bool) -> list
 
 def run(model, device, dtype, drafter, overlap, batch, temperature, max_tokens, emulate=False, trace=None,
         rep=0, host_times: list[str] | None = None, slow_steps: float | None = None, queue: int = 1,
-        distinct: bool = False, admission_wait: int = 0) -> None:
+        distinct: bool = False, admission_wait: int = 0, admission_rows: int = 0) -> None:
     label = f"batch {batch}{f' queue {queue}' if queue > 1 else ''}{' distinct' if distinct else ''}" \
-            f"{f' wait {admission_wait}' if admission_wait else ''} " \
+            f"{f' wait {admission_wait}' if admission_wait else ''}" \
+            f"{f' rows {admission_rows}' if admission_rows else ''} " \
             f"T {temperature} async {overlap} {drafter}" + (f" #{rep}" if rep else "")
     name, _, variant = drafter.partition(":")  # ngram:noguard: the adaptive budget without its throughput guard
     dummy = isinstance(model, dict)  # a config: random weights of its shape, a self-repeating prompt of token ids
@@ -88,7 +91,8 @@ def run(model, device, dtype, drafter, overlap, batch, temperature, max_tokens, 
             json.dump(model, f)
     shape = dict(load_format="dummy", max_model_len=4096) if dummy else {}
     llm = LLM(folder, device=device, dtype=dtype, drafter=name, async_scheduling=overlap,
-              spec_guard=variant != "noguard", max_num_seqs=batch, admission_wait_steps=admission_wait, **shape)
+              spec_guard=variant != "noguard", max_num_seqs=batch, admission_wait_steps=admission_wait,
+              admission_decode_rows=admission_rows, **shape)
     core = llm.engine
     if emulate:  # the CUDA-graph layout run eagerly, and asynchronous scheduling's bookkeeping (launches block)
         if name == "ngram":  # the drafter CUDA would use (same settings), through its PyTorch reference
@@ -213,6 +217,9 @@ def main() -> None:
                         "prefill it: without, every prompt after the first is found in the prefix cache")
     p.add_argument("--admission-wait", type=int, default=0, metavar="STEPS",
                    help="the engine's --admission-wait-steps: seats freed apart are filled by one admission step")
+    p.add_argument("--admission-rows", type=int, nargs="+", default=[0], metavar="N",
+                   help="the engine's --admission-decode-rows, each in turn (e.g. 0 256: admission steps as "
+                        "pieces, then as one-row requests)")
     p.add_argument("--repeat", type=int, default=1, help="runs of each configuration")
     p.add_argument("--trace", default=None, help="write every step here as a JSON line")
     p.add_argument("--host-times", nargs="*", default=None, metavar="CLASS.METHOD",
@@ -229,10 +236,11 @@ def main() -> None:
             for overlap in {"both": (True, False), "async": (True,), "sync": (False,)}[args.scheduling]:
                 for drafter in ("none", *args.drafter):
                     for rep in range(1, args.repeat + 1):
-                        run(model, args.device, args.dtype, drafter, overlap, batch, temperature, args.max_tokens,
-                            args.emulate, trace, rep if args.repeat > 1 else 0,
-                            args.host_times, args.slow_steps, args.queue, args.distinct_prompts,
-                            args.admission_wait)
+                        for rows in args.admission_rows:
+                            run(model, args.device, args.dtype, drafter, overlap, batch, temperature,
+                                args.max_tokens, args.emulate, trace, rep if args.repeat > 1 else 0,
+                                args.host_times, args.slow_steps, args.queue, args.distinct_prompts,
+                                args.admission_wait, rows)
 
 
 if __name__ == "__main__":

@@ -74,17 +74,37 @@ def test_an_unmeasured_width_pays_its_rows_and_the_least_fixed_part_seen():
     costs = StepCosts(graph_shape)
     for _ in range(3):
         costs.observe(64, 1, 0.00134)
-        costs.observe(64, 2, 0.0027)
         costs.observe(64, 17, 0.0028)
+        costs.observe(16, 1, 0.0011)
+        costs.observe(16, 2, 0.0016)
     t_row = 1e-6
-    fixed = min(0.0027 - 0.00134 - 1 * 64 * t_row, 0.0028 - 0.00134 - 16 * 64 * t_row)
+    fixed = min(0.0016 - 0.0011 - 1 * 16 * t_row, 0.0028 - 0.00134 - 16 * 64 * t_row)
     assert costs.least_fixed(t_row) == pytest.approx(fixed)
     seconds = costs.width_seconds(64, 16, t_row)
-    assert seconds[0] == 0.0 and seconds[1] == pytest.approx(0.0027 - 0.00134)
+    assert seconds[0] == 0.0 and seconds[1] == pytest.approx(1 * 64 * t_row + fixed)  # width 2: not measured
     assert seconds[4] == pytest.approx(4 * 64 * t_row + fixed)  # width 5: not measured
     assert seconds[6] == pytest.approx(8 * 64 * t_row + fixed)  # 7 rows run as the width-9 graph: its rows paid
     assert costs.width_seconds(60, 6, t_row)[6] == pytest.approx(8 * 64 * t_row + fixed)  # ... and its batch's
     assert seconds[16] == pytest.approx(0.0028 - 0.00134)
+
+
+def test_an_unmeasured_width_costs_no_less_than_a_narrower_measured_one():
+    """With the least fixed part taken from any batch, a 5-wide round at batch 64 was priced below the 2-wide
+    round measured there; a wider round at the same batch runs more rows through the same work."""
+    costs = StepCosts(graph_shape)
+    for _ in range(3):
+        costs.observe(64, 1, 0.00134)
+        costs.observe(64, 2, 0.0027)
+        costs.observe(16, 1, 0.0011)
+        costs.observe(16, 2, 0.0012)
+    t_row = 1e-6
+    fixed = costs.least_fixed(t_row)
+    assert fixed == pytest.approx(0.0012 - 0.0011 - 16 * t_row)
+    seconds = costs.width_seconds(64, 8, t_row)
+    assert seconds[1] == pytest.approx(0.0027 - 0.00134)  # measured
+    assert 4 * 64 * t_row + fixed < seconds[1]  # the rows' price alone is below it ...
+    assert seconds[4] == pytest.approx(seconds[1]) and seconds[8] == pytest.approx(seconds[1])  # ... the floor holds
+    assert costs.width_seconds(16, 8, t_row)[4] == pytest.approx(4 * 16 * t_row + fixed)  # batch 16: its own
 
 
 def test_no_tree_is_priced_before_a_plain_step_at_its_batch_is_measured():

@@ -77,6 +77,9 @@ class BudgetController(StepBudgets, TreeValue):
         throughput against plain windows (guard.py)."""
         self.max_budget, self.enabled, self.prior_row_share = max_budget, enabled, prior_row_share
         self.guarded = guard
+        # a request without a tree of its own is valued by the latest one verified for another request; off for a
+        # drafter whose trees come from each request's own text (the n-gram rule: request_specific)
+        self.borrow = True
         self.pipelined = False  # the engine schedules steps ahead of their predecessors' results
         self.switches_ahead = False  # ... tree steps too, after any decoding step (no switch is synchronous)
         # a step with any tree pays a fitted fixed cost beyond its rows (without CUDA graphs; under graphs the
@@ -321,10 +324,14 @@ class BudgetController(StepBudgets, TreeValue):
     def _first_budget(self) -> int:
         """A request without a draft of its own: the tree the drafter last drew for another request, valued at the
         engine-wide record (a request's first tree is no worse a guess than its neighbour's); 0 before any tree
-        was verified, and while drafting is cheap (this step then drafts without verifying, the runner watching
-        budget 0, and the next one values the request's own tree: an n-gram drafter's trees say nothing about
-        another request's text)."""
-        if self.latest is None or self.cheap_draft():
+        was verified, while drafting is cheap (this step then drafts without verifying, the runner watching
+        budget 0, and the next one values the request's own tree), and for a drafter whose trees come from each
+        request's own text (borrow off: the n-gram rule, whose trees say nothing about another request's text; on
+        an H100 at batch 64 under load, when trees came back after the guard's back-off, 31 requests at budget 16
+        filled a 17-wide round that brought 12 tokens beyond a plain step's in 7.7 ms; a plain window drafts
+        nothing, so those admitted during it most likely had no tree of their own and took the neighbour's value,
+        docs/BENCHMARKS.md 2026-12-07)."""
+        if self.latest is None or self.cheap_draft() or not self.borrow:
             return 0
         return self._net_best(self.latest, self.threshold(), standing=1.0)
 

@@ -52,6 +52,8 @@ class Drafter(Protocol):
         """Forget per-request state (finish, abort, preempt)."""
         ...
 
+    # Optional: request_specific = True when a drafter's confidence comes from the request's own text alone (the
+    # n-gram rule), so another request's tree says nothing about this one's (BudgetController.borrow).
     # Optional, for tree steps launched before the previous tree step's results reach the host (engine.core):
     # propose_ahead(batch, top_k, root_ids, root_positions, num_new, feats=None, emitted_ids=None) drafts from
     # roots [N] and root positions [N] on the device (num_new [N]: tokens the previous step accepted, its bonus

@@ -89,6 +89,7 @@ class Calibration:
 class NgramRule:
     """The rule's settings and calibration, shared by the host drafter and the device one (ngram_device.py)."""
     target_layer_ids: tuple[int, ...] = ()
+    request_specific = True  # a tree comes from its request's own text (engine.speculative.drafter.Drafter)
 
     def __init__(
         self,

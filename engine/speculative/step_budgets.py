@@ -195,13 +195,13 @@ class StepBudgets:
     def _step_gains(self, request_ids: list[str], budgets: list[int], lengths: list[int]
                     ) -> tuple[list[list[float]], list[int]]:
         """Per request, the expected accepted tokens of its first `lengths` nodes (its own latest tree, else the
-        one the drafter last drew for another request at the engine-wide record), and its budget if that is a
-        probe (else 0)."""
+        one the drafter last drew for another request at the engine-wide record, unless borrow is off: none), and
+        its budget if that is a probe (else 0)."""
         gains, probes = [], []
         for rid, budget, length in zip(request_ids, budgets, lengths):
             stats = self.requests.get(rid)
             own = stats is not None and bool(stats.node_q)
-            source, standing = (stats, None) if own else (self.latest, 1.0)
+            source, standing = (stats, None) if own else (self.latest if self.borrow else None, 1.0)
             gains.append(self._gains(source, standing, length) if length > 0 and source is not None else [])
             probes.append(budget if budget and own and self._is_probe(stats) else 0)
         return gains, probes

@@ -367,6 +367,35 @@ def test_a_new_request_starts_from_its_neighbours_tree():
     assert right.budget("newer") == 0 and right.should_draft("newer")
 
 
+def test_a_request_specific_drafter_lends_no_tree_to_a_new_request():
+    """With borrow off (the n-gram rule: a tree comes from the request's own text) a request without a tree of its
+    own gets no first budget from its neighbour's and fills no width beside trees at a uniform step; it drafts
+    its own first. With borrow on the same neighbour would give it 7 nodes and a place in the width."""
+    from engine.cuda_graphs import graph_shape
+
+    curve = [sum(0.9 ** d for d in range(1, min(j + 1, 7) + 1)) + 0.01 * max(0, j - 6) for j in range(16)]
+    answers = {}
+    for borrow in (True, False):
+        controller = BudgetController(max_budget=16)
+        controller.pipelined, controller.borrow = True, borrow
+        controller.costs.shape_of = graph_shape
+        for _ in range(6):
+            controller.observe_request("old", 7, [1, 2, 3, 4, 5, 6, 7], confidence(curve))
+            controller.observe_step(8, 0.010, tokens=8)
+        gains, _ = controller._step_gains(["old", "new"], [7, 0], [16, 16])
+        answers[borrow] = (controller.budget("new"), bool(gains[1]), controller.budget("old"))
+    assert answers[True] == (7, True, 7)
+    assert answers[False] == (0, False, 7)
+
+
+def test_the_engine_lends_no_n_gram_tree(tiny_checkpoints):
+    """The engine turns borrowing off for the n-gram drafter (request_specific) and leaves it on for others."""
+    folder, _ = tiny_checkpoints("llama")
+    assert not LLM(folder, dtype="fp32", drafter="ngram").engine.budgets.borrow
+    oracle = OracleDrafter(lambda *_: None, 1000, horizon=4)
+    assert LLM(folder, dtype="fp32", drafter=oracle).engine.budgets.borrow
+
+
 @pytest.mark.parametrize("graphs", [False, True])
 def test_a_new_request_probes_its_own_tree_soon(graphs):
     """After a run of failing requests the engine-wide record rates the drafter's confident nodes low, so a new

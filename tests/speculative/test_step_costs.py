@@ -70,13 +70,17 @@ def test_a_dear_round_is_priced_by_its_rows_again_after_a_run_of_plain_steps():
     assert seconds[16] == pytest.approx(16 * 64 * 1e-9 + (0.0028 - 0.00134 - 16 * 64 * 1e-9), rel=0.02)
 
 
-def test_an_unmeasured_width_pays_its_rows_and_the_least_fixed_part_seen():
+def measured(*steps: tuple[int, int, float]) -> StepCosts:
+    """Step costs after three rounds of these (requests, width, seconds) steps (each shape's first not counted)."""
     costs = StepCosts(graph_shape)
     for _ in range(3):
-        costs.observe(64, 1, 0.00134)
-        costs.observe(64, 17, 0.0028)
-        costs.observe(16, 1, 0.0011)
-        costs.observe(16, 2, 0.0016)
+        for num_seqs, width, seconds in steps:
+            costs.observe(num_seqs, width, seconds)
+    return costs
+
+
+def test_an_unmeasured_width_pays_its_rows_and_the_least_fixed_part_seen():
+    costs = measured((64, 1, 0.00134), (64, 17, 0.0028), (16, 1, 0.0011), (16, 2, 0.0016))
     t_row = 1e-6
     fixed = min(0.0016 - 0.0011 - 1 * 16 * t_row, 0.0028 - 0.00134 - 16 * 64 * t_row)
     assert costs.least_fixed(t_row) == pytest.approx(fixed)
@@ -91,12 +95,7 @@ def test_an_unmeasured_width_pays_its_rows_and_the_least_fixed_part_seen():
 def test_an_unmeasured_width_costs_no_less_than_a_narrower_measured_one():
     """With the least fixed part taken from any batch, a 5-wide round at batch 64 was priced below the 2-wide
     round measured there; a wider round at the same batch runs more rows through the same work."""
-    costs = StepCosts(graph_shape)
-    for _ in range(3):
-        costs.observe(64, 1, 0.00134)
-        costs.observe(64, 2, 0.0027)
-        costs.observe(16, 1, 0.0011)
-        costs.observe(16, 2, 0.0012)
+    costs = measured((64, 1, 0.00134), (64, 2, 0.0027), (16, 1, 0.0011), (16, 2, 0.0012))
     t_row = 1e-6
     fixed = costs.least_fixed(t_row)
     assert fixed == pytest.approx(0.0012 - 0.0011 - 16 * t_row)

@@ -327,10 +327,9 @@ class BudgetController(StepBudgets, TreeValue):
         was verified, while drafting is cheap (this step then drafts without verifying, the runner watching
         budget 0, and the next one values the request's own tree), and for a drafter whose trees come from each
         request's own text (borrow off: the n-gram rule, whose trees say nothing about another request's text; on
-        an H100 at batch 64 under load, when trees came back after the guard's back-off, 31 requests at budget 16
-        filled a 17-wide round that brought 12 tokens beyond a plain step's in 7.7 ms; a plain window drafts
-        nothing, so those admitted during it most likely had no tree of their own and took the neighbour's value,
-        docs/BENCHMARKS.md 2026-12-07)."""
+        an H100 at batch 64 the first round after the guard let trees back in gave 31 requests budget 16 for 12
+        tokens beyond a plain step's, most likely requests admitted meanwhile valued at a neighbour's tree:
+        docs/BENCHMARKS.md, 2026-12-07)."""
         if self.latest is None or self.cheap_draft() or not self.borrow:
             return 0
         return self._net_best(self.latest, self.threshold(), standing=1.0)

@@ -102,9 +102,9 @@ class StepCosts:
         """Seconds each width w = 0..top nodes a request costs a step of num_seqs requests beyond a plain one (one
         run ahead, or a synchronous one): measured where its shape is, else its shape's padded rows at row_seconds
         plus least_fixed() (as least_fixed counts them), and never less than a narrower width costs at this batch
-        (a wider round runs more rows through the same work: with the least fixed part seen at any batch, a
-        5-wide round at batch 64 was priced at half the measured 2-wide one); UNMEASURED_PLAIN a node while the
-        plain step at this batch is not measured. None without graphs."""
+        (a wider round runs more rows through the same work; with the least fixed part seen at any batch alone, a
+        5-wide round at batch 64 could be priced below the 2-wide round measured there); UNMEASURED_PLAIN a node
+        while the plain step at this batch is not measured. None without graphs."""
         if self.shape_of is None:
             return None
         batch = self.shape_of(num_seqs, 1)[0]

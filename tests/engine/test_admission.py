@@ -89,6 +89,35 @@ def test_admission_steps_as_decode_rows_equal_eager_steps(tiny_checkpoints, narr
     assert f"eager: prompt chunks beyond {admission.MAX_REPLAYS} replays" in modes, modes  # the 80-token prompt
 
 
+def test_dflash_drafts_alike_from_admission_rows(tiny_checkpoints, tmp_path):
+    """A DFlash drafter reads the target's features of every prompt row: run as one-row requests the rows give it
+    the features prompt pieces give (its drafts agree within fp32 rounding), and greedy output equals plain
+    decoding's."""
+    from tests.engine.test_async_trees import dflash_setup
+
+    folder, ps, params, ref = dflash_setup(tiny_checkpoints, tmp_path, "cpu")
+    drafts, modes = {}, {}
+    for rows in (0, 64):
+        llm = LLM(folder, dtype="fp32", drafter="dflash", draft_model=str(tmp_path), spec_budget=6, adaptive=True,
+                  max_num_seqs=2, admission_decode_rows=rows)
+        llm.engine.enable_graphs(emulate=True)
+        drafter, calls = llm.engine.speculator.drafter, drafts.setdefault(rows, [])
+        propose = drafter.propose
+
+        def spy(batch, top_k, propose=propose, calls=calls):
+            out = propose(batch, top_k)
+            calls.append(out[0].clone())
+            return out
+
+        drafter.propose = spy
+        out, modes[rows] = graph_modes(llm, ps, params=params)
+        assert out == ref
+    assert "replay: admission rows" in modes[64] and "replay: admission rows" not in modes[0], modes
+    assert len(drafts[0]) == len(drafts[64]) > 0
+    for want, got in zip(drafts[0], drafts[64]):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
 def test_admission_decode_rows_are_a_cli_flag_and_never_negative():
     from engine.config import EngineConfig
 

@@ -15,8 +15,10 @@ SHORT_CONTEXT and up to max_model_len: the short capacity plans at most 8 KV spl
 attention launch (ext/csrc/attention_mma.cuh, sm_90 clusters) instead of a second kernel.
 
 Prompt buckets (one request of PROMPT_WIDTHS rows) are captured beside those for admission steps: their prompt
-chunks replay as causal pieces (engine/admission.py). A bucket's key is (requests, rows each, context capacity);
-prompt buckets that coincide with verify buckets are one graph.
+chunks replay as causal pieces (engine/admission.py). With --admission-decode-rows, plain-decoding buckets past
+max_num_seqs (full context only, `row_sizes`) are captured too, for admission steps run as one-row requests. A
+bucket's key is (requests, rows each, context capacity); prompt buckets that coincide with verify buckets are one
+graph.
 
 Graphs run only where they can: CUDA, no --enforce-eager, models without host-synchronizing layers (MoE layers
 qualify when their grouped-GEMM dispatch serves the device and dtype), steps of decoding requests, and admission

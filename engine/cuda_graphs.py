@@ -129,7 +129,7 @@ class CudaGraphs:
         self.contexts = [c for c in (SHORT_CONTEXT,) if c < max_model_len] + [max_model_len]
         self.buckets = [(n, w, c) for w in self.widths for n in self.batch_sizes if n * w <= max_tokens
                         for c in (self.contexts if w == 1 else [max_model_len])]
-        holder = bucket_of(BATCH_SIZES, max_num_seqs + admission_rows) if admission_rows else None
+        holder = (bucket_of(BATCH_SIZES, max_num_seqs + admission_rows) or BATCH_SIZES[-1]) if admission_rows else None
         # plain-decoding sizes past max_num_seqs, for admission steps' rows only
         self.row_sizes = [n for n in BATCH_SIZES if max(self.batch_sizes, default=0) < n <= (holder or 0)
                           and n <= max_tokens]

@@ -126,6 +126,20 @@ def test_admission_decode_rows_are_a_cli_flag_and_never_negative():
     assert EngineConfig().admission_decode_rows == 0
 
 
+def test_admission_rows_buckets_reach_past_max_num_seqs():
+    """The plain buckets captured for admission rows: past max_num_seqs up to the one holding max_num_seqs + N rows
+    (the largest batch size when none does), within the step's token budget; none without the flag."""
+    def sizes(max_num_seqs, rows, max_tokens=8192):
+        graphs = cuda_graphs.CudaGraphs(None, [], 16, list(range(17)), max_num_seqs, 1, max_tokens, 64, 4, (),
+                                        torch.device("cpu"), emulate=True, admission_rows=rows)
+        return graphs.row_sizes, graphs.max_decode_rows
+
+    assert sizes(64, 0) == ([], 64)
+    assert sizes(64, 128) == ([96, 128, 192], 192)
+    assert sizes(256, 1000) == ([384, 512], 512)
+    assert sizes(64, 1000, max_tokens=300) == ([96, 128, 192, 256], 256)
+
+
 def test_decode_rows_of_an_admission_step():
     """Two prompt chunks and two decoders as one-row requests: each prompt row's KV length ends at its own token,
     the rows a step samples are each sampling chunk's last and the decoders', the fed rows the decoders ahead."""

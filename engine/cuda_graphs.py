@@ -133,6 +133,10 @@ class CudaGraphs:
         # plain-decoding sizes past max_num_seqs, for admission steps' rows only
         self.row_sizes = [n for n in BATCH_SIZES if max(self.batch_sizes, default=0) < n <= (holder or 0)
                           and n <= max_tokens]
+        if admission_rows and not self.row_sizes:
+            logger.warning("--admission-decode-rows %d: no plain bucket past %d requests within the step's %d tokens "
+                           "(batch sizes end at %d): admission steps replay prompt pieces", admission_rows,
+                           max_num_seqs, max_tokens, BATCH_SIZES[-1])
         self.buckets += [(n, 1, max_model_len) for n in self.row_sizes]
         self.decode_sizes = tuple(self.batch_sizes + self.row_sizes)
         self.prompt_widths = [w for w in PROMPT_WIDTHS if w <= max_tokens]

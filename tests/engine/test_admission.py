@@ -126,7 +126,7 @@ def test_admission_decode_rows_are_a_cli_flag_and_never_negative():
     assert EngineConfig().admission_decode_rows == 0
 
 
-def test_admission_rows_buckets_reach_past_max_num_seqs():
+def test_admission_rows_buckets_reach_past_max_num_seqs(caplog):
     """The plain buckets captured for admission rows: past max_num_seqs up to the one holding max_num_seqs + N rows
     (the largest batch size when none does), within the step's token budget; none without the flag."""
     def sizes(max_num_seqs, rows, max_tokens=8192):
@@ -138,6 +138,9 @@ def test_admission_rows_buckets_reach_past_max_num_seqs():
     assert sizes(64, 128) == ([96, 128, 192], 192)
     assert sizes(256, 1000) == ([384, 512], 512)
     assert sizes(64, 1000, max_tokens=300) == ([96, 128, 192, 256], 256)
+    with caplog.at_level("WARNING", logger="ddtree.engine"):
+        assert sizes(512, 64) == ([], 512)  # nothing past the largest batch size: said once
+    assert "no plain bucket past 512 requests" in caplog.text
 
 
 def test_decode_rows_of_an_admission_step():

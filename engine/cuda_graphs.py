@@ -129,10 +129,9 @@ class CudaGraphs:
         self.contexts = [c for c in (SHORT_CONTEXT,) if c < max_model_len] + [max_model_len]
         self.buckets = [(n, w, c) for w in self.widths for n in self.batch_sizes if n * w <= max_tokens
                         for c in (self.contexts if w == 1 else [max_model_len])]
-        holder = (bucket_of(BATCH_SIZES, max_num_seqs + admission_rows) or BATCH_SIZES[-1]) if admission_rows else None
         # plain-decoding sizes past max_num_seqs, for admission steps' rows only
-        self.row_sizes = [n for n in BATCH_SIZES if max(self.batch_sizes, default=0) < n <= (holder or 0)
-                          and n <= max_tokens]
+        holder = (bucket_of(BATCH_SIZES, max_num_seqs + admission_rows) or BATCH_SIZES[-1]) if admission_rows else 0
+        self.row_sizes = [n for n in BATCH_SIZES if max(self.batch_sizes, default=0) < n <= min(holder, max_tokens)]
         if admission_rows and not self.row_sizes:
             logger.warning("--admission-decode-rows %d: no plain bucket past %d requests within the step's %d tokens "
                            "(batch sizes end at %d): admission steps replay prompt pieces", admission_rows,
@@ -213,10 +212,8 @@ class CudaGraphs:
         n = bucket_of(self.decode_sizes if w == 1 else tuple(self.batch_sizes), num_seqs)
         if n is None or w is None:
             return None
-        short = w == 1 and max_seq_len is not None
+        short = w == 1 and max_seq_len is not None and n not in self.row_sizes  # (admission rows: full context)
         key = (n, w, next((c for c in self.contexts if short and max_seq_len <= c + w), self.max_model_len))
-        if key not in self.graphs and n in self.row_sizes:
-            key = (n, w, self.max_model_len)  # (admission rows: full context only)
         return key if key in self.graphs else None
 
     @property

@@ -212,7 +212,7 @@ class ModelRunner:
         decoders = [s for s, d in zip(plain, decoding) if d]
         if decoders and batch is not None:
             return "mixed step"
-        if decoders and batch is None and self.graphs.row_sizes:
+        if decoders and self.graphs.row_sizes:  # (beside trees: "mixed step" above)
             step = self._admission_rows(prompts, decoders, watched, ahead_ids, t1, round_why)
             if not isinstance(step, str):
                 return step  # (else its prompt chunks replay as pieces)

@@ -37,6 +37,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench.gpu_serving import COPY_PROMPT, SMOLLM2_135M  # noqa: E402
 from bench.host_timers import HostTimers, host_speed_us  # noqa: E402
 from engine import LLM, SamplingParams  # noqa: E402
+from engine.config import EngineConfig  # noqa: E402
 
 TINY = dict(SMOLLM2_135M, num_hidden_layers=1, hidden_size=64, intermediate_size=128, num_attention_heads=1,
             num_key_value_heads=1, head_dim=64, vocab_size=4096)
@@ -78,10 +79,11 @@ def request_prompts(llm, dummy: bool, num_requests: int, distinct: bool) -> list
 
 def run(model, device, dtype, drafter, overlap, batch, temperature, max_tokens, emulate=False, trace=None,
         rep=0, host_times: list[str] | None = None, slow_steps: float | None = None, queue: int = 1,
-        distinct: bool = False, admission_wait: int = 0, admission_rows: int = 0) -> None:
+        distinct: bool = False, admission_wait: int = 0,
+        admission_rows: int = EngineConfig.admission_decode_rows) -> None:
     label = f"batch {batch}{f' queue {queue}' if queue > 1 else ''}{' distinct' if distinct else ''}" \
             f"{f' wait {admission_wait}' if admission_wait else ''}" \
-            f"{f' rows {admission_rows}' if admission_rows else ''} " \
+            f" rows {admission_rows} " \
             f"T {temperature} async {overlap} {drafter}" + (f" #{rep}" if rep else "")
     name, _, variant = drafter.partition(":")  # ngram:noguard: the adaptive budget without its throughput guard
     dummy = isinstance(model, dict)  # a config: random weights of its shape, a self-repeating prompt of token ids
@@ -217,9 +219,9 @@ def main() -> None:
                         "prefill it: without, every prompt after the first is found in the prefix cache")
     p.add_argument("--admission-wait", type=int, default=0, metavar="STEPS",
                    help="the engine's --admission-wait-steps: seats freed apart are filled by one admission step")
-    p.add_argument("--admission-rows", type=int, nargs="+", default=[0], metavar="N",
-                   help="the engine's --admission-decode-rows, each in turn (e.g. 0 256: admission steps as "
-                        "pieces, then as one-row requests)")
+    p.add_argument("--admission-rows", type=int, nargs="+", default=[EngineConfig.admission_decode_rows],
+                   metavar="N", help="the engine's --admission-decode-rows, each in turn (e.g. 0 256: admission "
+                                     "steps as pieces, then as one-row requests; default: the engine's)")
     p.add_argument("--repeat", type=int, default=1, help="runs of each configuration")
     p.add_argument("--trace", default=None, help="write every step here as a JSON line")
     p.add_argument("--host-times", nargs="*", default=None, metavar="CLASS.METHOD",

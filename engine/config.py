@@ -81,10 +81,11 @@ class EngineConfig:
                                        "many steps (or nothing runs), so seats freed a few steps apart are filled "
                                        "by one admission step (on CUDA its prompts' pieces replay beside the "
                                        "decoding step); 0 = at once")
-    admission_decode_rows: int = opt(0, "under CUDA graphs: an admission step may run its prompt chunks as one-row "
-                                        "requests beside its decoding requests, up to this many rows past "
-                                        "--max-num-seqs, in one plain-decoding graph replay (those graphs are "
-                                        "captured too); 0 = off: each chunk replays a prompt graph of its own")
+    admission_decode_rows: int = opt(256, "under CUDA graphs: an admission step may run its prompt chunks as "
+                                          "one-row requests beside its decoding requests, up to this many rows "
+                                          "past --max-num-seqs, in one plain-decoding graph replay (those graphs "
+                                          "are captured too); 0 = off: each chunk replays a prompt graph of its "
+                                          "own beside the decoders' replay")
     max_num_batched_tokens: int | None = opt(None, "token budget of one engine step (prefill chunks + decodes + "
                                                    "tree rows; default: 8192 on CUDA, as vLLM's server, 2048 on "
                                                    "CPU)")

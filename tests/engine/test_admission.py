@@ -47,7 +47,7 @@ def test_admission_steps_replay_prompt_pieces_as_eager_computes_them(tiny_checkp
     folder, _ = tiny_checkpoints("llama")
     ps, max_tokens = staggered(9)
     ref, _ = run(LLM(folder, dtype="fp32", max_num_seqs=3), ps, max_tokens, temperature)
-    llm = LLM(folder, dtype="fp32", max_num_seqs=3)
+    llm = LLM(folder, dtype="fp32", max_num_seqs=3, admission_decode_rows=0)  # pieces, not one-row requests
     llm.engine.enable_graphs(emulate=True)
     graphs = llm.engine.runner.plain_graphs
     chosen, tokens = [], graphs.tokens
@@ -119,11 +119,18 @@ def test_dflash_drafts_alike_from_admission_rows(tiny_checkpoints, tmp_path):
 
 
 def test_admission_decode_rows_are_a_cli_flag_and_never_negative():
+    """On by default (256 rows: on an H100 at batch 64 it took a loaded run from 31,231 to 37,570 tok/s,
+    docs/BENCHMARKS.md); --admission-decode-rows 0 turns it off."""
     from engine.config import EngineConfig
+    from server.cli import engine_config, parser
 
     with pytest.raises(ValueError, match="admission_decode_rows"):
         EngineConfig(admission_decode_rows=-1)
-    assert EngineConfig().admission_decode_rows == 0
+    assert EngineConfig().admission_decode_rows == 256
+    args = parser().parse_args(["serve"])
+    assert engine_config(args).admission_decode_rows == 256
+    args = parser().parse_args(["serve", "--admission-decode-rows", "0"])
+    assert engine_config(args).admission_decode_rows == 0
 
 
 def test_admission_rows_buckets_reach_past_max_num_seqs(caplog):

@@ -14,7 +14,9 @@ engine's curve drafts at every 16th step). --queue K queues K times the batch's 
 lengths spread, as a loaded server sees them (one closed batch of equal lengths lasts as long as its slowest
 request: speculation there can only shorten the run by speeding up every request). --admission-rows 0 256 runs each
 configuration with the engine's --admission-decode-rows at each value in turn (admission steps as prompt pieces,
-then as one-row requests beside the decoders).
+then as one-row requests beside the decoders). Requests reach the engine as the server sends one without stop
+strings: no text (the server detokenizes it); --engine-detokenize has the engine detokenize every request, as the
+server had it do before 2026-12-07.
 
     python bench/step_kinds.py --model SmolLM2-135M-Instruct.Q4_1.gguf --device cuda --runs 16:0 1:1 1:0
     python bench/step_kinds.py --model ... --runs 16:0 --scheduling async --repeat 3 --trace steps.jsonl
@@ -80,10 +82,10 @@ def request_prompts(llm, dummy: bool, num_requests: int, distinct: bool) -> list
 def run(model, device, dtype, drafter, overlap, batch, temperature, max_tokens, emulate=False, trace=None,
         rep=0, host_times: list[str] | None = None, slow_steps: float | None = None, queue: int = 1,
         distinct: bool = False, admission_wait: int = 0,
-        admission_rows: int = EngineConfig.admission_decode_rows) -> None:
+        admission_rows: int = EngineConfig.admission_decode_rows, detokenize: bool = False) -> None:
     label = f"batch {batch}{f' queue {queue}' if queue > 1 else ''}{' distinct' if distinct else ''}" \
             f"{f' wait {admission_wait}' if admission_wait else ''}" \
-            f" rows {admission_rows} " \
+            f" rows {admission_rows}{' detokenized' if detokenize else ''} " \
             f"T {temperature} async {overlap} {drafter}" + (f" #{rep}" if rep else "")
     name, _, variant = drafter.partition(":")  # ngram:noguard: the adaptive budget without its throughput guard
     dummy = isinstance(model, dict)  # a config: random weights of its shape, a self-repeating prompt of token ids
@@ -109,7 +111,7 @@ def run(model, device, dtype, drafter, overlap, batch, temperature, max_tokens, 
     core.budgets.reset()
     for i, (prompt, num_tokens) in enumerate(zip(prompts, lengths(batch * queue, max_tokens, queue))):
         core.add_request(prompt, SamplingParams(max_tokens=num_tokens, temperature=temperature, top_p=0.9, seed=i,
-                                                ignore_eos=True))
+                                                ignore_eos=True, detokenize=detokenize))
     # None: only the waits (host busy time); []: every method; labels: those and the waits
     wrapped = None if slow_steps else WAITS if host_times is None else (set(host_times) | WAITS) if host_times else None
     timers = step_timers(core, wrapped)
@@ -222,6 +224,9 @@ def main() -> None:
     p.add_argument("--admission-rows", type=int, nargs="+", default=[EngineConfig.admission_decode_rows],
                    metavar="N", help="the engine's --admission-decode-rows, each in turn (e.g. 0 256: admission "
                                      "steps as pieces, then as one-row requests; default: the engine's)")
+    p.add_argument("--engine-detokenize", action="store_true",
+                   help="the engine detokenizes every request (default: none, as the server sends a request "
+                        "without stop strings)")
     p.add_argument("--repeat", type=int, default=1, help="runs of each configuration")
     p.add_argument("--trace", default=None, help="write every step here as a JSON line")
     p.add_argument("--host-times", nargs="*", default=None, metavar="CLASS.METHOD",
@@ -242,7 +247,7 @@ def main() -> None:
                             run(model, args.device, args.dtype, drafter, overlap, batch, temperature,
                                 args.max_tokens, args.emulate, trace, rep if args.repeat > 1 else 0,
                                 args.host_times, args.slow_steps, args.queue, args.distinct_prompts,
-                                args.admission_wait, rows)
+                                args.admission_wait, rows, args.engine_detokenize)
 
 
 if __name__ == "__main__":

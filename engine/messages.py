@@ -1,7 +1,7 @@
 """Messages between the HTTP server process and the engine process (plain picklable dataclasses)."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from engine.request import SamplingParams
@@ -69,6 +69,14 @@ class Delta:
     accept_lengths: list[int] = field(default_factory=list)  # tokens per step under speculation (when finished)
     text: str = ""  # detokenized text of new_token_ids, stop strings already cut (when the request detokenizes)
     stop_reason: str | int | None = None  # the stop string or stop token id that finished the request
+
+    def then(self, later: "Delta") -> "Delta":
+        """This delta followed by `later`, the same request's next, as one (for a reader that fell behind)."""
+        logprobs = None if self.new_logprobs is None and later.new_logprobs is None else \
+            (self.new_logprobs or []) + (later.new_logprobs or [])
+        return replace(later, new_token_ids=self.new_token_ids + later.new_token_ids, new_logprobs=logprobs,
+                       text=self.text + later.text, num_prompt_tokens=self.num_prompt_tokens,
+                       num_cached_tokens=self.num_cached_tokens)
 
 
 @dataclass

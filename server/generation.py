@@ -15,13 +15,14 @@ import asyncio
 import contextlib
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, AsyncIterator, Awaitable, Callable, Optional, Sequence
 
 from pydantic import BaseModel
 from starlette.responses import Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
+from engine.detokenizer import OutputText
 from engine.messages import Delta
 from engine.request import SamplingParams
 from server.engine_client import EngineDeadError, EngineInternalError, EngineRequestError, ServiceUnavailableError
@@ -60,7 +61,15 @@ class ChoiceStream:
                  sampling: SamplingParams, *, arrival: float):
         self.state, self.index, self.request_id = state, index, request_id
         self.prompt_ids, self.sampling, self.arrival = prompt_ids, sampling, arrival
-        self.text = ""  # the engine's detokenized output so far (stop strings already cut there)
+        self.text = ""  # the detokenized output so far (stop strings already cut in the engine)
+        # Without stop strings the engine needs no text, so its tokens are detokenized here, beside the engine's
+        # steps instead of on its step loop (~9 us a token there: ~0.6 ms of a batch-64 step on the 2-core CPU).
+        # With stop strings the engine detokenizes, so a request that hits one ends, and frees its KV, that step.
+        self._detokenizer: Optional[OutputText] = None
+        if sampling.detokenize and not sampling.stop:
+            self._detokenizer = OutputText(state.tokenizer.decoding, skip_special_tokens=sampling.skip_special_tokens,
+                                           prompt_ids=prompt_ids)
+            sampling = replace(sampling, detokenize=False)
         self.offset = TextOffset()  # legacy completions text_offset, across the chunks of this choice
         self.token_ids: list[int] = []  # kept output tokens (nothing past a matched stop string)
         self.logprobs: list[float] = []
@@ -112,9 +121,10 @@ class ChoiceStream:
                 metrics.observe_inter_token_latency(now - self._last_token_time, len(new))
             self._last_token_time = now
             metrics.record_tokens(generation_tokens=len(new))
-        # The engine detokenized the tokens and matched stop strings: what arrives is already cut.
+        # Stop strings were matched in the engine: what arrives is already cut.
+        text = delta.text if self._detokenizer is None else self._detokenize(new, delta.finished)
         lps = delta.new_logprobs or []
-        out = ChoiceOutput(self.index, delta.text, list(new), [lp[0] for lp in lps],
+        out = ChoiceOutput(self.index, text, list(new), [lp[0] for lp in lps],
                            [list(lp[1]) for lp in lps], None, None)
         if delta.finished:
             self.finish_reason, self.stop_reason = delta.finish_reason or "stop", delta.stop_reason
@@ -125,6 +135,14 @@ class ChoiceStream:
         self.logprobs.extend(out.logprobs)
         self.top_logprobs.extend(out.top_logprobs)
         return out
+
+    def _detokenize(self, new: Sequence[int], finished: bool) -> str:
+        """The text a delta's tokens complete (and, when it finishes the request, what was held back)."""
+        if new:
+            self._detokenizer.push(list(new))
+        if finished:
+            self._detokenizer.finish()
+        return self._detokenizer.take()
 
     async def close(self) -> None:
         if self._closed:

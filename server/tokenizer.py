@@ -5,8 +5,9 @@ Owns: `Tokenizer`, loaded from the folder the engine exported its own transforme
 (engine/tokenizer_export.py: tokenizer.json, tokenizer_config.json, chat_template.jinja), so encoding, decoding
 and special tokens are the engine's; the chat template rendered as transformers' apply_chat_template renders it
 (sandboxed Jinja, trim_blocks/lstrip_blocks, loopcontrols, tojson, raise_exception, strftime_now, the special
-tokens as variables); `--chat-template`; and the token strings/bytes that logprobs report. Output text
-(incremental detokenization, stop strings) is the engine's: engine/detokenizer.py.
+tokens as variables); `--chat-template`; and the token strings/bytes that logprobs report. Output text is
+engine/detokenizer.py's incremental detokenization: in the engine for a request with stop strings (it ends
+there), in server/generation.py for the others.
 """
 from __future__ import annotations
 
@@ -138,6 +139,9 @@ class Tokenizer:
         self.backend = RustTokenizer.from_file(path)
         self.backend.no_truncation()  # transformers turns both off before every call
         self.backend.no_padding()
+        # the streams' incremental detokenization runs on the event loop (server/generation.py) while `backend`
+        # encodes in the tokenize thread: an instance of its own, so no tokenizer is called from two threads
+        self.decoding = RustTokenizer.from_file(path)
         config_path = os.path.join(folder, "tokenizer_config.json")
         config: dict[str, Any] = {}
         if os.path.isfile(config_path):

@@ -172,7 +172,8 @@ def test_engine_crash_is_logged_with_its_traceback_and_fails_open_requests(caplo
         with pytest.raises(EngineRequestError, match="empty"):  # a refusal (kind invalid): a 400 upstream
             await anext(client.generate("refused", [], SamplingParams(max_tokens=1)))
         gen = client.generate("ok", [1, 2], SamplingParams(max_tokens=100))
-        assert (await anext(gen)).new_token_ids == [1]
+        first = (await anext(gen)).new_token_ids  # (steps queued before the read arrive as one delta)
+        assert first and set(first) == {1}
         doomed = client.generate("doomed", [fake_engine.FakeCore.CRASH], SamplingParams(max_tokens=100))
         with pytest.raises(EngineDeadError, match="engine step failed: ZeroDivisionError: the step blew up"):
             async for _ in doomed:

@@ -149,7 +149,7 @@ class Admissions:
         if isinstance(rows, str):
             return rows
         ids = rows.ids if ahead_ids is None else stage(rows.ids).index_copy(0, stage(rows.fed), ahead_ids)
-        key = graphs.write_decode(ids, rows.positions, rows.slots, rows.seq_lens, rows.tables, stage)
+        key = graphs.write_decode(ids, rows.positions, rows.slots, rows.seq_lens, rows.tables, stage, table_runs=True)
         if key is None:
             return f"no graph for {len(rows.ids)} rows"
         hidden, layers = graphs.replay_rows(key, len(rows.ids))

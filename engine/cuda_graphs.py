@@ -36,7 +36,7 @@ import torch
 from tqdm import tqdm
 
 from engine.staging import Staging
-from ext.metadata import AttentionMetadata, flat_block_table
+from ext.metadata import AttentionMetadata, block_table_rows
 
 logger = logging.getLogger("ddtree.engine")
 
@@ -260,11 +260,12 @@ class CudaGraphs:
         return hidden.index_select(0, rows), [c.index_select(0, rows) for c in layers]
 
     def write_decode(self, input_ids: torch.Tensor | list[int], positions: list[int], slots: list[int],
-                     seq_lens: list[int], tables: list[list[int]], stage: Staging) -> tuple[int, int, int] | None:
+                     seq_lens: list[int], tables: list[list[int]], stage: Staging, table_runs: bool = False
+                     ) -> tuple[int, int, int] | None:
         """A plain decoding step (one row per request) written straight into the static buffers of the bucket
         that holds it, each array in one copy from pinned memory (engine/staging.py), for replay_rows(); the
         bucket, or None when none holds the step. input_ids: host ids, or the tokens the step in flight samples
-        (a device tensor)."""
+        (a device tensor). table_runs: the tables come in runs of one list object (block_table_rows)."""
         num_seqs = len(seq_lens)
         key = self.bucket(num_seqs, 1, max(seq_lens))
         if key is None:
@@ -278,8 +279,8 @@ class CudaGraphs:
         stage.into(self.positions[:num_seqs], positions)
         stage.into(self.slot_mapping[:num_seqs], slots)
         stage.into(self.seq_lens[:num_seqs], seq_lens)
-        flat, num_cols = flat_block_table(tables)  # columns past a request's last block are never read
-        self.block_tables[:num_seqs, :num_cols].copy_(stage(flat, torch.int32).view(num_seqs, num_cols))
+        table = block_table_rows(tables, table_runs)  # columns past a request's last block are never read
+        self.block_tables[:num_seqs, :table.shape[1]].copy_(stage(table, torch.int32))
         return key
 
     def replay_rows(self, key: tuple[int, int, int], num_seqs: int) -> tuple[torch.Tensor, list[torch.Tensor]]:

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
+
 import torch
 
 
@@ -110,6 +112,23 @@ def flat_block_table(tables: list[list[int]]) -> tuple[list[int], int]:
         if len(t) < num_cols:
             flat += [0] * (num_cols - len(t))
     return flat, num_cols
+
+
+def block_table_rows(tables: list[list[int]], runs: bool = False) -> np.ndarray:
+    """flat_block_table's table as an int32 array [len(tables), columns]. runs: rows come in runs holding the same
+    list object, each run converted once and repeated (an admission step's one-row requests repeat their prompt's
+    table per prompt token: converting 244 rows of 63 blocks from lists took 243 us on the 2-core CPU, by runs 96;
+    64 distinct rows take ~6 us longer that way, so plain steps do not ask for it)."""
+    unique, counts = ([], []) if runs else (tables, None)
+    for t in tables if runs else ():
+        if unique and t is unique[-1]:
+            counts[-1] += 1
+        else:
+            unique.append(t)
+            counts.append(1)
+    flat, num_cols = flat_block_table(unique)
+    rows = np.asarray(flat, dtype=np.int32).reshape(len(unique), num_cols)
+    return rows if len(unique) == len(tables) else np.repeat(rows, counts, axis=0)
 
 
 def slots_on_device(block_tables: torch.Tensor, positions: torch.Tensor, block_size: int) -> torch.Tensor:

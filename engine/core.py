@@ -97,8 +97,7 @@ class EngineCore:
                                   self.sampler, self.speculator, config.dense_prefill_min_tokens)
         adaptive = self.speculator is not None and config.spec.adaptive and not config.spec.chain
         self.budgets = BudgetController(max_budget, enabled=adaptive, guard=config.spec.guard)
-        self.budgets.borrow = not getattr(self.speculator.drafter if self.speculator else None, "request_specific",
-                                          False)
+        self.budgets.borrow = self.speculator is None or not getattr(self.speculator.drafter, "request_specific", False)
         budgets = self.budgets  # not self: a closure over the engine would keep it alive after its last user
         self.scheduler = Scheduler(config, self.blocks, self.max_model_len, max_budget,
                                    budget_of=lambda request: budgets.budget(request.request_id),

@@ -212,7 +212,7 @@ class ModelRunner:
         decoders = [s for s, d in zip(plain, decoding) if d]
         if decoders and batch is not None:
             return "mixed step"
-        if decoders and self.graphs.row_sizes:  # (beside trees: "mixed step" above)
+        if decoders and self.graphs.row_sizes and not self._dense_routed(prompts):  # (trees: "mixed step" above)
             step = self._admission_rows(prompts, decoders, watched, ahead_ids, t1, round_why)
             if not isinstance(step, str):
                 return step  # (else its prompt chunks replay as pieces)
@@ -235,8 +235,6 @@ class ModelRunner:
     def _admission_rows(self, prompts: list[ScheduledSeq], decoders: list[ScheduledSeq], watched: tuple | None,
                         ahead_ids: torch.Tensor | None, t1: float, round_why: str | None) -> PendingStep | str:
         """An admission step as one plain-decoding replay of one-row requests (Admissions.run_rows), or why not."""
-        if self._dense_routed(prompts):
-            return "prompt chunks for dense prefill"
         done = self.admissions.run_rows(prompts, decoders, ahead_ids, self.staging, self.plain_graphs,
                                         self.sampler.fault_seed is not None)
         if isinstance(done, str):

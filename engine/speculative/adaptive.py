@@ -330,9 +330,14 @@ class BudgetController(StepBudgets, TreeValue):
         an H100 at batch 64 the first round after the guard let trees back in gave 31 requests budget 16 for 12
         tokens beyond a plain step's, most likely requests admitted meanwhile valued at a neighbour's tree:
         docs/BENCHMARKS.md, 2026-12-07)."""
-        if self.latest is None or self.cheap_draft() or not self.borrow:
+        lender = self._lender()
+        if lender is None or self.cheap_draft():
             return 0
-        return self._net_best(self.latest, self.threshold(), standing=1.0)
+        return self._net_best(lender, self.threshold(), standing=1.0)
+
+    def _lender(self) -> RequestRecord | None:
+        """The tree a request without one of its own is valued by: the latest verified, unless borrow is off."""
+        return self.latest if self.borrow else None
 
     @staticmethod
     def _is_probe(stats: RequestRecord) -> bool:

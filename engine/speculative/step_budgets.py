@@ -201,7 +201,7 @@ class StepBudgets:
         for rid, budget, length in zip(request_ids, budgets, lengths):
             stats = self.requests.get(rid)
             own = stats is not None and bool(stats.node_q)
-            source, standing = (stats, None) if own else (self.latest if self.borrow else None, 1.0)
+            source, standing = (stats, None) if own else (self._lender(), 1.0)
             gains.append(self._gains(source, standing, length) if length > 0 and source is not None else [])
             probes.append(budget if budget and own and self._is_probe(stats) else 0)
         return gains, probes

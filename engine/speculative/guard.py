@@ -6,7 +6,10 @@ least a quarter of them, it forces a short window of plain steps (no drafting, n
 windows' decoding throughput, per running request so that a batch that changed a little does not decide it (one
 that changed a lot discards the check). Trees that lose stay off for a back-off, doubled while they keep losing;
 trees that win keep running, and the checks come less often (the interval doubles), so a drafter that pays loses a
-small share of its gain to them.
+small share of its gain to them. A back-off is also at least long enough that the steps the lost window gave up
+are EXPLORE_SHARE of it: a 32-step window that ran at half the plain rate keeps trees off for 800 steps, one that
+lost by a few percent for the doubling back-off (at batch 64 on an H100 a full-batch tree step gave 0.45x a plain
+step's tokens/s, and back-offs of 64, 128 and 256 steps each ended in another losing window; docs/BENCHMARKS.md).
 A window in which the budget itself chose trees only now and then is not checked against a forced plain window:
 its throughput is its plain steps', and step times swing between windows by more than a few trees move them (on
 the H100 at batch 16, 2 tree steps in 32 lost such a check on that noise, and the back-off then kept trees off when
@@ -35,6 +38,7 @@ PLAIN_STEPS = 8  # measured steps of a plain window
 SETTLE = 2  # steps after a switch that are not measured
 BACKOFF = 64  # decoding steps trees stay off after a lost check, doubled while checks keep losing
 MAX_BACKOFF = 2048
+EXPLORE_SHARE = 0.02  # a lost window's forgone steps are at most this share of the back-off that follows it
 MARGIN = 0.01  # trees must beat plain decoding by this share of its throughput to stay on (a tie: no drafting)
 BATCH_TOLERANCE = 0.25  # a check whose windows' mean batch sizes differ by more than this share is discarded
 MIN_TREE_SHARE = 0.25  # a window is checked against a plain window only when trees ran in this share of its steps
@@ -90,6 +94,13 @@ class _Bucket:
     settle: int = 0  # steps not measured (after a switch)
     trees: _Window = field(default_factory=_Window)
     plain: _Window = field(default_factory=_Window)
+
+
+def _paid_back_in(trees: _Steps, plain: _Steps) -> int:
+    """Decoding steps of which the steps a losing window gave up (its steps times its shortfall against plain
+    decoding) are EXPLORE_SHARE."""
+    shortfall = 1 - trees.rate() / plain.rate() if plain.rate() > 0 else 0.0
+    return round(trees.steps * max(shortfall, 0.0) / EXPLORE_SHARE)
 
 
 def bucket_of(num_requests: int) -> int:
@@ -169,7 +180,7 @@ class ThroughputGuard:
             outcome = LOST
         self.outcomes.append(outcome)
         if outcome == LOST:
-            b.interval, b.off_steps = WINDOW, b.backoff
+            b.interval, b.off_steps = WINDOW, min(max(b.backoff, _paid_back_in(trees, plain)), MAX_BACKOFF)
             b.backoff = min(2 * b.backoff, MAX_BACKOFF)
             self._enter(b, OFF)
             return

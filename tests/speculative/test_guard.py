@@ -9,7 +9,8 @@ from engine import LLM, SamplingParams
 from engine.scheduler import Scheduler
 from engine.speculative.adaptive import MIN_GAIN, BudgetController
 from engine.speculative.cost_fit import CostFit
-from engine.speculative.guard import BACKOFF, MIN_TREE_SHARE, PLAIN_STEPS, SPARSE_MIN, WINDOW, ThroughputGuard
+from engine.speculative.guard import (BACKOFF, EXPLORE_SHARE, MAX_BACKOFF, MIN_TREE_SHARE, PLAIN_STEPS, SETTLE,
+                                     SPARSE_MIN, WINDOW, ThroughputGuard)
 from engine.speculative.oracle import OracleDrafter
 from tests.speculative.test_ddtree_e2e import golden_lookup, prompts
 
@@ -40,6 +41,30 @@ def test_trees_that_lose_to_plain_decoding_go_off_for_a_growing_back_off():
     assert not any(ran[first_off:first_off + PLAIN_STEPS + 1 + BACKOFF])  # the check, then the back-off
     assert sum(ran) < 0.1 * len(ran)  # rechecked now and then, each back-off twice the last
     assert forced == len(ran) - sum(ran)
+
+
+def off_stretches(ran: list[bool]) -> list[int]:
+    """Lengths of the runs of steps without trees."""
+    runs, n = [], 0
+    for trees in ran + [True]:
+        if not trees:
+            n += 1
+        elif n:
+            runs, n = runs + [n], 0
+    return runs
+
+
+def test_trees_that_lose_by_much_stay_off_until_the_loss_is_paid_back():
+    """A window whose trees gave half the plain throughput forwent ~WINDOW / 2 steps: trees then stay off long enough
+    that this is EXPLORE_SHARE of the time, where a narrow loss backs off BACKOFF steps."""
+    lost_half = ThroughputGuard()
+    ran = drive(lost_half, 4 * MAX_BACKOFF, lambda n: (n, 2e-3), plain)  # every tree step at half the plain rate
+    first = off_stretches(ran)[0] - SETTLE - PLAIN_STEPS  # less the forced plain window and its settling steps
+    assert first == round(0.5 * WINDOW / EXPLORE_SHARE), first
+    assert sum(ran) * 0.5 <= 1.2 * EXPLORE_SHARE * len(ran)  # steps forgone by the windows: about the share
+    narrow = ThroughputGuard()
+    ran = drive(narrow, 2000, lambda n: (n, 1.04e-3), plain)  # 4% slower
+    assert off_stretches(ran)[0] - SETTLE - PLAIN_STEPS == BACKOFF, off_stretches(ran)
 
 
 def test_trees_that_win_stay_on_and_the_checks_thin_out():

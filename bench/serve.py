@@ -13,6 +13,10 @@ k gaps); TPOT = (e2e - TTFT) / (output tokens - 1). Output lengths are forced wi
 default, or drawn uniformly from [L(1-r), L(1+r)] with --output-len-range r (the same lengths for a given seed,
 like vLLM's --random-range-ratio). Equal lengths started together keep a closed loop in lockstep: requests
 admitted in one step finish in one step, so the next prompts arrive together and are prefilled in one batch.
+
+The last line gives the CPU time per content chunk of this client and, when the bench started the server, of the
+server's HTTP process (its engine process apart; Linux /proc): on a small model the stream path rather than the
+engine can bound a run, and this says which side of it does.
 """
 from __future__ import annotations
 
@@ -44,6 +48,7 @@ class Result:
     output_tokens: int = 0
     prompt_tokens: int = 0
     itls: list[float] = field(default_factory=list)
+    chunks: int = 0  # content chunks received
     error: str = ""
 
 
@@ -58,7 +63,7 @@ async def one_request(client: openai.AsyncOpenAI, model: str, prompt: str, outpu
     t0 = time.perf_counter()
     first = last = None
     itls: list[float] = []
-    usage, seen_tokens = None, 0
+    usage, seen_tokens, chunks = None, 0, 0
     try:
         stream = await client.chat.completions.create(
             model=model, messages=[{"role": "user", "content": prompt}], max_tokens=output_len,
@@ -72,6 +77,7 @@ async def one_request(client: openai.AsyncOpenAI, model: str, prompt: str, outpu
                 usage = chunk.usage
             if not (chunk.choices and chunk.choices[0].delta.content):
                 continue
+            chunks += 1
             tokens = (usage.completion_tokens - seen_tokens) if usage is not None else 1
             seen_tokens = usage.completion_tokens if usage is not None else seen_tokens + 1
             if first is None:
@@ -85,7 +91,7 @@ async def one_request(client: openai.AsyncOpenAI, model: str, prompt: str, outpu
     if first is None or usage is None:
         return Result(ok=False, error="no content or no usage chunk")
     return Result(ok=True, ttft=first - t0, e2e=end - t0, output_tokens=usage.completion_tokens,
-                  prompt_tokens=usage.prompt_tokens, itls=itls)
+                  prompt_tokens=usage.prompt_tokens, itls=itls, chunks=chunks)
 
 
 async def run_load(args, base_url: str) -> tuple[list[Result], float]:
@@ -156,6 +162,24 @@ def print_table(results: list[Result], elapsed: float, args) -> None:
           f"prompt tokens {sum(r.prompt_tokens for r in ok)}   output tokens {out_tokens}")
 
 
+def process_cpu_s(pid: int) -> float | None:
+    """User + system CPU seconds of a process (Linux /proc; None elsewhere)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def print_cpu(results: list[Result], client_s: float, server_s: float | None) -> None:
+    chunks = sum(r.chunks for r in results if r.ok)
+    if not chunks:
+        return
+    server = f", the server's HTTP process {1e6 * server_s / chunks:.1f}" if server_s is not None else ""
+    print(f"CPU us per content chunk ({chunks} chunks): this client {1e6 * client_s / chunks:.1f}{server}")
+
+
 def output_desc(args) -> str:
     if args.output_len_range <= 0:
         return str(args.output_len)
@@ -210,8 +234,12 @@ def main() -> None:
     if base_url is None:
         proc, base_url = start_server(args.server_args)
     try:
+        client0, server0 = time.process_time(), process_cpu_s(proc.pid) if proc is not None else None
         results, elapsed = asyncio.run(run_load(args, base_url.rstrip("/")))
+        server1 = process_cpu_s(proc.pid) if proc is not None else None
         print_table(results, elapsed, args)
+        print_cpu(results, time.process_time() - client0,
+                  server1 - server0 if server0 is not None and server1 is not None else None)
     finally:
         if proc is not None:
             proc.send_signal(signal.SIGTERM)

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
 import random
 import signal
@@ -31,6 +32,7 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
+from typing import AsyncIterator
 
 import httpx
 import openai
@@ -57,51 +59,91 @@ def make_prompt(rng: random.Random, approx_tokens: int) -> str:
     return "Continue this list of words: " + " ".join(rng.choice(WORDS) for _ in range(max(1, approx_tokens - 8)))
 
 
-async def one_request(client: openai.AsyncOpenAI, model: str, prompt: str, output_len: int,
+class StreamClient:
+    """Streams a chat completion as (has content, cumulative usage or None) per chunk: through the official OpenAI
+    client (the default: what users run), or --client raw, httpx reading the SSE lines with json.loads (about
+    what vLLM's serving benchmark does with aiohttp), for when the SDK's per-chunk parsing would bound the run."""
+
+    def __init__(self, args, base_url: str):
+        self.raw, self.base_url = args.client == "raw", base_url
+        limits = httpx.Limits(max_connections=max(args.concurrency, 1) + 8)
+        self.http = httpx.AsyncClient(limits=limits, timeout=args.timeout,
+                                      headers={"Authorization": f"Bearer {args.api_key or 'unused'}"})
+        self.sdk = openai.AsyncOpenAI(base_url=base_url + "/v1", api_key=args.api_key or "unused", max_retries=0,
+                                      timeout=args.timeout, http_client=self.http)
+
+    async def model(self) -> str:
+        return (await self.sdk.models.list()).data[0].id
+
+    async def chunks(self, body: dict) -> AsyncIterator[tuple[bool, dict | None]]:
+        if not self.raw:
+            sdk_body = {k: v for k, v in body.items() if k != "ignore_eos"}  # (not an SDK parameter)
+            stream = await self.sdk.chat.completions.create(**sdk_body, extra_body={"ignore_eos": body["ignore_eos"]})
+            async for chunk in stream:
+                usage = chunk.usage.model_dump() if chunk.usage is not None else None
+                yield bool(chunk.choices and chunk.choices[0].delta.content), usage
+            return
+        async with self.http.stream("POST", self.base_url + "/v1/chat/completions", json=body) as r:
+            if r.status_code != 200:
+                raise BenchError(f"HTTP {r.status_code}: {(await r.aread())[:300]!r}")
+            async for line in r.aiter_lines():
+                if not line.startswith("data: {"):
+                    continue
+                chunk = json.loads(line[6:])
+                choices = chunk.get("choices")
+                yield bool(choices and choices[0]["delta"].get("content")), chunk.get("usage")
+
+    async def aclose(self) -> None:
+        await self.sdk.close()
+
+
+class BenchError(RuntimeError):
+    pass
+
+
+async def one_request(client: StreamClient, model: str, prompt: str, output_len: int,
                       sampling: dict | None = None) -> Result:
     """One streamed chat completion; sampling: temperature, top_p and seed (default greedy)."""
+    # continuous_usage_stats (vLLM/ddtree extension): cumulative usage on every chunk, so each chunk's token count
+    # is known and a k-token speculative chunk counts as k inter-token gaps
+    body = {"model": model, "messages": [{"role": "user", "content": prompt}], "max_tokens": output_len,
+            **(sampling or {"temperature": 0}), "stream": True, "ignore_eos": True,
+            "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
     t0 = time.perf_counter()
     first = last = None
     itls: list[float] = []
     usage, seen_tokens, chunks = None, 0, 0
     try:
-        stream = await client.chat.completions.create(
-            model=model, messages=[{"role": "user", "content": prompt}], max_tokens=output_len,
-            **(sampling or {"temperature": 0}), stream=True, extra_body={"ignore_eos": True},
-            # continuous_usage_stats (vLLM/ddtree extension): cumulative usage on every chunk, so each chunk's
-            # token count is known and a k-token speculative chunk counts as k inter-token gaps
-            stream_options={"include_usage": True, "continuous_usage_stats": True})
-        async for chunk in stream:
+        async for content, chunk_usage in client.chunks(body):
             now = time.perf_counter()
-            if chunk.usage is not None:
-                usage = chunk.usage
-            if not (chunk.choices and chunk.choices[0].delta.content):
+            if chunk_usage is not None:
+                usage = chunk_usage
+            if not content:
                 continue
             chunks += 1
-            tokens = (usage.completion_tokens - seen_tokens) if usage is not None else 1
-            seen_tokens = usage.completion_tokens if usage is not None else seen_tokens + 1
+            tokens = (usage["completion_tokens"] - seen_tokens) if usage is not None else 1
+            seen_tokens = usage["completion_tokens"] if usage is not None else seen_tokens + 1
             if first is None:
                 first = now
             elif tokens > 0:
                 itls.extend([(now - last) / tokens] * tokens)
             last = now
-    except openai.APIError as e:
+    except (openai.APIError, httpx.HTTPError, BenchError) as e:
         return Result(ok=False, error=f"{type(e).__name__}: {e}")
     end = time.perf_counter()
     if first is None or usage is None:
         return Result(ok=False, error="no content or no usage chunk")
-    return Result(ok=True, ttft=first - t0, e2e=end - t0, output_tokens=usage.completion_tokens,
-                  prompt_tokens=usage.prompt_tokens, itls=itls, chunks=chunks)
+    return Result(ok=True, ttft=first - t0, e2e=end - t0, output_tokens=usage["completion_tokens"],
+                  prompt_tokens=usage["prompt_tokens"], itls=itls, chunks=chunks)
 
 
 async def run_load(args, base_url: str) -> tuple[list[Result], float]:
     rng = random.Random(args.seed)
     prompts = [make_prompt(rng, args.input_len) for _ in range(args.num_requests)]
     output_lens = output_lengths(args)
-    limits = httpx.Limits(max_connections=max(args.concurrency, 1) + 8)
-    async with openai.AsyncOpenAI(base_url=base_url + "/v1", api_key=args.api_key or "unused", max_retries=0,
-                                  timeout=args.timeout, http_client=httpx.AsyncClient(limits=limits)) as client:
-        model = args.model or (await client.models.list()).data[0].id
+    client = StreamClient(args, base_url)
+    try:
+        model = args.model or await client.model()
         await one_request(client, model, "Hello", 4)  # warm-up
         sem = asyncio.Semaphore(args.concurrency if args.concurrency > 0 else len(prompts))
 
@@ -118,6 +160,8 @@ async def run_load(args, base_url: str) -> tuple[list[Result], float]:
                 await asyncio.sleep(rng.expovariate(args.request_rate))
         results = await asyncio.gather(*tasks)
         return results, time.perf_counter() - t0
+    finally:
+        await client.aclose()
 
 
 def output_lengths(args) -> list[int]:
@@ -223,6 +267,8 @@ def main() -> None:
     ap.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (0 = greedy)")
     ap.add_argument("--top-p", type=float, default=1.0)
     ap.add_argument("--timeout", type=float, default=600.0)
+    ap.add_argument("--client", choices=("openai", "raw"), default="openai",
+                    help="the official OpenAI client, or httpx reading the SSE lines (a lighter client)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--server-args", nargs=argparse.REMAINDER, default=[],
                     help="flags for `python -m server serve` when the bench starts the server")

@@ -95,6 +95,7 @@ class StreamClient:
 
     async def aclose(self) -> None:
         await self.sdk.close()
+        await self.http.aclose()  # (the SDK's close may leave a client it was given open; closing twice is fine)
 
 
 class BenchError(RuntimeError):

@@ -119,13 +119,15 @@ def block_table_rows(tables: list[list[int]], runs: bool = False) -> np.ndarray:
     list object, each run converted once and repeated (an admission step's one-row requests repeat their prompt's
     table per prompt token: converting 244 rows of 63 blocks from lists took 243 us on the 2-core CPU, by runs 96;
     64 distinct rows take ~6 us longer that way, so plain steps do not ask for it)."""
-    unique, counts = ([], []) if runs else (tables, None)
-    for t in tables if runs else ():
-        if unique and t is unique[-1]:
-            counts[-1] += 1
-        else:
-            unique.append(t)
-            counts.append(1)
+    unique, counts = tables, None
+    if runs:
+        unique, counts = [], []
+        for t in tables:
+            if unique and t is unique[-1]:
+                counts[-1] += 1
+            else:
+                unique.append(t)
+                counts.append(1)
     flat, num_cols = flat_block_table(unique)
     rows = np.asarray(flat, dtype=np.int32).reshape(len(unique), num_cols)
     return rows if len(unique) == len(tables) else np.repeat(rows, counts, axis=0)

@@ -233,7 +233,8 @@ class EngineClient:
         finished, pending = False, None
         try:
             while True:
-                item, pending = (pending, None) if pending is not None else (await q.get(), None)
+                item = pending if pending is not None else await q.get()
+                pending = None
                 if isinstance(item, Delta):
                     item, pending = _coalesce(item, q)
                 if isinstance(item, RequestError):

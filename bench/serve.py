@@ -16,15 +16,19 @@ admitted in one step finish in one step, so the next prompts arrive together and
 
 The last line gives the CPU time per content chunk of this client and, when the bench started the server, of the
 server's HTTP process (its engine process apart; Linux /proc): on a small model the stream path rather than the
-engine can bound a run, and this says which side of it does.
+engine can bound a run, and this says which side of it does. --client-processes N spreads the load over N forked
+client processes (seats and arrival rate split evenly) when one Python client's CPU is the bound.
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
 import json
+import multiprocessing as mp
 import os
+import queue
 import random
+import re
 import signal
 import socket
 import statistics
@@ -86,7 +90,7 @@ class StreamClient:
         async with self.http.stream("POST", self.base_url + "/v1/chat/completions", json=body) as r:
             if r.status_code != 200:
                 raise BenchError(f"HTTP {r.status_code}: {(await r.aread())[:300]!r}")
-            async for line in r.aiter_lines():
+            async for line in sse_lines(r):
                 if not line.startswith("data: {"):
                     continue
                 chunk = json.loads(line[6:])
@@ -96,6 +100,18 @@ class StreamClient:
     async def aclose(self) -> None:
         await self.sdk.close()
         await self.http.aclose()  # (the SDK's close may leave a client it was given open; closing twice is fine)
+
+
+async def sse_lines(response: httpx.Response) -> AsyncIterator[str]:
+    """The response's lines as SSE ends them (LF, CRLF or CR). Not httpx's aiter_lines: it splits like
+    str.splitlines, so a token such as U+2028 or U+0085 inside a JSON string (legal unescaped there) cut a chunk."""
+    pending = ""
+    async for text in response.aiter_text():
+        *lines, pending = re.split(r"\r\n|\r|\n", pending + text)
+        for line in lines:
+            yield line
+    if pending:
+        yield pending
 
 
 class BenchError(RuntimeError):
@@ -138,31 +154,89 @@ async def one_request(client: StreamClient, model: str, prompt: str, output_len:
                   prompt_tokens=usage["prompt_tokens"], itls=itls, chunks=chunks)
 
 
-async def run_load(args, base_url: str) -> tuple[list[Result], float]:
-    rng = random.Random(args.seed)
-    prompts = [make_prompt(rng, args.input_len) for _ in range(args.num_requests)]
-    output_lens = output_lengths(args)
+@dataclass
+class Share:
+    """One client process's part of the load: its requests (index, prompt, output length), seats and rate."""
+    jobs: list[tuple[int, str, int]]
+    concurrency: int  # 0 = unbounded
+    request_rate: float  # Poisson arrivals per second (0 = all at once)
+    seed: int
+
+
+async def run_share(args, base_url: str, share: Share, ready) -> tuple[list[Result], float, float]:
+    """Runs one share after a warm-up request; `ready()` is called once warm (a barrier across client
+    processes). Returns the results in job order and the monotonic start and end of the timed part."""
+    rng = random.Random(share.seed)
     client = StreamClient(args, base_url)
     try:
         model = args.model or await client.model()
         await one_request(client, model, "Hello", 4)  # warm-up
-        sem = asyncio.Semaphore(args.concurrency if args.concurrency > 0 else len(prompts))
+        await asyncio.get_running_loop().run_in_executor(None, ready)
+        sem = asyncio.Semaphore(share.concurrency if share.concurrency > 0 else max(1, len(share.jobs)))
 
-        async def gated(prompt: str, output_len: int, index: int) -> Result:
+        async def gated(index: int, prompt: str, output_len: int) -> Result:
             sampling = {"temperature": args.temperature, "top_p": args.top_p, "seed": args.seed + index}
             async with sem:
                 return await one_request(client, model, prompt, output_len, sampling)
 
-        t0 = time.perf_counter()
+        t0 = time.monotonic()
         tasks = []
-        for index, (prompt, output_len) in enumerate(zip(prompts, output_lens)):
-            tasks.append(asyncio.create_task(gated(prompt, output_len, index)))
-            if args.request_rate > 0:
-                await asyncio.sleep(rng.expovariate(args.request_rate))
+        for job in share.jobs:
+            tasks.append(asyncio.create_task(gated(*job)))
+            if share.request_rate > 0:
+                await asyncio.sleep(rng.expovariate(share.request_rate))
         results = await asyncio.gather(*tasks)
-        return results, time.perf_counter() - t0
+        return results, t0, time.monotonic()
     finally:
         await client.aclose()
+
+
+def make_shares(args) -> list[Share]:
+    """The requests dealt round-robin over --client-processes, with the seats and the arrival rate split so
+    the processes together keep --concurrency in flight and arrive at --request-rate."""
+    rng = random.Random(args.seed)
+    jobs = [(i, make_prompt(rng, args.input_len), n) for i, n in enumerate(output_lengths(args))]
+    num = max(1, min(args.client_processes, len(jobs)))
+    seats = [args.concurrency // num + (w < args.concurrency % num) for w in range(num)]
+    if args.concurrency > 0 and min(seats) == 0:
+        raise SystemExit("--client-processes must not exceed --concurrency")
+    return [Share(jobs[w::num], seats[w], args.request_rate / num, args.seed + 1000 * (w + 1))
+            for w in range(num)]
+
+
+def _share_worker(args, base_url: str, share: Share, barrier, out) -> None:
+    cpu0 = time.process_time()
+    results, t0, t1 = asyncio.run(run_share(args, base_url, share, barrier.wait))
+    out.put((results, t0, t1, time.process_time() - cpu0))
+
+
+def run_load(args, base_url: str) -> tuple[list[Result], float, float]:
+    """All requests, in this process or spread over --client-processes (forked, each with its own event loop and
+    connections, started together after their warm-ups). Returns the results, the wall time of the timed part
+    and the clients' CPU seconds (warm-ups included)."""
+    shares = make_shares(args)
+    if len(shares) == 1:
+        cpu0 = time.process_time()
+        results, t0, t1 = asyncio.run(run_share(args, base_url, shares[0], lambda: None))
+        return results, t1 - t0, time.process_time() - cpu0
+    ctx = mp.get_context("fork")
+    barrier, out = ctx.Barrier(len(shares)), ctx.Queue()
+    workers = [ctx.Process(target=_share_worker, args=(args, base_url, share, barrier, out), daemon=True)
+               for share in shares]
+    for w in workers:
+        w.start()
+    parts = []
+    while len(parts) < len(workers):
+        try:
+            parts.append(out.get(timeout=1.0))
+        except queue.Empty:
+            if any(w.exitcode not in (None, 0) for w in workers):
+                barrier.abort()
+                raise SystemExit("a client process failed (its traceback is above)")
+    for w in workers:
+        w.join()
+    results = [r for part in parts for r in part[0]]
+    return results, max(p[2] for p in parts) - min(p[1] for p in parts), sum(p[3] for p in parts)
 
 
 def output_lengths(args) -> list[int]:
@@ -217,12 +291,13 @@ def process_cpu_s(pid: int) -> float | None:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def print_cpu(results: list[Result], client_s: float, server_s: float | None) -> None:
+def print_cpu(results: list[Result], client_s: float, server_s: float | None, num_processes: int) -> None:
     chunks = sum(r.chunks for r in results if r.ok)
     if not chunks:
         return
     server = f", the server's HTTP process {1e6 * server_s / chunks:.1f}" if server_s is not None else ""
-    print(f"CPU us per content chunk ({chunks} chunks): this client {1e6 * client_s / chunks:.1f}{server}")
+    who = "this client" if num_processes == 1 else f"the {num_processes} client processes together"
+    print(f"CPU us per content chunk ({chunks} chunks): {who} {1e6 * client_s / chunks:.1f}{server}")
 
 
 def output_desc(args) -> str:
@@ -270,6 +345,8 @@ def main() -> None:
     ap.add_argument("--timeout", type=float, default=600.0)
     ap.add_argument("--client", choices=("openai", "raw"), default="openai",
                     help="the official OpenAI client, or httpx reading the SSE lines (a lighter client)")
+    ap.add_argument("--client-processes", type=int, default=1,
+                    help="client processes sharing the load (a Python client's CPU can bound many fast streams)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--server-args", nargs=argparse.REMAINDER, default=[],
                     help="flags for `python -m server serve` when the bench starts the server")
@@ -281,12 +358,12 @@ def main() -> None:
     if base_url is None:
         proc, base_url = start_server(args.server_args)
     try:
-        client0, server0 = time.process_time(), process_cpu_s(proc.pid) if proc is not None else None
-        results, elapsed = asyncio.run(run_load(args, base_url.rstrip("/")))
+        server0 = process_cpu_s(proc.pid) if proc is not None else None
+        results, elapsed, client_s = run_load(args, base_url.rstrip("/"))
         server1 = process_cpu_s(proc.pid) if proc is not None else None
         print_table(results, elapsed, args)
-        print_cpu(results, time.process_time() - client0,
-                  server1 - server0 if server0 is not None and server1 is not None else None)
+        print_cpu(results, client_s, server1 - server0 if server0 is not None and server1 is not None else None,
+                  len(make_shares(args)))
     finally:
         if proc is not None:
             proc.send_signal(signal.SIGTERM)

@@ -306,21 +306,20 @@ def output_desc(args) -> str:
     return f"{args.output_len} +-{100 * args.output_len_range:.0f}%"
 
 
-def start_server(server_args: list[str]) -> tuple[subprocess.Popen, str]:
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    cmd = [sys.executable, "-m", "server", "serve", "--port", str(port), "--no-access-log", *server_args]
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
-    proc = subprocess.Popen(cmd, cwd=REPO_ROOT, env=env)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 300
+        return s.getsockname()[1]
+
+
+def wait_healthy(proc: subprocess.Popen, url: str, timeout_s: float = 300) -> str:
+    deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             raise SystemExit(f"server exited with {proc.returncode}")
         try:
             if httpx.get(url + "/health", timeout=2).status_code == 200:
-                return proc, url
+                return url
         except httpx.TransportError:
             pass
         time.sleep(0.25)
@@ -328,9 +327,16 @@ def start_server(server_args: list[str]) -> tuple[subprocess.Popen, str]:
     raise SystemExit("server did not become healthy")
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--base-url", default=None, help="a running server; default: start one")
+def start_server(server_args: list[str]) -> tuple[subprocess.Popen, str]:
+    port = free_port()
+    cmd = [sys.executable, "-m", "server", "serve", "--port", str(port), "--no-access-log", *server_args]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+    proc = subprocess.Popen(cmd, cwd=REPO_ROOT, env=env)
+    return proc, wait_healthy(proc, f"http://127.0.0.1:{port}")
+
+
+def add_load_args(ap: argparse.ArgumentParser) -> None:
+    """The load's flags (also bench/stream_path.py's)."""
     ap.add_argument("--model", default=None, help="default: the first of /v1/models")
     ap.add_argument("--api-key", default=None)
     ap.add_argument("--num-requests", type=int, default=32)
@@ -348,6 +354,12 @@ def main() -> None:
     ap.add_argument("--client-processes", type=int, default=1,
                     help="client processes sharing the load (a Python client's CPU can bound many fast streams)")
     ap.add_argument("--seed", type=int, default=0)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--base-url", default=None, help="a running server; default: start one")
+    add_load_args(ap)
     ap.add_argument("--server-args", nargs=argparse.REMAINDER, default=[],
                     help="flags for `python -m server serve` when the bench starts the server")
     args = ap.parse_args()

@@ -126,8 +126,13 @@ class OutputText:
                  include_stop_str_in_output: bool = False, prompt_ids: Sequence[int] = ()):
         self.detokenizer = Detokenizer(tokenizer, skip_special_tokens=skip_special_tokens, prompt_ids=prompt_ids)
         self.matcher = StopStringMatcher(stop, include_stop_str_in_output=include_stop_str_in_output)
-        self.text = ""  # everything emitted so far
+        self._parts: list[str] = []  # everything emitted so far, joined on demand (no quadratic appends)
         self.pending = ""  # emitted since the last take()
+
+    @property
+    def text(self) -> str:
+        """Everything emitted so far."""
+        return "".join(self._parts)
 
     @property
     def has_stop_strings(self) -> bool:
@@ -155,6 +160,7 @@ class OutputText:
         return out
 
     def _emit(self, result: StopResult) -> StopResult:
-        self.text += result.text
-        self.pending += result.text
+        if result.text:
+            self._parts.append(result.text)
+            self.pending += result.text
         return result

@@ -15,8 +15,8 @@ from server.generation import json_response, log_ignored, merged_events, open_ch
 from server.requests import ChatCompletionRequest, parse_request
 from server.responses import (SSE_DONE, ChatCompletion, ChatCompletionChoice, ChatCompletionChunk,
                               ChatCompletionDelta, ChatCompletionMessage, ChatCompletionStreamChoice, ChoiceLogprobs,
-                              ToolCall, ToolCallDelta, ToolCallFunction, ToolCallFunctionDelta, Usage, random_id,
-                              sse_event)
+                              ContentEvents, ToolCall, ToolCallDelta, ToolCallFunction, ToolCallFunctionDelta, Usage,
+                              random_id, sse_event)
 from server.state import ServerState
 from server.tokenizer import encode_chat
 from server.tool_calls import ParsedCall, ToolCallStream, parse_tool_calls
@@ -65,6 +65,10 @@ async def create_chat_completion(state: ServerState, body: Any, arrival: float) 
             return sse_event(ChatCompletionChunk(id=cid, created=created, model=state.model_name, choices=items,
                                                  usage=usage))
 
+        content = ContentEvents(lambda index, text, usage: ChatCompletionChunk(
+            id=cid, created=created, model=state.model_name, usage=usage,
+            choices=[ChatCompletionStreamChoice(index=index, delta=ChatCompletionDelta(content=text))]))
+
         parsers = {c.index: ToolCallStream() for c in choices} if tools else {}
         num_calls = {c.index: 0 for c in choices}
 
@@ -87,15 +91,18 @@ async def create_chat_completion(state: ServerState, body: Any, arrival: float) 
         async with contextlib.aclosing(merged_events(choices)) as events:
             async for out in events:
                 completion_tokens += len(out.token_ids)
-                usage = Usage.of(len(prompt_ids), completion_tokens) if continuous else None
+                counts = (len(prompt_ids), completion_tokens) if continuous else None
+                usage = Usage.of(*counts) if continuous else None
                 lp = logprobs_of(out.token_ids, out.logprobs, out.top_logprobs) if out.token_ids else None
                 text, calls = parsers[out.index].feed(out.text) if tools else (out.text, [])
                 if out.finish_reason is not None and tools:
                     rest, _ = parsers[out.index].finish()
                     text += rest
-                if text or lp is not None:
+                if lp is not None:
                     yield chunk([ChatCompletionStreamChoice(index=out.index, logprobs=lp,
                                                             delta=ChatCompletionDelta(content=text))], usage)
+                elif text:
+                    yield content.event(out.index, text, counts)
                 for event in call_chunks(out.index, calls, usage):
                     yield event
                 if out.finish_reason is not None:

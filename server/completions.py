@@ -13,7 +13,8 @@ from starlette.responses import Response
 from server.generation import (ChoiceStream, json_response, log_ignored, merged_events, open_choices, respond,
                                usage_of)
 from server.requests import CompletionRequest, parse_request
-from server.responses import SSE_DONE, Completion, CompletionChoice, CompletionChunk, Usage, random_id, sse_event
+from server.responses import (SSE_DONE, Completion, CompletionChoice, CompletionChunk, ContentEvents, Usage,
+                              random_id, sse_event)
 from server.state import ServerState
 from server.tokenizer import encode_prompt
 
@@ -55,17 +56,24 @@ async def create_completion(state: ServerState, body: Any, arrival: float) -> Re
             return sse_event(CompletionChunk(id=cid, created=created, model=state.model_name, choices=items,
                                              usage=usage))
 
+        content = ContentEvents(lambda index, text, usage: CompletionChunk(
+            id=cid, created=created, model=state.model_name, usage=usage,
+            choices=[CompletionChoice(index=index, text=text)]))
+
         if req.echo:
             for c in choices:
                 yield chunk([CompletionChoice(index=c.index, text=echo_of(c))])
         async with contextlib.aclosing(merged_events(choices)) as events:
             async for out in events:
                 completion_tokens += len(out.token_ids)
-                usage = Usage.of(prompt_tokens, completion_tokens) if continuous else None
+                counts = (prompt_tokens, completion_tokens) if continuous else None
+                usage = Usage.of(*counts) if continuous else None
                 c = by_index[out.index]
                 lp = logprobs_of(c, out.token_ids, out.logprobs, out.top_logprobs) if out.token_ids else None
-                if out.text or lp is not None:
+                if lp is not None:
                     yield chunk([CompletionChoice(index=out.index, text=out.text, logprobs=lp)], usage)
+                elif out.text:
+                    yield content.event(out.index, out.text, counts)
                 if out.finish_reason is not None:
                     yield chunk([CompletionChoice(index=out.index, text="", finish_reason=out.finish_reason,
                                                   stop_reason=out.stop_reason)], usage)

@@ -61,7 +61,7 @@ class ChoiceStream:
                  sampling: SamplingParams, *, arrival: float):
         self.state, self.index, self.request_id = state, index, request_id
         self.prompt_ids, self.sampling, self.arrival = prompt_ids, sampling, arrival
-        self.text = ""  # the detokenized output so far (stop strings already cut in the engine)
+        self._texts: list[str] = []  # the detokenized output so far (stop strings already cut in the engine)
         # Without stop strings the engine needs no text, so its tokens are detokenized here, beside the engine's
         # steps instead of on its step loop (~9 us a token there: ~0.6 ms of a batch-64 step on the 2-core CPU).
         # With stop strings the engine detokenizes, so a request that hits one ends, and frees its KV, that step.
@@ -85,6 +85,11 @@ class ChoiceStream:
         self._last_token_time = 0.0
         self._queue_time: Optional[float] = None
         state.num_in_flight += 1
+
+    @property
+    def text(self) -> str:
+        """The detokenized output so far."""
+        return "".join(self._texts)
 
     async def prime(self) -> None:
         try:
@@ -130,7 +135,8 @@ class ChoiceStream:
             self.finish_reason, self.stop_reason = delta.finish_reason or "stop", delta.stop_reason
             self._queue_time = delta.queue_time
         out.finish_reason, out.stop_reason = self.finish_reason, self.stop_reason
-        self.text += out.text
+        if out.text:
+            self._texts.append(out.text)
         self.token_ids.extend(out.token_ids)
         self.logprobs.extend(out.logprobs)
         self.top_logprobs.extend(out.top_logprobs)

@@ -1,11 +1,13 @@
 """The OpenAI-compatible response models: chat completions and their stream chunks, legacy completions, usage,
-logprobs, /v1/models, /tokenize and /detokenize; and the server-sent-event framing of a stream."""
+logprobs, /v1/models, /tokenize and /detokenize; and the server-sent-event framing of a stream, with the templates
+that render a stream's plain content chunks (most of its events) without building models."""
 from __future__ import annotations
 
 import math
 import time
 import uuid
-from typing import Any, Literal, Optional, Union
+from json.encoder import encode_basestring as encode_json_string  # json.dumps(s, ensure_ascii=False) for a str
+from typing import Any, Callable, Literal, Optional, Union
 
 from pydantic import BaseModel, Field, model_serializer
 
@@ -198,3 +200,52 @@ SSE_DONE = "data: [DONE]\n\n"
 def sse_event(payload: BaseModel) -> str:
     """One server-sent event; a mid-stream error is sse_event(ErrorResponse) followed by SSE_DONE."""
     return f"data: {payload.model_dump_json()}\n\n"
+
+
+class EventTemplate:
+    """An SSE event rendered once by pydantic with marker values in its holes, as a %-format filled per event: the
+    same bytes as sse_event() of the model with the values in place of the markers (a string hole takes the json
+    module's encoding of the string, which escapes as pydantic's serializer does: tests/server/
+    test_stream_templates.py), at a fraction of the cost of building and serializing the models for every token."""
+
+    def __init__(self, payload: BaseModel, markers: tuple[Union[str, int], ...]):
+        rest, parts = sse_event(payload), []
+        for marker in markers:  # in the order they occur; each must occur exactly once
+            mark = encode_json_string(marker) if isinstance(marker, str) else str(marker)
+            if rest.count(mark) != 1:
+                raise ValueError(f"template marker {mark} found {rest.count(mark)} times in {rest!r}")
+            head, rest = rest.split(mark)
+            parts += [head.replace("%", "%%"), "%s" if isinstance(marker, str) else "%d"]
+        parts.append(rest.replace("%", "%%"))
+        self.pattern = "".join(parts)  # %s: a string hole's JSON encoding; %d: an integer hole
+
+
+def unused_markers(rendered: str, count: int) -> tuple[str, list[int]]:
+    """A string and `count` integers whose renderings occur nowhere in `rendered` (the event with zeros and an
+    empty string in its holes), so that each occurs, rendered with them, exactly at its hole."""
+    text = "\x00text\x00"
+    while encode_json_string(text) in rendered:
+        text += "\x00"
+    numbers, n = [], 9_000_000_001
+    while len(numbers) < count:
+        if str(n) not in rendered:
+            numbers.append(n)
+        n += 1
+    return text, numbers
+
+
+class ContentEvents:
+    """A stream's plain content chunk (one choice's new text; no logprobs, no finish reason), with or without the
+    usage so far, as `make(index, text, usage)` renders it."""
+
+    def __init__(self, make: Callable[[int, str, Optional[Usage]], BaseModel]):
+        text, (index, prompt, completion, total) = unused_markers(sse_event(make(0, "", Usage())), 4)
+        self._bare = EventTemplate(make(index, text, None), (index, text)).pattern
+        usage = Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=total)
+        self._with_usage = EventTemplate(make(index, text, usage), (index, text, prompt, completion, total)).pattern
+
+    def event(self, index: int, text: str, usage: Optional[tuple[int, int]] = None) -> str:
+        """usage: (prompt tokens, completion tokens so far), or None for a chunk without usage."""
+        if usage is None:
+            return self._bare % (index, encode_json_string(text))
+        return self._with_usage % (index, encode_json_string(text), usage[0], usage[1], usage[0] + usage[1])

@@ -74,3 +74,15 @@ def test_a_reader_that_keeps_up_gets_each_delta(num_queued):
         return got
 
     assert [d.new_token_ids for d in asyncio.run(run())] == [[i] for i in range(num_queued)]
+
+
+def test_a_delta_crosses_the_process_boundary_whole():
+    """Deltas pickle by position (Delta.__reduce__): every field survives, defaults and set values alike."""
+    import dataclasses
+    import pickle
+
+    full = Delta("r-0", [5, 6], True, "stop", new_logprobs=[lp(5), lp(6)], num_prompt_tokens=7, num_cached_tokens=3,
+                 queue_time=0.25, accept_lengths=[2, 1], text="ab", stop_reason="</s>")
+    assert {f.name for f in dataclasses.fields(Delta)} == {k for k, v in vars(full).items() if v}  # all set
+    for delta in (full, Delta("r-1", [9], False, None)):
+        assert pickle.loads(pickle.dumps(delta, protocol=pickle.HIGHEST_PROTOCOL)) == delta

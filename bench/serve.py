@@ -16,7 +16,8 @@ admitted in one step finish in one step, so the next prompts arrive together and
 
 The last line gives the CPU time per content chunk of this client and, when the bench started the server, of the
 server's HTTP process (its engine process apart; Linux /proc): on a small model the stream path rather than the
-engine can bound a run, and this says which side of it does. --client-processes N spreads the load over N forked
+engine can bound a run, and this says which side of it does. A last line sums up what speculative decoding did
+(the server's own counters over the run: tree steps, acceptance, the adaptive budget, the throughput guard). --client-processes N spreads the load over N forked
 client processes (seats and arrival rate split evenly) when one Python client's CPU is the bound.
 """
 from __future__ import annotations
@@ -300,6 +301,47 @@ def print_cpu(results: list[Result], client_s: float, server_s: float | None, nu
     print(f"CPU us per content chunk ({chunks} chunks): {who} {1e6 * client_s / chunks:.1f}{server}")
 
 
+def metric_samples(base_url: str) -> dict[tuple[str, tuple], float]:
+    """The server's /metrics as {(sample name, sorted labels without the model): value}."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    response = httpx.get(base_url + "/metrics", timeout=10)
+    response.raise_for_status()
+    text = response.text
+    return {(sample.name, tuple(sorted((k, v) for k, v in sample.labels.items() if k != "model_name"))): sample.value
+            for family in text_string_to_metric_families(text) for sample in family.samples}
+
+
+def try_metric_samples(base_url: str) -> dict | None:
+    try:
+        return metric_samples(base_url)
+    except (httpx.HTTPError, ValueError) as e:
+        print(f"speculation: the server's /metrics could not be read ({type(e).__name__}: {e})")
+        return None
+
+
+def print_speculation(before: dict, after: dict) -> None:
+    """What speculative decoding did during the load, from the server's counters (after - before): tree steps,
+    drafts and acceptance, the adaptive budget, the throughput guard's checks and forced plain steps."""
+    def total(name: str, **labels) -> float:
+        want = set(labels.items())
+        return sum(v - before.get(k, 0.0) for k, v in after.items() if k[0] == name and want <= set(k[1]))
+
+    steps = {dict(k[1]).get("mode"): total("ddtree:engine_steps_total", mode=dict(k[1]).get("mode"))
+             for k in after if k[0] == "ddtree:engine_steps_total"}
+    budget_n = total("ddtree:spec_decode_budget_count")
+    drafts, nodes = total("ddtree:spec_decode_num_drafts_total"), total("ddtree:spec_decode_num_draft_tokens_total")
+    accepted = total("ddtree:spec_decode_num_accepted_tokens_total")
+    checks = {o: int(total("ddtree:spec_decode_guard_checks_total", outcome=o)) for o in ("won", "lost", "discarded")}
+    kinds = ", ".join(f"{m} {int(n)}" for m, n in sorted(steps.items()) if n)
+    print(f"speculation: {'engine steps ' + kinds + '; ' if kinds else ''}"
+          f"trees verified {int(drafts)} ({nodes / drafts if drafts else 0:.1f} nodes, "
+          f"{accepted / drafts if drafts else 0:.2f} accepted each); budget mean "
+          f"{total('ddtree:spec_decode_budget_sum') / budget_n if budget_n else 0:.2f} over {int(budget_n)} "
+          f"request-steps; guard checks {checks}, forced plain steps "
+          f"{int(total('ddtree:spec_decode_guard_plain_steps_total'))}")
+
+
 def output_desc(args) -> str:
     if args.output_len_range <= 0:
         return str(args.output_len)
@@ -371,11 +413,15 @@ def main() -> None:
         proc, base_url = start_server(args.server_args)
     try:
         server0 = process_cpu_s(proc.pid) if proc is not None else None
+        metrics0 = try_metric_samples(base_url.rstrip("/"))
         results, elapsed, client_s = run_load(args, base_url.rstrip("/"))
         server1 = process_cpu_s(proc.pid) if proc is not None else None
         print_table(results, elapsed, args)
         print_cpu(results, client_s, server1 - server0 if server0 is not None and server1 is not None else None,
                   len(make_shares(args)))
+        metrics1 = try_metric_samples(base_url.rstrip("/"))
+        if metrics0 is not None and metrics1 is not None:
+            print_speculation(metrics0, metrics1)
     finally:
         if proc is not None:
             proc.send_signal(signal.SIGTERM)

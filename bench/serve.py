@@ -181,6 +181,7 @@ async def run_share(args, base_url: str, share: Share, ready) -> tuple[list[Resu
                 return await one_request(client, model, prompt, output_len, sampling)
 
         t0 = time.monotonic()
+        print(f"timed load started: {len(share.jobs)} requests", file=sys.stderr, flush=True)  # (for profilers)
         tasks = []
         for job in share.jobs:
             tasks.append(asyncio.create_task(gated(*job)))

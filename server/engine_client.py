@@ -71,14 +71,15 @@ class _Cut:
 def _coalesce(delta: Delta, q: asyncio.Queue) -> tuple[Delta, object | None]:
     """`delta` and the same request's deltas already queued behind it, as one delta, and the first other item
     taken from the queue (an error or a cut, for the reader's next turn) or None. A reader that fell behind (the
-    event loop busy with other streams' chunks) then sends one chunk for several steps' tokens: a chunk costs this
-    process far more than a token does (on an H100 host's CPU at 64 streams ~75 us a chunk of ~3 tokens, ~25 us
-    a token; docs/BENCHMARKS.md), so one chunk a token would cap the streams below what a GPU engine makes."""
+    event loop busy with other streams' chunks) then sends one chunk for several steps' tokens: a chunk has a fixed
+    cost here that its tokens share (bench/stream_path.py --in-process on the 2-core CPU: ~20 us a chunk of one
+    token; 58-69 us for chunks of 10-22), so one chunk a token would cap the streams below what a GPU engine makes
+    at batch 64 (docs/BENCHMARKS.md)."""
     run = [delta]
     while not run[-1].finished and not q.empty():
         item = q.get_nowait()
         if not isinstance(item, Delta):
-            return Delta.joined(run) if len(run) > 1 else delta, item
+            return (Delta.joined(run) if len(run) > 1 else delta), item
         run.append(item)
     return (Delta.joined(run) if len(run) > 1 else delta), None
 

@@ -16,9 +16,10 @@ admitted in one step finish in one step, so the next prompts arrive together and
 
 The last line gives the CPU time per content chunk of this client and, when the bench started the server, of the
 server's HTTP process (its engine process apart; Linux /proc): on a small model the stream path rather than the
-engine can bound a run, and this says which side of it does. A last line sums up what speculative decoding did
-(the server's own counters over the run: tree steps, acceptance, the adaptive budget, the throughput guard). --client-processes N spreads the load over N forked
-client processes (seats and arrival rate split evenly) when one Python client's CPU is the bound.
+engine can bound a run, and this says which side of it does. --client-processes N spreads the load over N forked
+client processes (seats and arrival rate split evenly) when one Python client's CPU is the bound. A last line sums up
+what speculative decoding did (the server's own counters over the run: tree steps, acceptance, the adaptive budget,
+the throughput guard).
 """
 from __future__ import annotations
 
@@ -193,12 +194,20 @@ async def run_share(args, base_url: str, share: Share, ready) -> tuple[list[Resu
         await client.aclose()
 
 
+def make_jobs(args) -> list[tuple[int, str, int]]:
+    """Every request of the load: (index, prompt, output length), the same for a given seed."""
+    rng = random.Random(args.seed)
+    return [(i, make_prompt(rng, args.input_len), n) for i, n in enumerate(output_lengths(args))]
+
+
+def num_client_processes(args) -> int:
+    return max(1, min(args.client_processes, args.num_requests))
+
+
 def make_shares(args) -> list[Share]:
     """The requests dealt round-robin over --client-processes, with the seats and the arrival rate split so
     the processes together keep --concurrency in flight and arrive at --request-rate."""
-    rng = random.Random(args.seed)
-    jobs = [(i, make_prompt(rng, args.input_len), n) for i, n in enumerate(output_lengths(args))]
-    num = max(1, min(args.client_processes, len(jobs)))
+    jobs, num = make_jobs(args), num_client_processes(args)
     seats = [args.concurrency // num + (w < args.concurrency % num) for w in range(num)]
     if args.concurrency > 0 and min(seats) == 0:
         raise SystemExit("--client-processes must not exceed --concurrency")
@@ -419,7 +428,7 @@ def main() -> None:
         server1 = process_cpu_s(proc.pid) if proc is not None else None
         print_table(results, elapsed, args)
         print_cpu(results, client_s, server1 - server0 if server0 is not None and server1 is not None else None,
-                  len(make_shares(args)))
+                  num_client_processes(args))
         metrics1 = try_metric_samples(base_url.rstrip("/"))
         if metrics0 is not None and metrics1 is not None:
             print_speculation(metrics0, metrics1)

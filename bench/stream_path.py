@@ -220,13 +220,13 @@ def run_in_process(args) -> None:
 
     server.state.EngineClient = InProcessClient
     app = create_app(*serve_configs(parser().parse_args(["serve", "--log-level", "warning"])))
-    rng = __import__("random").Random(args.seed)
-    prompts = [load.make_prompt(rng, args.input_len) for _ in range(args.num_requests)]
+    jobs = load.make_jobs(args)
     num_sends = 0
 
-    async def one(prompt: str, sem: asyncio.Semaphore) -> None:
+    async def one(job: tuple[int, str, int], sem: asyncio.Semaphore) -> None:
         nonlocal num_sends
-        body = json.dumps({"messages": [{"role": "user", "content": prompt}], "max_tokens": args.output_len,
+        _, prompt, output_len = job
+        body = json.dumps({"messages": [{"role": "user", "content": prompt}], "max_tokens": output_len,
                            "temperature": args.temperature, "stream": True, "ignore_eos": True,
                            "stream_options": {"include_usage": True, "continuous_usage_stats": True}}).encode()
         done, asked = asyncio.Event(), False
@@ -258,19 +258,23 @@ def run_in_process(args) -> None:
         async with app.router.lifespan_context(app):
             while app.state.server.tokenizer is None:
                 await asyncio.sleep(0.01)
-            sem = asyncio.Semaphore(args.concurrency or len(prompts))
-            await asyncio.gather(*(one(p, sem) for p in prompts[:4]))  # warm-up
+            sem = asyncio.Semaphore(args.concurrency or len(jobs))
+            await asyncio.gather(*(one(job, sem) for job in jobs[:4]))  # warm-up
             num_sends = 0
             cpu0, t0 = time.process_time(), time.perf_counter()
-            await asyncio.gather(*(one(p, sem) for p in prompts))
+            await asyncio.gather(*(one(job, sem) for job in jobs))
             return time.process_time() - cpu0, time.perf_counter() - t0
 
     cpu_s, wall_s = asyncio.run(main())
-    num_tokens = args.num_requests * args.output_len
+    num_tokens = sum(n for _, _, n in jobs)
     print(f"in process: {num_tokens} tokens in {wall_s:.2f} s, {num_sends} SSE events "
-          f"({num_tokens / wall_s:,.0f} tok/s, the engine offers "
-          f"{1e3 / args.step_ms * (args.concurrency or args.num_requests):,.0f}); server CPU {cpu_s:.2f} s: "
-          f"{1e6 * cpu_s / num_tokens:.1f} us a token, {1e6 * cpu_s / num_sends:.1f} us an SSE event")
+          f"({num_tokens / wall_s:,.0f} tok/s, the engine offers {offered_tok_s(args):,.0f}); server CPU "
+          f"{cpu_s:.2f} s: {1e6 * cpu_s / num_tokens:.1f} us a token, {1e6 * cpu_s / num_sends:.1f} us an SSE event")
+
+
+def offered_tok_s(args) -> float:
+    """Tokens per second the synthetic engine makes with every seat taken."""
+    return 1e3 / args.step_ms * (args.concurrency or args.num_requests)
 
 
 def start(step_s: float) -> tuple[subprocess.Popen, str]:
@@ -299,10 +303,10 @@ def main() -> None:
         results, elapsed, client_s = load.run_load(args, base_url)
         server1 = load.process_cpu_s(proc.pid)
         load.print_table(results, elapsed, args)
-        print(f"the engine offers {1e3 / args.step_ms:.0f} steps/s: up to "
-              f"{1e3 / args.step_ms * (args.concurrency or args.num_requests):,.0f} tok/s at this concurrency")
+        print(f"the engine offers {1e3 / args.step_ms:.0f} steps/s: up to {offered_tok_s(args):,.0f} tok/s at this "
+              f"concurrency")
         load.print_cpu(results, client_s, None if server0 is None else server1 - server0,
-                       len(load.make_shares(args)))
+                       load.num_client_processes(args))
     finally:
         proc.send_signal(signal.SIGTERM)
         proc.wait(timeout=30)

@@ -92,12 +92,14 @@ async def create_chat_completion(state: ServerState, body: Any, arrival: float) 
             async for out in events:
                 completion_tokens += len(out.token_ids)
                 counts = (len(prompt_ids), completion_tokens) if continuous else None
-                usage = Usage.of(*counts) if continuous else None
                 lp = logprobs_of(out.token_ids, out.logprobs, out.top_logprobs) if out.token_ids else None
                 text, calls = parsers[out.index].feed(out.text) if tools else (out.text, [])
                 if out.finish_reason is not None and tools:
                     rest, _ = parsers[out.index].finish()
                     text += rest
+                # the models' usage only for the chunks built from models (a content chunk's template takes counts)
+                modelled = lp is not None or calls or out.finish_reason is not None
+                usage = Usage.of(*counts) if counts and modelled else None
                 if lp is not None:
                     yield chunk([ChatCompletionStreamChoice(index=out.index, logprobs=lp,
                                                             delta=ChatCompletionDelta(content=text))], usage)

@@ -67,9 +67,11 @@ async def create_completion(state: ServerState, body: Any, arrival: float) -> Re
             async for out in events:
                 completion_tokens += len(out.token_ids)
                 counts = (prompt_tokens, completion_tokens) if continuous else None
-                usage = Usage.of(*counts) if continuous else None
                 c = by_index[out.index]
                 lp = logprobs_of(c, out.token_ids, out.logprobs, out.top_logprobs) if out.token_ids else None
+                # the models' usage only for the chunks built from models (a content chunk's template takes counts)
+                modelled = lp is not None or out.finish_reason is not None
+                usage = Usage.of(*counts) if counts and modelled else None
                 if lp is not None:
                     yield chunk([CompletionChoice(index=out.index, text=out.text, logprobs=lp)], usage)
                 elif out.text:

@@ -44,6 +44,11 @@ class PendingStep:
         state)."""
         return self.batch is not None and any(self.batch.budgets)
 
+    @property
+    def drafts(self) -> bool:
+        """The drafter ran for some request of this step (a tree's proposal, or curves for requests at budget 0)."""
+        return bool(self.watched) or (self.batch is not None and any(self.batch.drafted))
+
     def most_emitted(self) -> dict[int, int]:
         """id(request) -> the most tokens this step can emit for it (a tree's budget + 1; 1 when it samples a plain
         row: decoding, or a prompt's last chunk)."""

@@ -1,8 +1,8 @@
 """The measured check behind "never slower than plain decoding". The adaptive budget (adaptive.py) chooses trees from
 a cost model, and a model can be wrong in ways it cannot see from inside: a tree step's cost under CUDA graphs that
 no fitted line explains, a switch that stalls the asynchronous pipeline, a host that falls behind the device. The
-guard measures the outcome instead. After a window of decoding steps in which trees were allowed and ran in at
-least a quarter of them, it forces a short window of plain steps (no drafting, no trees) and compares the two
+guard measures the outcome instead. After a window of decoding steps in which trees were allowed and the engine
+speculated (verified trees or drafted) in at least a quarter of them, it forces a short window of plain steps (no drafting, no trees) and compares the two
 windows' decoding throughput, per running request so that a batch that changed a little does not decide it (one
 that changed a lot discards the check). Trees that lose stay off for a back-off, doubled while they keep losing;
 trees that win keep running, and the checks come less often (the interval doubles), so a drafter that pays loses a
@@ -16,7 +16,16 @@ the H100 at batch 16, 2 tree steps in 32 lost such a check on that noise, and th
 the text turned repetitive and the unguarded budget ran 1.2-1.5x plain decoding). Its tree steps are compared with
 the plain steps between them instead, which ran at the same time and felt the same swings: each tree step together
 with the step after it (under asynchronous scheduling that step pays the switch out of trees) against the other
-plain steps, per running request, given at least SPARSE_MIN steps of each. (On the 2-core CPU at 16 sampled chats
+plain steps, per running request, given at least SPARSE_MIN steps of each.
+
+Drafting costs too, trees or not: a plain step that drafts curves for requests at budget 0 (what the budget reads to
+decide whether one should verify again) ran the drafter's host work, on an H100 at batch 64 about a plain step's
+time again, and under asynchronous scheduling the step before it pays that work (its successor is launched while it
+runs). So a step counts as speculating when it verified trees or drafted, or the step launched ahead while it ran
+did (the engine says so: `speculating`), and windows are checked by their speculating steps as by their tree steps:
+a quarter of the window, against a forced plain window (which drafts nothing); fewer, against the steps between.
+Without it, drafts for a loaded server's new requests every few steps cost batch-64 throughput that no check
+could see, since trees themselves ran in 0.3% of the request-steps (docs/BENCHMARKS.md, 2026-12-07). (On the 2-core CPU at 16 sampled chats
 the budget's trees ran in ~18% of the steps at about the plain steps' tokens per second: 119.4 ms for 20.6 tokens
 against 90.6 ms for 15.5. Checked, they lost 6 of 11 checks in two runs; the chat mix's throughput did not move,
 docs/BENCHMARKS.md 2026-12-05 20:46.)
@@ -41,8 +50,8 @@ MAX_BACKOFF = 2048
 EXPLORE_SHARE = 0.02  # a lost window's forgone steps are at most this share of the back-off that follows it
 MARGIN = 0.01  # trees must beat plain decoding by this share of its throughput to stay on (a tie: no drafting)
 BATCH_TOLERANCE = 0.25  # a check whose windows' mean batch sizes differ by more than this share is discarded
-MIN_TREE_SHARE = 0.25  # a window is checked against a plain window only when trees ran in this share of its steps
-SPARSE_MIN = 3  # ... else its tree steps against the plain steps between them, given this many of each
+MIN_TREE_SHARE = 0.25  # a window is checked against a plain window only when it speculated in this share of its steps
+SPARSE_MIN = 3  # ... else its speculating steps against the plain steps between them, given this many of each
 
 TREES, CHECK, OFF = "trees", "check", "off"
 WON, LOST, DISCARDED = "won", "lost", "discarded"
@@ -72,15 +81,18 @@ class _Steps:
 @dataclass
 class _Window(_Steps):
     tree_steps: int = 0
-    # the same steps split: tree steps with the step after each, and the other (plain) steps
+    speculating_steps: int = 0  # tree steps and those that drafted (or paid a draft ahead of them)
+    # the same steps split: speculating steps with the step after each tree step, and the other (plain) steps
     with_trees: _Steps = field(default_factory=_Steps)
     between: _Steps = field(default_factory=_Steps)
     after_tree: bool = False  # the last step verified trees
 
-    def add(self, num_requests: int, tokens: int, seconds: float, tree: bool) -> None:
+    def add(self, num_requests: int, tokens: int, seconds: float, tree: bool, speculating: bool = False) -> None:
         super().add(num_requests, tokens, seconds)
+        speculating = speculating or tree
         self.tree_steps += tree
-        (self.with_trees if tree or self.after_tree else self.between).add(num_requests, tokens, seconds)
+        self.speculating_steps += speculating
+        (self.with_trees if speculating or self.after_tree else self.between).add(num_requests, tokens, seconds)
         self.after_tree = tree
 
 
@@ -120,9 +132,10 @@ class ThroughputGuard:
         bucket = self.buckets.get(self.current)
         return bucket is None or bucket.mode == TREES
 
-    def observe(self, num_requests: int, tokens: int, seconds: float, tree: bool) -> None:
+    def observe(self, num_requests: int, tokens: int, seconds: float, tree: bool, speculating: bool = False) -> None:
         """One decoding step (no prefill chunk in it): its decoding requests, the tokens they emitted, its time,
-        and whether it verified trees."""
+        whether it verified trees, and whether it speculated otherwise (drafted, or paid for the drafting of the
+        step launched ahead while it ran)."""
         if not self.enabled or num_requests <= 0:
             return
         if bucket_of(num_requests) != self.current and not self._near(num_requests):
@@ -140,13 +153,14 @@ class ThroughputGuard:
             b.settle -= 1
             return
         if b.mode == TREES:
-            b.trees.add(num_requests, tokens, seconds, tree)
-            if b.trees.steps >= b.interval:
-                if b.trees.tree_steps >= MIN_TREE_SHARE * b.trees.steps:
+            window = b.trees
+            window.add(num_requests, tokens, seconds, tree, speculating)
+            if window.steps >= b.interval:
+                if window.speculating_steps >= MIN_TREE_SHARE * window.steps:
                     self._enter(b, CHECK)
-                elif b.trees.tree_steps >= SPARSE_MIN and b.trees.between.steps >= SPARSE_MIN:
-                    self._decide(b, b.trees.with_trees, b.trees.between)
-                else:  # the budget chose plain steps (nearly) throughout: nothing the trees did to check
+                elif window.speculating_steps >= SPARSE_MIN and window.between.steps >= SPARSE_MIN:
+                    self._decide(b, window.with_trees, window.between)
+                else:  # the budget chose plain steps (nearly) throughout: nothing speculation did to check
                     b.trees = _Window()
             return
         b.plain.add(num_requests, tokens, seconds, tree)

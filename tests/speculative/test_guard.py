@@ -12,6 +12,7 @@ from engine.speculative.cost_fit import CostFit
 from engine.speculative.guard import (BACKOFF, EXPLORE_SHARE, MAX_BACKOFF, MIN_TREE_SHARE, PLAIN_STEPS, SETTLE,
                                      SPARSE_MIN, WINDOW, ThroughputGuard)
 from engine.speculative.oracle import OracleDrafter
+from engine.speculative.speculator import Speculator
 from tests.speculative.test_ddtree_e2e import golden_lookup, prompts
 
 
@@ -142,6 +143,34 @@ def test_a_sparse_tree_step_is_charged_for_the_step_after_it():
     assert sparse_window(guard, lambda i: (20, 1.1e-3), plain_after) == ["lost"]
 
 
+def test_drafting_is_checked_like_trees():
+    """Steps that only drafted (curves for requests at budget 0, no tree verified) pay the drafter's host work: a
+    window that drafted in a quarter of its steps or more is checked against a forced plain window, which drafts
+    nothing, and loses when the drafts cost more than their trees bring. Fewer drafting steps are held against the
+    plain steps between them, and each drafting step's cost may sit in the step before it (under asynchronous
+    scheduling it pays its successor's launch), which the engine reports as speculating."""
+    every_other = ThroughputGuard()
+    outcomes = []
+    for step in range(WINDOW + PLAIN_STEPS + 4):
+        drafted = every_other.allows_trees() and step % 2 == 0
+        every_other.observe(16, 16, 1.3e-3 if drafted else 1e-3, tree=False, speculating=drafted)
+        outcomes += every_other.take_outcomes()[0]
+    assert outcomes == ["lost"] and not every_other.allows_trees()
+
+    sparse = ThroughputGuard()
+    outcomes = []
+    for step in range(WINDOW + 4):  # the step before each of 1 in 8 drafting steps pays its launch
+        paying = sparse.allows_trees() and step % 8 == 0
+        sparse.observe(16, 16, 1.6e-3 if paying else 1e-3, tree=False, speculating=paying)
+        outcomes += sparse.take_outcomes()[0]
+    assert outcomes == ["lost"] and not sparse.allows_trees()
+
+    free = ThroughputGuard()  # drafting that costs nothing and brings nothing: a tie, which plain decoding takes
+    for step in range(WINDOW + PLAIN_STEPS + 4):
+        free.observe(16, 16, 1e-3, tree=False, speculating=free.allows_trees() and step % 2 == 0)
+    assert free.take_outcomes()[0] == ["lost"]
+
+
 def test_a_check_across_a_changed_batch_decides_nothing():
     guard = ThroughputGuard()
     # trees at batch 16 lose per request to a plain window at batch 4, which a batch this different cannot tell
@@ -218,6 +247,45 @@ def test_the_engine_turns_off_trees_whose_cost_its_step_timer_cannot_see(tiny_ch
     assert not any(guarded[WINDOW:WINDOW + PLAIN_STEPS + 1 + BACKOFF])  # the check, then the back-off
     out = guarded_llm.generate(prompts(), SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True))
     assert [o.token_ids for o in out] == ref
+
+
+def test_the_engine_stops_drafting_whose_cost_no_budget_sees(tiny_checkpoints, monkeypatch):
+    """Curves drafted at every step for requests whose trees never pay, each draft costing 20 ms of host time that
+    the budget prices at nothing (as CUDA events priced the device n-gram drafter's launches on the GPU, where
+    they cost a batch-64 step about its own time): the budget alone drafts on; the guard counts the drafting steps
+    as speculation, loses its check and keeps the engine plain, drafting nothing, for its back-off."""
+    monkeypatch.setattr(BudgetController, "draft_tokens", lambda self: 0.0)  # drafts look free: drafted every step
+    monkeypatch.setattr(BudgetController, "threshold", lambda self: 1e9)  # ... and no tree ever pays
+    curves, calls = Speculator.curves, [0]
+
+    def slow_curves(self, *args, **kwargs):
+        calls[0] += 1
+        time.sleep(0.02)
+        return curves(self, *args, **kwargs)
+
+    monkeypatch.setattr(Speculator, "curves", slow_curves)
+    folder, _ = tiny_checkpoints("llama")
+
+    def drafting_steps(llm) -> tuple[list[bool], list[str]]:
+        core, drafted, checks = llm.engine, [], []
+        for p in prompts():
+            core.add_request(p, SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True))
+        while core.has_unfinished():
+            before = calls[0]
+            core.step()
+            stats = core.last_stats
+            if stats is not None and stats.spec_budgets:
+                assert not any(stats.spec_budgets)
+                drafted.append(calls[0] > before)
+                checks += stats.spec_guard_checks
+        return drafted, checks
+
+    blind, blind_checks = drafting_steps(LLM(folder, dtype="fp32", drafter="ngram", spec_guard=False))
+    assert sum(blind) > 0.9 * len(blind) and not blind_checks
+    guarded, checks = drafting_steps(LLM(folder, dtype="fp32", drafter="ngram"))
+    assert len(guarded) > WINDOW + PLAIN_STEPS + 1 + BACKOFF, len(guarded)
+    assert all(guarded[1:WINDOW]) and checks[0] == "lost", (guarded, checks)
+    assert not any(guarded[WINDOW + 1:WINDOW + PLAIN_STEPS + 1 + BACKOFF])  # the check, then the back-off
 
 
 def test_each_batch_size_keeps_its_own_verdict():

@@ -387,14 +387,16 @@ class EngineCore:
         if self.tp is not None and self.budgets.enabled:  # budgets follow the leader's clock on every rank
             seconds, draft_seconds, cycle = self.tp.broadcast_object((seconds, draft_seconds, cycle))
         self.budgets.observe_engine_step(plan, result, seconds, draft_seconds, synchronous, self.runner.uniform_trees,
-                                         cycle, drafted_beside=self._drafted_beside())
+                                         cycle, unpriced_drafts=self._unpriced_drafts(result))
 
-    def _drafted_beside(self) -> bool:
-        """The step being observed paid for drafting that its result does not count: the draft-first refresh before
-        it, or the drafting of the step launched ahead while it ran (that launch's host work is in its time)."""
-        if self.draft_first is not None and self.draft_first.drafted:
-            return True
-        return self.inflight is not None and self.inflight.step.drafts
+    def _unpriced_drafts(self, result) -> bool:
+        """Under asynchronous scheduling: the step being observed drafted, or the step launched ahead while it ran
+        did (that launch's host work is in this step's time). There the budget prices a draft by its device time
+        (CUDA events), while its cost is mostly the host's launches, so the guard counts such steps as speculating
+        (guard.py). Without asynchronous scheduling a draft's host time is measured and priced."""
+        if not self.overlap:
+            return False
+        return result.num_drafted > 0 or (self.inflight is not None and self.inflight.step.drafts)
 
     def _take_constrained(self) -> int:
         """Requests admitted with a grammar since the last step's statistics."""

@@ -27,7 +27,6 @@ from engine.speculative.confidence import node_confidence
 class DraftFirst:
     def __init__(self, speculator, budgets):
         self.speculator, self.budgets = speculator, budgets
-        self.drafted = False  # the last refresh drafted: its time is in the coming step's (the guard's speculation)
 
     @staticmethod
     def applies(speculator, adaptive: bool, overlap: bool, tensor_parallel: bool) -> bool:
@@ -38,13 +37,11 @@ class DraftFirst:
     def refresh(self, running: list) -> None:
         """While drafts are cheap: drafts every running request whose next step decodes (its KV holds all but its
         newest token) and hands each full-budget tree's node confidence to the adaptive budget."""
-        self.drafted = False
         if not self.budgets.cheap_draft() or not self.budgets.guard.allows_trees():
             return
         decoding = [r for r in running if not r.finished and r.num_computed_tokens == r.num_tokens - 1]
         if not decoding:
             return
-        self.drafted = True
         t0 = time.perf_counter()
         seqs = [ScheduledSeq(r, num_new_tokens=1, sample=True) for r in decoding]
         curve, _ = self.speculator.curves(seqs)

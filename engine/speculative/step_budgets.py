@@ -12,14 +12,14 @@ from engine.speculative.step_width import common_width, uniform_width
 
 class StepBudgets:
     def observe_engine_step(self, plan, result, seconds: float, draft_seconds: float, synchronous: bool,
-                            uniform_layout: bool, cycle_seconds: float | None = None, drafted_beside: bool = False
+                            uniform_layout: bool, cycle_seconds: float | None = None, unpriced_drafts: bool = False
                             ) -> None:
         """What the budget learns from one engine step (an engine.plan StepPlan and its StepResult): its rows and
         time, its drafting, and each tree's acceptance. uniform_layout: a tree step lays every decoding request
         out at the step's width (CUDA graphs). synchronous: as observe_step's. cycle_seconds: the host's time from
         the previous step's results to this one's, everything in between included (the guard's throughput;
-        default `seconds`). drafted_beside: the step's time holds drafting its result does not count (a draft-first
-        refresh before it, or the drafting of the step launched ahead while it ran): the guard counts the step as
+        default `seconds`). unpriced_drafts: the step's time holds drafting whose cost the budget does not price (its
+        own or, under asynchronous scheduling, the launch of the step after it): the guard counts the step as
         speculating."""
         width = max(s.spec_budget for s in plan.seqs) + 1  # verify rows per tree request (padded)
         # the cost fit prices one more verify row of a decoding step; a step with a prefill chunk would flatten it
@@ -45,7 +45,7 @@ class StepBudgets:
             self.costs.observe(len(plan.seqs), width, seconds, leaving, synchronous)
         if decoding:
             self.guard.observe(len(plan.seqs), tokens, seconds if cycle_seconds is None else cycle_seconds, width > 1,
-                               speculating=result.num_drafted > 0 or drafted_beside)
+                               speculating=unpriced_drafts)
         self.observe_draft(result.num_drafted, draft_seconds)
         for s in plan.seqs if result.curves else ():  # (no curves: no request drafted)
             rid = s.request.request_id

@@ -11,6 +11,7 @@ from engine.speculative.adaptive import MIN_GAIN, BudgetController
 from engine.speculative.cost_fit import CostFit
 from engine.speculative.guard import (BACKOFF, EXPLORE_SHARE, MAX_BACKOFF, MIN_TREE_SHARE, PLAIN_STEPS, SETTLE,
                                      SPARSE_MIN, WINDOW, ThroughputGuard)
+from engine.speculative.ngram_device import DeviceNgramDrafter
 from engine.speculative.oracle import OracleDrafter
 from engine.speculative.speculator import Speculator
 from tests.speculative.test_ddtree_e2e import golden_lookup, prompts
@@ -250,12 +251,17 @@ def test_the_engine_turns_off_trees_whose_cost_its_step_timer_cannot_see(tiny_ch
 
 
 def test_the_engine_stops_drafting_whose_cost_no_budget_sees(tiny_checkpoints, monkeypatch):
-    """Curves drafted at every step for requests whose trees never pay, each draft costing 20 ms of host time that
-    the budget prices at nothing (as CUDA events priced the device n-gram drafter's launches on the GPU, where
-    they cost a batch-64 step about its own time): the budget alone drafts on; the guard counts the drafting steps
-    as speculation, loses its check and keeps the engine plain, drafting nothing, for its back-off."""
-    monkeypatch.setattr(BudgetController, "draft_tokens", lambda self: 0.0)  # drafts look free: drafted every step
-    monkeypatch.setattr(BudgetController, "threshold", lambda self: 1e9)  # ... and no tree ever pays
+    """Under asynchronous scheduling and (emulated) CUDA graphs, as on the GPU: curves drafted ahead at every step for
+    requests whose trees never pay, each draft costing 20 ms of host time that the budget does not price (on the GPU
+    it prices a draft by its device time, while the launches cost a batch-64 step about its own time): the budget
+    alone drafts on; the guard counts the drafting steps as speculation, loses its check and keeps the engine
+    plain, drafting nothing, for its back-off. The output is the same either way."""
+    monkeypatch.setattr(BudgetController, "threshold", lambda self: 1e9)  # no tree ever pays
+    # ... but every request drafts its curve at every step while the guard allows it
+    monkeypatch.setattr(BudgetController, "should_draft", lambda self, rid, dry=False, ahead=False:
+                        self.guard.allows_trees())
+    monkeypatch.setattr(BudgetController, "drafts_of", lambda self, ids, dry=False, ahead=False:
+                        [self.guard.allows_trees()] * len(ids))
     curves, calls = Speculator.curves, [0]
 
     def slow_curves(self, *args, **kwargs):
@@ -265,27 +271,36 @@ def test_the_engine_stops_drafting_whose_cost_no_budget_sees(tiny_checkpoints, m
 
     monkeypatch.setattr(Speculator, "curves", slow_curves)
     folder, _ = tiny_checkpoints("llama")
+    sampling = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
 
-    def drafting_steps(llm) -> tuple[list[bool], list[str]]:
-        core, drafted, checks = llm.engine, [], []
-        for p in prompts():
-            core.add_request(p, SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True))
+    def drafting_steps(guard: bool) -> tuple[list[bool], list[str], list[list[int]]]:
+        llm = LLM(folder, dtype="fp32", drafter="ngram", spec_guard=guard)
+        core = llm.engine  # the GPU's layout and drafter (bench/step_kinds.py --emulate does the same)
+        core.speculator.drafter = DeviceNgramDrafter(core.vocab_size, horizon=core.speculator.horizon)
+        core.speculator.use_staging(core.runner.staging)
+        core.enable_graphs(emulate=True)
+        core.overlap = True
+        ids = [core.add_request(p, sampling) for p in prompts()]
+        drafted, checks, outputs = [], [], {rid: [] for rid in ids}
         while core.has_unfinished():
             before = calls[0]
-            core.step()
+            for delta in core.step():
+                outputs[delta.request_id] += delta.new_token_ids
             stats = core.last_stats
             if stats is not None and stats.spec_budgets:
                 assert not any(stats.spec_budgets)
                 drafted.append(calls[0] > before)
                 checks += stats.spec_guard_checks
-        return drafted, checks
+        return drafted, checks, [outputs[rid] for rid in ids]
 
-    blind, blind_checks = drafting_steps(LLM(folder, dtype="fp32", drafter="ngram", spec_guard=False))
+    blind, blind_checks, blind_out = drafting_steps(False)
     assert sum(blind) > 0.9 * len(blind) and not blind_checks
-    guarded, checks = drafting_steps(LLM(folder, dtype="fp32", drafter="ngram"))
-    assert len(guarded) > WINDOW + PLAIN_STEPS + 1 + BACKOFF, len(guarded)
-    assert all(guarded[1:WINDOW]) and checks[0] == "lost", (guarded, checks)
-    assert not any(guarded[WINDOW + 1:WINDOW + PLAIN_STEPS + 1 + BACKOFF])  # the check, then the back-off
+    guarded, checks, out = drafting_steps(True)
+    assert len(guarded) > WINDOW + PLAIN_STEPS + 2 + BACKOFF, len(guarded)
+    assert all(guarded[2:WINDOW]) and checks[0] == "lost", (guarded, checks)
+    first_off = guarded.index(False, 2)
+    assert not any(guarded[first_off:first_off + PLAIN_STEPS + BACKOFF])  # the check, then the back-off
+    assert out == blind_out
 
 
 def test_each_batch_size_keeps_its_own_verdict():

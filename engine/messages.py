@@ -133,6 +133,7 @@ class StepStats:
     spec_guard_plain: int = 0
     # requests the drafter ran for this step (verified trees, or curves only in a plain step)
     num_drafted: int = 0
+    num_curve_drafts: int = 0  # requests drafted for their curve only (no tree verified)
 
 
 @dataclass

@@ -72,5 +72,6 @@ class StepResult:
     # phase -> seconds spent this step (schedule, draft, tree_build, verify, accept, forward, sample)
     timings: dict[str, float] = field(default_factory=dict)
     num_drafted: int = 0  # requests the drafter ran for this step (verified or curves only)
+    num_curve_drafts: int = 0  # ... of which curves only (no tree verified: a request at budget 0)
     draft_seconds: float = 0.0  # the drafter's time this step (device time on CUDA)
     num_grammar_pruned: int = 0  # draft-tree nodes dropped because the request's grammar forbids them

@@ -149,6 +149,11 @@ class Metrics:
                                          "back-off), discarded (the batch changed).", ["outcome"])
         self.spec_guard_plain_steps = counter("spec_decode_guard_plain_steps", "Decoding steps the throughput guard "
                                               "kept plain: its check windows and back-offs.").labels(model_name)
+        self.spec_curve_draft_steps = counter("spec_decode_curve_draft_steps", "Decoding steps in which the drafter "
+                                              "ran for requests that verified no tree (curve-only drafts: what the "
+                                              "adaptive budget reads to decide when a request at budget 0 verifies "
+                                              "again; on a GPU their host work costs about a plain step).").labels(
+            model_name)
         self.engine_steps = counter("engine_steps", "Engine steps on a device with CUDA graphs: replayed (a tree "
                                     "step as a whole round, or its forward only with the reason), or eager with the "
                                     "reason.", ["mode", "reason"])
@@ -215,6 +220,8 @@ class Metrics:
         guarded = _get(stats, "spec_guard_plain", 0)
         if guarded:
             self.spec_guard_plain_steps.inc(guarded)
+        if _get(stats, "num_curve_drafts", 0):
+            self.spec_curve_draft_steps.inc()
         graph = _get(stats, "cuda_graph", "")
         if graph:
             mode, _, reason = graph.partition(": ")

@@ -161,6 +161,11 @@ def test_accepts_the_engines_step_stats():
     assert value(m, "spec_decode_guard_checks_total", outcome="won") == 1
     assert value(m, "spec_decode_guard_checks_total", outcome="lost") == 1
     assert value(m, "spec_decode_guard_plain_steps_total") == 1
+    assert value(m, "spec_decode_curve_draft_steps_total") == 0
+    for curves in (5, 0, 1):  # a step drafting curves for 5 requests, a plain one, one drafting for 1
+        m.record_step(StepStats(num_running=8, num_waiting=0, kv_cache_usage=0.5, batch_size=8, num_preemptions=0,
+                                timings={}, num_drafted=curves + 2, num_curve_drafts=curves))
+    assert value(m, "spec_decode_curve_draft_steps_total") == 2
 
 
 def test_registries_are_per_instance():

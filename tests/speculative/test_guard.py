@@ -273,7 +273,7 @@ def test_the_engine_stops_drafting_whose_cost_no_budget_sees(tiny_checkpoints, m
     folder, _ = tiny_checkpoints("llama")
     sampling = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
 
-    def drafting_steps(guard: bool) -> tuple[list[bool], list[str], list[list[int]]]:
+    def drafting_steps(guard: bool) -> tuple[list[bool], list[str], list[list[int]], int]:
         llm = LLM(folder, dtype="fp32", drafter="ngram", spec_guard=guard)
         core = llm.engine  # the GPU's layout and drafter (bench/step_kinds.py --emulate does the same)
         core.speculator.drafter = DeviceNgramDrafter(core.vocab_size, horizon=core.speculator.horizon)
@@ -281,7 +281,7 @@ def test_the_engine_stops_drafting_whose_cost_no_budget_sees(tiny_checkpoints, m
         core.enable_graphs(emulate=True)
         core.overlap = True
         ids = [core.add_request(p, sampling) for p in prompts()]
-        drafted, checks, outputs = [], [], {rid: [] for rid in ids}
+        drafted, checks, outputs, curve_steps = [], [], {rid: [] for rid in ids}, 0
         while core.has_unfinished():
             before = calls[0]
             for delta in core.step():
@@ -291,11 +291,14 @@ def test_the_engine_stops_drafting_whose_cost_no_budget_sees(tiny_checkpoints, m
                 assert not any(stats.spec_budgets)
                 drafted.append(calls[0] > before)
                 checks += stats.spec_guard_checks
-        return drafted, checks, [outputs[rid] for rid in ids]
+                curve_steps += stats.num_curve_drafts > 0  # (what the server counts: spec_decode_curve_draft_steps)
+        return drafted, checks, [outputs[rid] for rid in ids], curve_steps
 
-    blind, blind_checks, blind_out = drafting_steps(False)
+    blind, blind_checks, blind_out, blind_curve_steps = drafting_steps(False)
     assert sum(blind) > 0.9 * len(blind) and not blind_checks
-    guarded, checks, out = drafting_steps(True)
+    assert blind_curve_steps >= sum(blind) - 1  # (each call drafts the step it launches ahead)
+    guarded, checks, out, curve_steps = drafting_steps(True)
+    assert curve_steps <= sum(guarded) + 1
     assert len(guarded) > WINDOW + PLAIN_STEPS + 2 + BACKOFF, len(guarded)
     assert all(guarded[2:WINDOW]) and checks[0] == "lost", (guarded, checks)
     first_off = guarded.index(False, 2)

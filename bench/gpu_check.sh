@@ -14,7 +14,8 @@
 #   ALT=/tmp/alt bench/gpu_check.sh ab       # bench/step_kinds.py's n-gram default against off (batch 64 / 16,
 #                                            # T = 1 / 0), this tree and the tree in $ALT (another commit's files:
 #                                            # git archive <commit> | tar -x -C <folder>) taking turns, $AB_ROUNDS
-#                                            # (default 2) times; $AB_RUNS overrides the batch:temperature runs
+#                                            # (default 2) times; $AB_RUNS overrides the batch:temperature runs,
+#                                            # $AB_ARGS adds flags (e.g. "--queue 4 --distinct-prompts")
 #
 # Wheels: every .whl in $WHEELS (default .whl/) goes into $SITE (default /tmp/site), which joins PYTHONPATH.
 # Besides the server's own dependencies the GPU tests import llguidance, jsonschema (with referencing, rpds-py,
@@ -79,7 +80,7 @@ for part in "$@"; do
       for i in $(seq "${AB_ROUNDS:-2}"); do
         for dir in "$ALT" "$PWD"; do
           (cd "$dir" && PYTHONPATH="$SITE:$dir" python3 bench/step_kinds.py --model "$GGUF" --device cuda \
-            --runs ${AB_RUNS:-64:1 64:0 16:0 16:1} --scheduling async --drafter ngram none \
+            --runs ${AB_RUNS:-64:1 64:0 16:0 16:1} --scheduling async --drafter ngram none ${AB_ARGS:-} \
             --trace "$OUT/ab_$(basename "$dir")_$i.jsonl" 2>&1) | grep "^==" | sed "s|^|$(basename "$dir") $i |" \
             | tee -a "$OUT/ab.log"
         done

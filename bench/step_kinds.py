@@ -2,7 +2,8 @@
 their median wall time, tokens a step and phase timings, beside speculation off, with and without asynchronous
 scheduling, on the self-repeating chat prompt of bench/gpu_serving.py. Also the adaptive budget's view at the end
 (drafting cost and row threshold in tokens of throughput, whether drafts count as cheap, whether the engine
-drafts first). --trace FILE writes every step as a JSON line (the run, its budgets, width, tokens, wall time,
+drafts first), and over the run the steps that drafted curves only and the throughput guard's verdicts and forced
+plain steps. --trace FILE writes every step as a JSON line (the run, its budgets, width, tokens, wall time,
 scheduling and graph, and the budget's threshold and fitted row and tree costs at that point), and --repeat N runs
 each configuration N times: for runs whose speed swings from one to the next. --host-times adds, per kind of step,
 the inclusive host time of the engine's methods a step (bench/host_timers.py's perf_counter wrappers). Each kind
@@ -82,7 +83,8 @@ def request_prompts(llm, dummy: bool, num_requests: int, distinct: bool) -> list
 def run(model, device, dtype, drafter, overlap, batch, temperature, max_tokens, emulate=False, trace=None,
         rep=0, host_times: list[str] | None = None, slow_steps: float | None = None, queue: int = 1,
         distinct: bool = False, admission_wait: int = 0,
-        admission_rows: int = EngineConfig.admission_decode_rows, detokenize: bool = False) -> None:
+        admission_rows: int = EngineConfig.admission_decode_rows, detokenize: bool = False, top_p: float = 0.9
+        ) -> None:
     label = f"batch {batch}{f' queue {queue}' if queue > 1 else ''}{' distinct' if distinct else ''}" \
             f"{f' wait {admission_wait}' if admission_wait else ''}" \
             f" rows {admission_rows}{' detokenized' if detokenize else ''} " \
@@ -110,7 +112,7 @@ def run(model, device, dtype, drafter, overlap, batch, temperature, max_tokens, 
     llm.generate([warm_up] * batch, SamplingParams(max_tokens=16, temperature=temperature))
     core.budgets.reset()
     for i, (prompt, num_tokens) in enumerate(zip(prompts, lengths(batch * queue, max_tokens, queue))):
-        core.add_request(prompt, SamplingParams(max_tokens=num_tokens, temperature=temperature, top_p=0.9, seed=i,
+        core.add_request(prompt, SamplingParams(max_tokens=num_tokens, temperature=temperature, top_p=top_p, seed=i,
                                                 ignore_eos=True, detokenize=detokenize))
     # None: only the waits (host busy time); []: every method; labels: those and the waits
     wrapped = None if slow_steps else WAITS if host_times is None else (set(host_times) | WAITS) if host_times else None
@@ -118,6 +120,7 @@ def run(model, device, dtype, drafter, overlap, batch, temperature, max_tokens, 
     per_step = collections.defaultdict(list)  # kind -> (index, ms, method -> us): for --slow-steps
     host = collections.defaultdict(collections.Counter)  # kind of step -> method -> seconds (inclusive)
     kinds, tokens, t0, index = collections.defaultdict(list), 0, time.perf_counter(), 0
+    checks, forced_plain, curve_steps = collections.Counter(), 0, 0  # the guard's verdicts, steps drafting curves
     probes = [host_speed_us()]  # the host's speed through the run (bench/host_timers.py host_speed_us)
     while core.has_unfinished():
         before = dict(timers.seconds)
@@ -132,6 +135,9 @@ def run(model, device, dtype, drafter, overlap, batch, temperature, max_tokens, 
         if trace is not None:
             trace.write(json.dumps(step_record(label, index, stats, seconds, emitted, core.budgets)) + "\n")
         index += 1
+        checks.update(stats.spec_guard_checks)
+        forced_plain += stats.spec_guard_plain
+        curve_steps += stats.num_curve_drafts > 0
         if index % 128 == 0:
             probes.append(host_speed_us(3))
         tree = any(stats.spec_budgets)
@@ -148,7 +154,8 @@ def run(model, device, dtype, drafter, overlap, batch, temperature, max_tokens, 
     elapsed, b = time.perf_counter() - t0, core.budgets
     print(f"== {label}: {tokens / elapsed:.0f} tok/s, "
           f"{sum(len(v) for v in kinds.values())} steps; draft_tokens {b.draft_tokens():.3f} threshold "
-          f"{b.threshold():.3f} cheap {b.cheap_draft()} draft first {core.draft_first is not None}; host probe "
+          f"{b.threshold():.3f} cheap {b.cheap_draft()} draft first {core.draft_first is not None}; curve steps "
+          f"{curve_steps}, guard won {checks['won']} lost {checks['lost']}, forced plain {forced_plain}; host probe "
           f"{statistics.median(probes):.0f} us ({min(probes):.0f}-{max(probes):.0f})", flush=True)
     for kind, steps in sorted(kinds.items(), key=lambda kv: -len(kv[1])):
         phases = {a: round(statistics.median(s[2].get(a, 0.0) for s in steps), 3) for a in steps[0][2]}
@@ -206,6 +213,9 @@ def main() -> None:
                    help="drafters run after speculation off; ngram:noguard runs the budget without its guard")
     p.add_argument("--runs", nargs="+", default=["16:0", "1:1", "1:0"], help="batch:temperature pairs")
     p.add_argument("--max-tokens", type=int, default=256)
+    p.add_argument("--top-p", type=float, default=0.9,
+                   help="the queued requests' top-p (1.0: on the CPU the emulated sampler skips its sort, which "
+                        "otherwise takes most of a batch-64 step there and hides the host work)")
     p.add_argument("--scheduling", choices=["both", "async", "sync"], default="both",
                    help="asynchronous scheduling on, off, or each in turn")
     p.add_argument("--emulate", action="store_true",
@@ -247,7 +257,7 @@ def main() -> None:
                             run(model, args.device, args.dtype, drafter, overlap, batch, temperature,
                                 args.max_tokens, args.emulate, trace, rep if args.repeat > 1 else 0,
                                 args.host_times, args.slow_steps, args.queue, args.distinct_prompts,
-                                args.admission_wait, rows, args.engine_detokenize)
+                                args.admission_wait, rows, args.engine_detokenize, args.top_p)
 
 
 if __name__ == "__main__":

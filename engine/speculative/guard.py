@@ -3,35 +3,40 @@ a cost model, and a model can be wrong in ways it cannot see from inside: a tree
 no fitted line explains, a switch that stalls the asynchronous pipeline, a host that falls behind the device. The
 guard measures the outcome instead. After a window of decoding steps in which trees were allowed and the engine
 speculated (verified trees, or drafted where drafts are not priced: below) in at least a quarter of them, it
-forces a short window of plain steps (no drafting, no trees) and compares the two windows' decoding throughput, per running request so that a batch that changed a little does not decide it (one
-that changed a lot discards the check). Trees that lose stay off for a back-off, doubled while they keep losing;
-trees that win keep running, and the checks come less often (the interval doubles), so a drafter that pays loses a
-small share of its gain to them. A back-off is also at least long enough that the steps the lost window gave up
-are EXPLORE_SHARE of it: a 32-step window that ran at half the plain rate keeps trees off for 800 steps, one that
-lost by a few percent for the doubling back-off (at batch 64 on an H100 a full-batch tree step gave 0.45x a plain
-step's tokens/s, and back-offs of 64, 128 and 256 steps each ended in another losing window; docs/BENCHMARKS.md).
+forces a short window of plain steps (no drafting, no trees) and compares the two windows' decoding throughput,
+per running request so that a batch that changed a little does not decide it (one that changed a lot discards the
+check). Trees that lose stay off for a back-off, doubled while they keep losing; trees that win keep running, and
+the checks come less often (the interval doubles), so a drafter that pays loses a small share of its gain to them.
+A back-off is also at least long enough that the steps the lost window gave up are EXPLORE_SHARE of it: a 32-step
+window that ran at half the plain rate keeps trees off for 800 steps, one that lost by a few percent for the
+doubling back-off (at batch 64 on an H100 a full-batch tree step gave 0.45x a plain step's tokens/s, and back-offs
+of 64, 128 and 256 steps each ended in another losing window; docs/BENCHMARKS.md).
+
 A window in which the budget itself chose trees only now and then is not checked against a forced plain window:
 its throughput is its plain steps', and step times swing between windows by more than a few trees move them (on
 the H100 at batch 16, 2 tree steps in 32 lost such a check on that noise, and the back-off then kept trees off when
 the text turned repetitive and the unguarded budget ran 1.2-1.5x plain decoding). Its tree steps are compared with
 the plain steps between them instead, which ran at the same time and felt the same swings: each tree step together
 with the step after it (under asynchronous scheduling that step pays the switch out of trees) against the other
-plain steps, per running request, given at least SPARSE_MIN steps of each.
-
-Drafting costs too, trees or not. Under asynchronous scheduling a plain step that drafts curves for requests at
-budget 0 (what the budget reads to decide whether one should verify again) launches the drafter's work from the
-host, on an H100 at batch 64 about a plain step's time again, and the step before it pays (its successor is launched
-while it runs); the budget prices a draft by its device time only. So there a step counts as speculating when it
-drafted or the step launched ahead while it ran did (the engine says so: `speculating`), and windows are checked by
-their speculating steps as by their tree steps: a quarter of the window, against a forced plain window (which
-drafts nothing); fewer, against the steps between. Without it, drafts for a loaded server's new requests every few
-steps cost batch-64 throughput that no check could see, since trees themselves ran in 0.3% of the request-steps
-(docs/BENCHMARKS.md, 2026-12-07). Without asynchronous scheduling a draft's host time is measured and priced, and
-only trees count (on the 2-core CPU, checking every window of the draft-first n-gram engine, which drafts at every
-step, against a forced plain window cost the 8-chat mix 5%: step times swing between windows). (On the 2-core CPU at 16 sampled chats
+plain steps, per running request, given at least SPARSE_MIN steps of each. (On the 2-core CPU at 16 sampled chats
 the budget's trees ran in ~18% of the steps at about the plain steps' tokens per second: 119.4 ms for 20.6 tokens
 against 90.6 ms for 15.5. Checked, they lost 6 of 11 checks in two runs; the chat mix's throughput did not move,
 docs/BENCHMARKS.md 2026-12-05 20:46.)
+
+Drafting costs too, trees or not. Under asynchronous scheduling a plain step that drafts curves for requests at
+budget 0 (what the budget reads to decide whether one should verify again) launches the drafter's work from the
+host, on an H100 at batch 64 about a plain step's time again, and the step before it pays (its successor is
+launched while it runs); the budget prices a draft by its device time only. So there a step counts as speculating
+when it drafted or the step launched ahead while it ran did (the engine says so: `speculating`), and windows are
+checked by their speculating steps as by their tree steps: a quarter of the window, against a forced plain window
+(which drafts nothing); fewer, against the steps between. Without it, drafts for a loaded server's new requests
+every few steps cost batch-64 throughput that no check could see, since trees themselves ran in 0.3% of the
+request-steps (docs/BENCHMARKS.md, 2026-12-07). A window that lost with drafts alone (no tree verified) stays off
+for the steps that pay its loss back (at least BACKOFF), without the doubling: its cost is measured, and a back-off
+grown to thousands of steps would miss the text turning to what the drafter predicts. Without asynchronous
+scheduling a draft's host time is measured and priced, and only trees count (on the 2-core CPU, checking every
+window of the draft-first n-gram engine, which drafts at every step, against a forced plain window cost the 8-chat
+mix 5%: step times swing between windows).
 
 Whether trees pay depends on the batch (a verify row costs more of a step at batch 64 than at batch 1), so each
 batch-size bucket (1, 2, 3-4, 5-8, ... requests) keeps its own verdict, interval and back-off: trees that lost at
@@ -197,8 +202,12 @@ class ThroughputGuard:
             outcome = LOST
         self.outcomes.append(outcome)
         if outcome == LOST:
-            b.interval, b.off_steps = WINDOW, min(max(b.backoff, _paid_back_in(trees, plain)), MAX_BACKOFF)
-            b.backoff = min(2 * b.backoff, MAX_BACKOFF)
+            paid_back = _paid_back_in(trees, plain)
+            if b.trees.tree_steps:
+                b.interval, b.off_steps = WINDOW, min(max(b.backoff, paid_back), MAX_BACKOFF)
+                b.backoff = min(2 * b.backoff, MAX_BACKOFF)
+            else:  # drafts alone lost: their measured cost sizes the back-off, which does not grow with repeats
+                b.interval, b.off_steps = WINDOW, min(max(BACKOFF, paid_back), MAX_BACKOFF)
             self._enter(b, OFF)
             return
         if outcome == WON:

@@ -172,6 +172,21 @@ def test_drafting_is_checked_like_trees():
     assert free.take_outcomes()[0] == ["lost"]
 
 
+def test_drafts_alone_that_lose_stay_off_as_long_as_their_loss_takes_to_pay_back():
+    """A window that lost with drafts alone (no tree verified) stays off for the steps that pay its loss back, and
+    the back-off does not double with each repeat (as a tree window's does): drafting's cost is measured, and a
+    back-off grown to thousands of steps would miss the text turning to what the drafter predicts."""
+    guard, allowed = ThroughputGuard(), []
+    for step in range(4000):
+        drafting = guard.allows_trees() and step % 2 == 0  # every other step drafts, at 1.3x a plain step's time
+        guard.observe(16, 16, 1.3e-3 if drafting else 1e-3, tree=False, speculating=drafting)
+        allowed.append(guard.allows_trees())
+    stretches = off_stretches(allowed)[:-1]  # (the last may be cut short by the end of the run)
+    assert len(stretches) >= 4 and len(set(stretches)) == 1, stretches
+    assert stretches[0] > PLAIN_STEPS + BACKOFF  # the loss's pay-back: longer than the least back-off
+    assert set(guard.take_outcomes()[0]) == {"lost"}
+
+
 def test_a_check_across_a_changed_batch_decides_nothing():
     guard = ThroughputGuard()
     # trees at batch 16 lose per request to a plain window at batch 4, which a batch this different cannot tell

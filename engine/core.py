@@ -389,14 +389,15 @@ class EngineCore:
         self.budgets.observe_engine_step(plan, result, seconds, draft_seconds, synchronous, self.runner.uniform_trees,
                                          cycle, unpriced_drafts=self._unpriced_drafts(result))
 
-    def _unpriced_drafts(self, result) -> bool:
-        """Under asynchronous scheduling: the step being observed drafted, or the step launched ahead while it ran
-        did (that launch's host work is in this step's time). There the budget prices a draft by its device time
-        (CUDA events), while its cost is mostly the host's launches, so the guard counts such steps as speculating
-        (guard.py). Without asynchronous scheduling a draft's host time is measured and priced."""
+    def _unpriced_drafts(self, result) -> tuple[bool, bool]:
+        """Under asynchronous scheduling: whether the step being observed drafted, and whether the step launched
+        ahead while it ran did (that launch's host work is in this step's time). There the budget prices a draft by
+        its device time (CUDA events), while its cost is mostly the host's launches, so the guard counts drafting
+        steps as speculation and charges it with the steps that paid (guard.py). Without asynchronous scheduling a
+        draft's host time is measured and priced: (False, False)."""
         if not self.overlap:
-            return False
-        return result.num_drafted > 0 or (self.inflight is not None and self.inflight.step.drafts)
+            return False, False
+        return result.num_drafted > 0, self.inflight is not None and self.inflight.step.drafts
 
     def _take_constrained(self) -> int:
         """Requests admitted with a grammar since the last step's statistics."""

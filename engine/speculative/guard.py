@@ -26,10 +26,11 @@ docs/BENCHMARKS.md 2026-12-05 20:46.)
 Drafting costs too, trees or not. Under asynchronous scheduling a plain step that drafts curves for requests at
 budget 0 (what the budget reads to decide whether one should verify again) launches the drafter's work from the
 host, on an H100 at batch 64 about a plain step's time again, and the step before it pays (its successor is
-launched while it runs); the budget prices a draft by its device time only. So there a step counts as speculating
-when it drafted or the step launched ahead while it ran did (the engine says so: `speculating`), and windows are
-checked by their speculating steps as by their tree steps: a quarter of the window, against a forced plain window
-(which drafts nothing); fewer, against the steps between. Without it, drafts for a loaded server's new requests
+launched while it runs); the budget prices a draft by its device time only. So there a step that drafted counts as
+speculating as a tree step does (`drafted`), and windows are checked by their speculating steps as by their tree
+steps: a quarter of the window, against a forced plain window (which drafts nothing); fewer, against the steps
+between, where the speculation is charged with the steps that paid for it: a tree step's successor (the switch out
+of trees) and the step that ran while a drafting step was launched ahead (`paying`; a tree step's drafting too). Without it, drafts for a loaded server's new requests
 every few steps cost batch-64 throughput that no check could see, since trees themselves ran in 0.3% of the
 request-steps (docs/BENCHMARKS.md, 2026-12-07). A window that lost with drafts alone (no tree verified) stays off
 for the steps that pay its loss back (at least BACKOFF), without the doubling: its cost is measured, and a back-off
@@ -89,18 +90,21 @@ class _Steps:
 @dataclass
 class _Window(_Steps):
     tree_steps: int = 0
-    speculating_steps: int = 0  # tree steps and those that drafted (or paid a draft ahead of them)
-    # the same steps split: speculating steps with the step after each tree step, and the other (plain) steps
+    speculating_steps: int = 0  # tree steps and those that drafted
+    # the same steps split: speculating steps with those that paid for them (the step after each tree step, a step
+    # that paid for the drafting launched ahead while it ran), and the other (plain) steps
     with_trees: _Steps = field(default_factory=_Steps)
     between: _Steps = field(default_factory=_Steps)
     after_tree: bool = False  # the last step verified trees
 
-    def add(self, num_requests: int, tokens: int, seconds: float, tree: bool, speculating: bool = False) -> None:
+    def add(self, num_requests: int, tokens: int, seconds: float, tree: bool, drafted: bool = False,
+            paying: bool = False) -> None:
         super().add(num_requests, tokens, seconds)
-        speculating = speculating or tree
+        speculating = tree or drafted
         self.tree_steps += tree
         self.speculating_steps += speculating
-        (self.with_trees if speculating or self.after_tree else self.between).add(num_requests, tokens, seconds)
+        charged = speculating or paying or self.after_tree
+        (self.with_trees if charged else self.between).add(num_requests, tokens, seconds)
         self.after_tree = tree
 
 
@@ -140,10 +144,11 @@ class ThroughputGuard:
         bucket = self.buckets.get(self.current)
         return bucket is None or bucket.mode == TREES
 
-    def observe(self, num_requests: int, tokens: int, seconds: float, tree: bool, speculating: bool = False) -> None:
+    def observe(self, num_requests: int, tokens: int, seconds: float, tree: bool, drafted: bool = False,
+                paying: bool = False) -> None:
         """One decoding step (no prefill chunk in it): its decoding requests, the tokens they emitted, its time,
-        whether it verified trees, and whether it speculated otherwise (drafted, or paid for the drafting of the
-        step launched ahead while it ran)."""
+        whether it verified trees, whether it drafted (where drafts are not priced), and whether it paid for the
+        drafting of the step launched ahead while it ran."""
         if not self.enabled or num_requests <= 0:
             return
         if bucket_of(num_requests) != self.current and not self._near(num_requests):
@@ -162,7 +167,7 @@ class ThroughputGuard:
             return
         if b.mode == TREES:
             window = b.trees
-            window.add(num_requests, tokens, seconds, tree, speculating)
+            window.add(num_requests, tokens, seconds, tree, drafted, paying)
             if window.steps >= b.interval:
                 if window.speculating_steps >= MIN_TREE_SHARE * window.steps:
                     self._enter(b, CHECK)

@@ -12,15 +12,15 @@ from engine.speculative.step_width import common_width, uniform_width
 
 class StepBudgets:
     def observe_engine_step(self, plan, result, seconds: float, draft_seconds: float, synchronous: bool,
-                            uniform_layout: bool, cycle_seconds: float | None = None, unpriced_drafts: bool = False
-                            ) -> None:
+                            uniform_layout: bool, cycle_seconds: float | None = None,
+                            unpriced_drafts: tuple[bool, bool] = (False, False)) -> None:
         """What the budget learns from one engine step (an engine.plan StepPlan and its StepResult): its rows and
         time, its drafting, and each tree's acceptance. uniform_layout: a tree step lays every decoding request
         out at the step's width (CUDA graphs). synchronous: as observe_step's. cycle_seconds: the host's time from
         the previous step's results to this one's, everything in between included (the guard's throughput;
-        default `seconds`). unpriced_drafts: the step's time holds drafting whose cost the budget does not price (its
-        own or, under asynchronous scheduling, the launch of the step after it): the guard counts the step as
-        speculating."""
+        default `seconds`). unpriced_drafts: whether the step drafted, and whether its time holds the drafting of the
+        step launched ahead while it ran, where the budget does not price a draft's cost (asynchronous scheduling):
+        the guard's speculation and what paid for it."""
         width = max(s.spec_budget for s in plan.seqs) + 1  # verify rows per tree request (padded)
         # the cost fit prices one more verify row of a decoding step; a step with a prefill chunk would flatten it
         # (a chunk's rows share one weight read, so each costs a fraction of a decoding row)
@@ -45,7 +45,7 @@ class StepBudgets:
             self.costs.observe(len(plan.seqs), width, seconds, leaving, synchronous)
         if decoding:
             self.guard.observe(len(plan.seqs), tokens, seconds if cycle_seconds is None else cycle_seconds, width > 1,
-                               speculating=unpriced_drafts)
+                               *unpriced_drafts)
         self.observe_draft(result.num_drafted, draft_seconds)
         for s in plan.seqs if result.curves else ():  # (no curves: no request drafted)
             rid = s.request.request_id

@@ -148,13 +148,13 @@ def test_drafting_is_checked_like_trees():
     """Steps that only drafted (curves for requests at budget 0, no tree verified) pay the drafter's host work: a
     window that drafted in a quarter of its steps or more is checked against a forced plain window, which drafts
     nothing, and loses when the drafts cost more than their trees bring. Fewer drafting steps are held against the
-    plain steps between them, and each drafting step's cost may sit in the step before it (under asynchronous
-    scheduling it pays its successor's launch), which the engine reports as speculating."""
+    plain steps between them, with the steps that paid for them: under asynchronous scheduling the step before a
+    drafting step pays its launch, which the engine reports (`paying`)."""
     every_other = ThroughputGuard()
     outcomes = []
     for step in range(WINDOW + PLAIN_STEPS + 4):
         drafted = every_other.allows_trees() and step % 2 == 0
-        every_other.observe(16, 16, 1.3e-3 if drafted else 1e-3, tree=False, speculating=drafted)
+        every_other.observe(16, 16, 1.3e-3 if drafted else 1e-3, tree=False, drafted=drafted)
         outcomes += every_other.take_outcomes()[0]
     assert outcomes == ["lost"] and not every_other.allows_trees()
 
@@ -162,13 +162,26 @@ def test_drafting_is_checked_like_trees():
     outcomes = []
     for step in range(WINDOW + 4):  # the step before each of 1 in 8 drafting steps pays its launch
         paying = sparse.allows_trees() and step % 8 == 0
-        sparse.observe(16, 16, 1.6e-3 if paying else 1e-3, tree=False, speculating=paying)
+        drafted = sparse.allows_trees() and step % 8 == 1
+        sparse.observe(16, 16, 1.6e-3 if paying else 1e-3, tree=False, drafted=drafted, paying=paying)
         outcomes += sparse.take_outcomes()[0]
     assert outcomes == ["lost"] and not sparse.allows_trees()
 
+    # trees that win their own step (20 tokens at 1.1x) but whose drafting, launched ahead, made the step before
+    # take 1.6x: charged with that step they lose (counted with the plain steps, they would have won)
+    paid_ahead = ThroughputGuard()
+    outcomes = []
+    for step in range(WINDOW + 4):
+        allowed = paid_ahead.allows_trees()
+        paying, tree = allowed and step % 8 == 0, allowed and step % 8 == 1
+        paid_ahead.observe(16, 20 if tree else 16, 1.6e-3 if paying else 1.1e-3 if tree else 1e-3, tree=tree,
+                           drafted=tree, paying=paying)
+        outcomes += paid_ahead.take_outcomes()[0]
+    assert outcomes == ["lost"]
+
     free = ThroughputGuard()  # drafting that costs nothing and brings nothing: a tie, which plain decoding takes
     for step in range(WINDOW + PLAIN_STEPS + 4):
-        free.observe(16, 16, 1e-3, tree=False, speculating=free.allows_trees() and step % 2 == 0)
+        free.observe(16, 16, 1e-3, tree=False, drafted=free.allows_trees() and step % 2 == 0)
     assert free.take_outcomes()[0] == ["lost"]
 
 
@@ -179,7 +192,7 @@ def test_drafts_alone_that_lose_stay_off_as_long_as_their_loss_takes_to_pay_back
     guard, allowed = ThroughputGuard(), []
     for step in range(4000):
         drafting = guard.allows_trees() and step % 2 == 0  # every other step drafts, at 1.3x a plain step's time
-        guard.observe(16, 16, 1.3e-3 if drafting else 1e-3, tree=False, speculating=drafting)
+        guard.observe(16, 16, 1.3e-3 if drafting else 1e-3, tree=False, drafted=drafting)
         allowed.append(guard.allows_trees())
     stretches = off_stretches(allowed)[:-1]  # (the last may be cut short by the end of the run)
     assert len(stretches) >= 4 and len(set(stretches)) == 1, stretches

@@ -397,7 +397,7 @@ class EngineCore:
         draft's host time is measured and priced: (False, False)."""
         if not self.overlap:
             return False, False
-        return result.num_drafted > 0, self.inflight is not None and self.inflight.step.drafts
+        return result.num_drafted > 0, self.inflight is not None and self.inflight.step.num_drafted > 0
 
     def _take_constrained(self) -> int:
         """Requests admitted with a grammar since the last step's statistics."""

@@ -75,7 +75,10 @@ class Delta:
     def joined(deltas: "list[Delta]") -> "Delta":
         """One request's consecutive deltas as one (for a reader that fell behind): their tokens, logprobs and text
         in order, the first one's prompt counts, the last one's finish and everything else. Built once, however
-        many (a reader far behind takes dozens: joined pairwise, each copy would grow with the run)."""
+        many (a reader far behind takes dozens: joined pairwise, each copy would grow with the run); a lone delta as
+        it is."""
+        if len(deltas) == 1:
+            return deltas[0]
         first, last = deltas[0], deltas[-1]
         token_ids = [t for d in deltas for t in d.new_token_ids]
         logprobs = None if all(d.new_logprobs is None for d in deltas) else \

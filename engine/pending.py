@@ -45,9 +45,19 @@ class PendingStep:
         return self.batch is not None and any(self.batch.budgets)
 
     @property
-    def drafts(self) -> bool:
-        """The drafter ran for some request of this step (a tree's proposal, or curves for requests at budget 0)."""
-        return bool(self.watched) or (self.batch is not None and any(self.batch.drafted))
+    def num_drafted(self) -> int:
+        """Requests the drafter ran for in this step: trees' proposals, and curves for requests at budget 0."""
+        return (sum(self.batch.drafted) if self.batch is not None else 0) + self._num_watched()
+
+    @property
+    def num_curve_drafts(self) -> int:
+        """... of which curves only: watched requests, and root-only trees that drafted (no tree verified)."""
+        batch = self.batch
+        return self._num_watched() + (sum(d and not b for d, b in zip(batch.drafted, batch.budgets))
+                                      if batch is not None else 0)
+
+    def _num_watched(self) -> int:
+        return len(self.watched[0]) if self.watched else 0
 
     def most_emitted(self) -> dict[int, int]:
         """id(request) -> the most tokens this step can emit for it (a tree's budget + 1; 1 when it samples a plain

@@ -358,10 +358,7 @@ class ModelRunner:
             for j, s in enumerate(watched[0]):
                 result.curves[s.request.request_id] = host.curves[first + j]
         clocks = [c for c in (batch.clock if batch is not None else None, watched[2] if watched else None) if c]
-        num_watched = len(watched[0]) if watched else 0
-        result.num_drafted = (sum(batch.drafted) if batch is not None else 0) + num_watched
-        result.num_curve_drafts = num_watched + (sum(d and not b for d, b in zip(batch.drafted, batch.budgets))
-                                                 if batch is not None else 0)
+        result.num_drafted, result.num_curve_drafts = step.num_drafted, step.num_curve_drafts
         result.draft_seconds = sum(c.seconds() for c in clocks)  # the fetch synchronized: events are complete
         if batch is not None:
             result.num_grammar_pruned = batch.num_pruned

@@ -79,9 +79,9 @@ def _coalesce(delta: Delta, q: asyncio.Queue) -> tuple[Delta, object | None]:
     while not run[-1].finished and not q.empty():
         item = q.get_nowait()
         if not isinstance(item, Delta):
-            return (Delta.joined(run) if len(run) > 1 else delta), item
+            return Delta.joined(run), item
         run.append(item)
-    return (Delta.joined(run) if len(run) > 1 else delta), None
+    return Delta.joined(run), None
 
 
 def describe_exit(exitcode: int | None) -> str:

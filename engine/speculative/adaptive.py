@@ -50,11 +50,10 @@ from engine.speculative.reliability import ReliabilityBins
 # PROBE_EVERY: steps a request stays at budget 0 before a probe
 from engine.speculative.request_record import (AT_ZERO, CHOSEN, PROBE_EVERY, PROBED, RequestRecord, draft_due,
                                                nodes_above)
-from engine.speculative.step_budgets import StepBudgets
+from engine.speculative.step_budgets import PROBE_BUDGET, StepBudgets
 from engine.speculative.step_costs import StepCosts
 from engine.speculative.tree_value import PRIOR_WEIGHT, TreeValue
 
-PROBE_BUDGET = 4
 FIRST_PROBE_EVERY = 4  # under CUDA graphs, a request's first probe waits for a step aligned to this (_first_probe_due)
 PRIOR_MIN_ROWS = 256  # the prior prices a row as if the first step had at least this many
 MIN_GAIN = 0.02  # a row is never free: below this many expected accepted tokens a node is not verified
@@ -109,6 +108,8 @@ class BudgetController(StepBudgets, TreeValue):
         self.version = 0  # observations so far: a dry budget() answer stands until the next one
         self.events = 0  # trees observed (verified or drafted): a held plain step stands until the next one
         self._hold: tuple | None = None  # StepBudgets.count_plain's held decision
+        self.batch = 0  # decoding requests of the step being planned (budgets_of, drafts_of): explore_period's
+        self._period: tuple | None = None  # ((version, batch), explore_period) until either changes
         self.guard = ThroughputGuard(self.guarded)
 
     def release(self, request_id: str) -> None:
@@ -352,14 +353,15 @@ class BudgetController(StepBudgets, TreeValue):
         step run ahead?) and the real one (scheduling it after the predecessor) straddled a clock tick: the
         dry one saw the aligned step and kept the step synchronous, the real one saw the next and said 0, so
         under asynchronous scheduling no probe or interval draft ever ran."""
-        return (self.clock + ahead) % PROBE_EVERY == 0
+        return (self.clock + ahead) % max(PROBE_EVERY, self.explore_period()) == 0
 
     def _first_probe_due(self, ahead: bool) -> bool:
         """A request whose record is only the engine's prior probes at once without CUDA graphs; under them on a
         step aligned to FIRST_PROBE_EVERY, where new requests' first probes share one tree round (each at its own
         step, 1-18 requests' trees made the first 30 steps of a batch-64 run on an H100 rounds at twice a plain
         step's time). A new request's first draft waits for the same steps (request_record.draft_due)."""
-        return self.costs.shape_of is None or (self.clock + ahead) % FIRST_PROBE_EVERY == 0
+        return self.costs.shape_of is None or \
+            (self.clock + ahead) % max(FIRST_PROBE_EVERY, self.explore_period()) == 0
 
     def should_draft(self, request_id: str, dry: bool = False, ahead: bool = False) -> bool:
         """Whether a decoding request at budget 0 drafts this step (curve only, no verify rows). dry, ahead: as

@@ -63,6 +63,7 @@ class StepBudgets:
             return [self.max_budget] * len(request_ids)
         if not self.guard.allows_trees():
             return [0] * len(request_ids)
+        self.batch = len(request_ids)
         held = self._held() if dry and ahead else None
         if held is not None:  # a request the held decision does not cover (just admitted) is asked
             return [0 if rid in held[1] else self._answer(rid, dry, ahead) for rid in request_ids]
@@ -81,6 +82,7 @@ class StepBudgets:
         drained: on the 2-core CPU 25 us a step against 16 now.)"""
         if not self.enabled or self.max_budget == 0 or not self.guard.allows_trees():
             return
+        self.batch = len(request_ids)
         held = self._held()
         effects: list = []  # (request id, record, effect) of the requests whose probe state counting changed
         for rid in request_ids:
@@ -106,6 +108,7 @@ class StepBudgets:
         """should_draft() of each of a step's requests, as budgets_of."""
         if not self.guard.allows_trees():  # a plain window drafts nothing, as --drafter none would
             return [False] * len(request_ids)
+        self.batch = len(request_ids)
         cheap, aligned, first = self.cheap_draft(), self._aligned(ahead), self._first_probe_due(ahead)
         return [draft_due(self.requests.get(rid), cheap, aligned, dry, first) for rid in request_ids]
 
@@ -170,6 +173,37 @@ class StepBudgets:
             self._widths = (key, tokens)
         return self._widths[1]
 
+    def explore_period(self) -> int:
+        """Under CUDA graphs, the steps between those where probes and first drafts may run (a power of two, at least
+        1; the caller's own cadence is the floor), priced at the batch being planned (`batch`): a probe's step lays
+        the whole batch out at the probe's width and then leaves trees through a root-only round, and the period is
+        long enough that this extra, as measured (StepCosts.width_seconds, extra), is at most PROBE_SHARE of the
+        plain steps it recurs over, up to MAX_EXPLORE_PERIOD. Aligned to every FIRST_PROBE_EVERY steps on an H100
+        at batch 64 under load, new requests' first probes made a tree round of 2.3 ms against 1.3 every few
+        steps and their drafts as many curve steps, 5-8% of the n-gram default's throughput against speculation
+        off, trees ~1 in 30 steps though none paid (docs/BENCHMARKS.md, 2026-12-07); at batch 1 a probe's round
+        costs a fraction of a step and the period stays short. 1 without graphs or before a plain step at this
+        batch is measured (the caller's cadence then)."""
+        key = (self.version, self.batch)
+        if self._period is None or self._period[0] != key:
+            self._period = (key, self._priced_period())
+        return self._period[1]
+
+    def _priced_period(self) -> int:
+        n = self.batch
+        plain = self.costs.plain_seconds(n) if n > 0 else None
+        if plain is None:
+            return 1
+        extra, leaving = self.costs.round_extra(n)
+        if extra is None:  # no round measured at this batch: priced as a probe's width would be (optimistic)
+            width = min(PROBE_BUDGET, self.max_budget)
+            extra = self.costs.width_seconds(n, width, self._row_seconds())[width]
+        extra += leaving
+        period = 1
+        while period < MAX_EXPLORE_PERIOD and extra > PROBE_SHARE * period * plain:
+            period *= 2
+        return period
+
     def switch_tokens(self, num_seqs: int = 0) -> float:
         """Tokens of throughput a tree step after a plain one costs beyond its rows, priced once at the switch into
         trees. Under asynchronous scheduling a tree step that cannot run ahead of its predecessor's results (its
@@ -210,6 +244,11 @@ class StepBudgets:
             probes.append(budget if budget and own and self._is_probe(stats) else 0)
         return gains, probes
 
+
+PROBE_BUDGET = 4  # nodes a probe verifies (a request whose record says its confident drafter is wrong)
+# under CUDA graphs a step that probes costs at most this share of the steps between probe steps (explore_period)
+PROBE_SHARE = 0.02
+MAX_EXPLORE_PERIOD = 64
 
 # a plain step's decision planned ahead holds (count_plain) at this many requests or more, until a step aligned to
 # HOLD_EVERY (a multiple of it: probes and first probes fall there)

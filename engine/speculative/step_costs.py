@@ -77,6 +77,27 @@ class StepCosts:
         record = self.means.get(key)
         return record[1] / record[0] if record is not None and record[0] >= min_weight else None
 
+    def plain_seconds(self, num_seqs: int) -> float | None:
+        """A plain step's measured time at this batch, launched ahead (None: not measured, or without graphs)."""
+        if self.shape_of is None:
+            return None
+        return self._mean((self.shape_of(num_seqs, 1)[0], 1, False), MIN_PLAIN_WEIGHT)
+
+    def round_extra(self, num_seqs: int) -> tuple[float | None, float]:
+        """(the least extra over a plain step that any tree round at this batch measured, launched ahead, None if
+        none did; the extra of the round that leaves trees, 0 if not measured), however long ago: a record gone
+        stale keeps its mean (the adaptive budget's explore period, which must not fall back to an optimistic
+        price every ~70 plain steps as a width's price does, width_seconds)."""
+        batch = self.shape_of(num_seqs, 1)[0]
+        plain = self._mean((batch, 1, False), MIN_PLAIN_WEIGHT)
+        if plain is None:
+            return None, 0.0
+        extras: dict[bool, list[float]] = {False: [], True: []}  # leaving round or not -> extras
+        for (b, w, sync), (weight, total) in self.means.items():
+            if b == batch and w != 1 and not sync and weight > 0:
+                extras[w == LEAVING].append(max(0.0, total / weight - plain))
+        return min(extras[False], default=None), min(extras[True], default=0.0)
+
     def extra(self, num_seqs: int, width: int, leaving: bool = False) -> float | None:
         """Seconds a step of `width` rows a request (or the leaving round) costs beyond a plain step at this batch,
         as measured; None when either is not measured."""

@@ -176,14 +176,14 @@ class StepBudgets:
     def explore_period(self) -> int:
         """Under CUDA graphs, the steps between those where probes and first drafts may run (a power of two, at least
         1; the caller's own cadence is the floor), priced at the batch being planned (`batch`): a probe's step lays
-        the whole batch out at the probe's width and then leaves trees through a root-only round, and the period is
-        long enough that this extra, as measured (StepCosts.width_seconds, extra), is at most PROBE_SHARE of the
-        plain steps it recurs over, up to MAX_EXPLORE_PERIOD. Aligned to every FIRST_PROBE_EVERY steps on an H100
-        at batch 64 under load, new requests' first probes made a tree round of 2.3 ms against 1.3 every few
-        steps and their drafts as many curve steps, 5-8% of the n-gram default's throughput against speculation
-        off, trees ~1 in 30 steps though none paid (docs/BENCHMARKS.md, 2026-12-07); at batch 1 a probe's round
-        costs a fraction of a step and the period stays short. 1 without graphs or before a plain step at this
-        batch is measured (the caller's cadence then)."""
+        the whole batch out at the probe's width and then leaves trees through a root-only round, so the period is
+        long enough that their measured extra (StepCosts.round_extra; before any round at this batch, the probe
+        width's price, width_seconds) is at most PROBE_SHARE of the plain steps it recurs over, up to
+        MAX_EXPLORE_PERIOD. On an H100 at batch 64 under load the n-gram default's tree rounds (2.3-2.7 ms against
+        1.3, 15-49 in a run of ~900 steps, 0.2-0.55 drafts accepted each) and curve steps cost it 5-8% against
+        speculation off, first probes and first drafts falling on every 4th step (docs/BENCHMARKS.md,
+        2026-12-07); at batch 1 a round costs a fraction of a step and the period stays short. 1 without graphs or
+        before a plain step at this batch is measured (the caller's cadence then)."""
         key = (self.version, self.batch)
         if self._period is None or self._period[0] != key:
             self._period = (key, self._priced_period())
@@ -191,10 +191,9 @@ class StepBudgets:
 
     def _priced_period(self) -> int:
         n = self.batch
-        plain = self.costs.plain_seconds(n) if n > 0 else None
+        plain, extra, leaving = self.costs.round_extra(n) if n > 0 else (None, None, 0.0)
         if plain is None:
             return 1
-        extra, leaving = self.costs.round_extra(n)
         if extra is None:  # no round measured at this batch: priced as a probe's width would be (optimistic)
             width = min(PROBE_BUDGET, self.max_budget)
             extra = self.costs.width_seconds(n, width, self._row_seconds())[width]

@@ -50,6 +50,7 @@ class StepCosts:
     def reset(self) -> None:
         # (batch bucket, width bucket or LEAVING, synchronous) -> [decayed weight, decayed sum of seconds]
         self.means: dict[tuple, list[float]] = {}
+        self.tree_shapes: dict[int, list[tuple]] = {}  # batch bucket -> its tree and leaving shapes run ahead
         self.seen: set[tuple] = set()  # shapes whose first step has passed
 
     def observe(self, num_seqs: int, width: int, seconds: float, leaving: bool = False,
@@ -63,7 +64,11 @@ class StepCosts:
         if key not in self.seen:
             self.seen.add(key)
             return
-        record = self.means.setdefault(key, [0.0, 0.0])
+        record = self.means.get(key)
+        if record is None:
+            record = self.means[key] = [0.0, 0.0]
+            if key[1] != 1 and not synchronous:
+                self.tree_shapes.setdefault(batch, []).append(key)
         if record[0] > 0:
             seconds = min(seconds, SPIKE_CLIP * record[1] / record[0])
         record[0], record[1] = DECAY * record[0] + 1.0, DECAY * record[1] + seconds
@@ -77,26 +82,24 @@ class StepCosts:
         record = self.means.get(key)
         return record[1] / record[0] if record is not None and record[0] >= min_weight else None
 
-    def plain_seconds(self, num_seqs: int) -> float | None:
-        """A plain step's measured time at this batch, launched ahead (None: not measured, or without graphs)."""
+    def round_extra(self, num_seqs: int) -> tuple[float | None, float | None, float]:
+        """Launched ahead at this batch: (a plain step's measured time, None if not measured (nor anything else);
+        the least extra over it that any tree round measured, None if none did; the extra of the round that leaves
+        trees, 0 if not measured), however long ago: a record gone stale keeps its mean (the adaptive budget's
+        explore period, which must not fall back to an optimistic price every ~70 plain steps as a width's price
+        does, width_seconds). All None without graphs."""
         if self.shape_of is None:
-            return None
-        return self._mean((self.shape_of(num_seqs, 1)[0], 1, False), MIN_PLAIN_WEIGHT)
-
-    def round_extra(self, num_seqs: int) -> tuple[float | None, float]:
-        """(the least extra over a plain step that any tree round at this batch measured, launched ahead, None if
-        none did; the extra of the round that leaves trees, 0 if not measured), however long ago: a record gone
-        stale keeps its mean (the adaptive budget's explore period, which must not fall back to an optimistic
-        price every ~70 plain steps as a width's price does, width_seconds)."""
+            return None, None, 0.0
         batch = self.shape_of(num_seqs, 1)[0]
         plain = self._mean((batch, 1, False), MIN_PLAIN_WEIGHT)
         if plain is None:
-            return None, 0.0
+            return None, None, 0.0
         extras: dict[bool, list[float]] = {False: [], True: []}  # leaving round or not -> extras
-        for (b, w, sync), (weight, total) in self.means.items():
-            if b == batch and w != 1 and not sync and weight > 0:
-                extras[w == LEAVING].append(max(0.0, total / weight - plain))
-        return min(extras[False], default=None), min(extras[True], default=0.0)
+        for key in self.tree_shapes.get(batch, ()):
+            weight, total = self.means[key]
+            if weight > 0:
+                extras[key[1] == LEAVING].append(max(0.0, total / weight - plain))
+        return plain, min(extras[False], default=None), min(extras[True], default=0.0)
 
     def extra(self, num_seqs: int, width: int, leaving: bool = False) -> float | None:
         """Seconds a step of `width` rows a request (or the leaving round) costs beyond a plain step at this batch,

@@ -174,3 +174,8 @@ def test_first_drafts_and_probes_come_as_seldom_as_a_round_at_the_batch_costs(ro
         c.observe_step(64, 0.0013, 64)
     assert [s for s, d in enumerate(due) if d] == list(range(0, 2 * MAX_EXPLORE_PERIOD, every))
     assert [s for s, a in enumerate(aligned) if a] == list(range(0, 2 * MAX_EXPLORE_PERIOD, max(PROBE_EVERY, every)))
+    period = c.explore_period()
+    for _ in range(200):  # the round's record goes stale (a width's price falls back to its rows): the period holds
+        c.costs.observe(64, 1, 0.0013)
+    c.observe_step(64, 0.0013, 64)
+    assert c.explore_period() == period == (MAX_EXPLORE_PERIOD if every == MAX_EXPLORE_PERIOD else 1)

@@ -332,8 +332,8 @@ def try_metric_samples(base_url: str) -> dict | None:
 
 def print_speculation(before: dict, after: dict) -> None:
     """What speculative decoding did during the load, from the server's counters (after - before): tree steps,
-    drafts and acceptance, the adaptive budget, steps that drafted curves only, the throughput guard's checks and
-    forced plain steps."""
+    drafts and acceptance, the adaptive budget and its probes, steps that drafted curves only, the throughput
+    guard's checks and forced plain steps."""
     def total(name: str, **labels) -> float:
         want = set(labels.items())
         return sum(v - before.get(k, 0.0) for k, v in after.items() if k[0] == name and want <= set(k[1]))
@@ -345,13 +345,14 @@ def print_speculation(before: dict, after: dict) -> None:
     accepted = total("ddtree:spec_decode_num_accepted_tokens_total")
     checks = {o: int(total("ddtree:spec_decode_guard_checks_total", outcome=o)) for o in ("won", "lost", "discarded")}
     curve_steps = int(total("ddtree:spec_decode_curve_draft_steps_total"))
+    probes = int(total("ddtree:spec_decode_probes_total"))
     kinds = ", ".join(f"{m} {int(n)}" for m, n in sorted(steps.items()) if n)
     print(f"speculation: {'engine steps ' + kinds + '; ' if kinds else ''}"
           f"trees verified {int(drafts)} ({nodes / drafts if drafts else 0:.1f} nodes, "
           f"{accepted / drafts if drafts else 0:.2f} accepted each); budget mean "
           f"{total('ddtree:spec_decode_budget_sum') / budget_n if budget_n else 0:.2f} over {int(budget_n)} "
-          f"request-steps; steps drafting curves only {curve_steps}; guard checks {checks}, forced plain steps "
-          f"{int(total('ddtree:spec_decode_guard_plain_steps_total'))}")
+          f"request-steps; probes {probes}; steps drafting curves only {curve_steps}; guard checks {checks}, "
+          f"forced plain steps {int(total('ddtree:spec_decode_guard_plain_steps_total'))}")
 
 
 def output_desc(args) -> str:

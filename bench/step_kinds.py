@@ -2,8 +2,9 @@
 their median wall time, tokens a step and phase timings, beside speculation off, with and without asynchronous
 scheduling, on the self-repeating chat prompt of bench/gpu_serving.py. Also the adaptive budget's view at the end
 (drafting cost and row threshold in tokens of throughput, whether drafts count as cheap, whether the engine
-drafts first), and over the run the steps that drafted curves only and the throughput guard's verdicts and forced
-plain steps. --trace FILE writes every step as a JSON line (the run, its budgets, width, tokens, wall time,
+drafts first), and over the run the steps that drafted curves only, the steps with trees and the budgets counted
+as probes (a probe is counted when its step is planned: under asynchronous scheduling a step's stats hold the
+probes of the step planned while it ran), and the throughput guard's verdicts and forced plain steps. --trace FILE writes every step as a JSON line (the run, its budgets, width, tokens, wall time,
 scheduling and graph, and the budget's threshold and fitted row and tree costs at that point), and --repeat N runs
 each configuration N times: for runs whose speed swings from one to the next. --host-times adds, per kind of step,
 the inclusive host time of the engine's methods a step (bench/host_timers.py's perf_counter wrappers). Each kind
@@ -57,7 +58,8 @@ def step_record(label: str, index: int, stats, seconds: float, emitted: int, bud
             "row_ms": round(slope * 1e3, 4) if slope is not None else None,
             "tree_ms": round(budgets.fit.tree_cost() * 1e3, 4), "batch": stats.batch_size,
             "guard_checks": stats.spec_guard_checks, "guard_plain": stats.spec_guard_plain,
-            "drafted": stats.num_drafted, "draft_ms": round(stats.timings.get("draft", 0.0) * 1e3, 3)}
+            "drafted": stats.num_drafted, "probes": stats.num_probes,
+            "draft_ms": round(stats.timings.get("draft", 0.0) * 1e3, 3)}
 
 
 def lengths(num_requests: int, max_tokens: int, queue: int) -> list[int]:
@@ -120,7 +122,8 @@ def run(model, device, dtype, drafter, overlap, batch, temperature, max_tokens, 
     per_step = collections.defaultdict(list)  # kind -> (index, ms, method -> us): for --slow-steps
     host = collections.defaultdict(collections.Counter)  # kind of step -> method -> seconds (inclusive)
     kinds, tokens, t0, index = collections.defaultdict(list), 0, time.perf_counter(), 0
-    checks, forced_plain, curve_steps = collections.Counter(), 0, 0  # the guard's verdicts, steps drafting curves
+    # the guard's verdicts, steps drafting curves, probes the budget counted, steps with trees
+    checks, forced_plain, curve_steps, num_probes, tree_steps = collections.Counter(), 0, 0, 0, 0
     probes = [host_speed_us()]  # the host's speed through the run (bench/host_timers.py host_speed_us)
     while core.has_unfinished():
         before = dict(timers.seconds)
@@ -138,9 +141,11 @@ def run(model, device, dtype, drafter, overlap, batch, temperature, max_tokens, 
         checks.update(stats.spec_guard_checks)
         forced_plain += stats.spec_guard_plain
         curve_steps += stats.num_curve_drafts > 0
+        num_probes += stats.num_probes
         if index % 128 == 0:
             probes.append(host_speed_us(3))
         tree = any(stats.spec_budgets)
+        tree_steps += tree
         kind = f"{'tree' if tree else 'plain, curves' if stats.num_drafted else 'plain'} | {stats.scheduling[:28]} | " \
                f"{stats.cuda_graph[:22]}"
         waited = sum(timers.seconds[k] - before.get(k, 0.0) for k in WAITS)
@@ -155,7 +160,8 @@ def run(model, device, dtype, drafter, overlap, batch, temperature, max_tokens, 
     print(f"== {label}: {tokens / elapsed:.0f} tok/s, "
           f"{sum(len(v) for v in kinds.values())} steps; draft_tokens {b.draft_tokens():.3f} threshold "
           f"{b.threshold():.3f} cheap {b.cheap_draft()} draft first {core.draft_first is not None}; curve steps "
-          f"{curve_steps}, guard won {checks['won']} lost {checks['lost']}, forced plain {forced_plain}; host probe "
+          f"{curve_steps}, tree steps {tree_steps}, probes {num_probes}, guard won {checks['won']} lost "
+          f"{checks['lost']}, forced plain {forced_plain}; host probe "
           f"{statistics.median(probes):.0f} us ({min(probes):.0f}-{max(probes):.0f})", flush=True)
     for kind, steps in sorted(kinds.items(), key=lambda kv: -len(kv[1])):
         phases = {a: round(statistics.median(s[2].get(a, 0.0) for s in steps), 3) for a in steps[0][2]}

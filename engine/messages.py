@@ -137,6 +137,8 @@ class StepStats:
     # requests the drafter ran for this step (verified trees, or curves only in a plain step)
     num_drafted: int = 0
     num_curve_drafts: int = 0  # requests drafted for their curve only (no tree verified)
+    # budgets counted as probes (adaptive.py: a small tree to re-rate a request) since the last step's statistics
+    num_probes: int = 0
 
 
 @dataclass

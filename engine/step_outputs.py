@@ -45,4 +45,4 @@ def step_stats(plan: StepPlan, result, scheduler, kv_cache_usage: float, budgets
         spec_budgets=plan.spec_budgets, cuda_graph=result.cuda_graph, num_constrained_requests=num_constrained,
         num_grammar_pruned=result.num_grammar_pruned, draft_confidence=budgets.take_confidence_counts(),
         spec_guard_checks=guard_checks, spec_guard_plain=guard_plain, num_drafted=result.num_drafted,
-        num_curve_drafts=result.num_curve_drafts)
+        num_curve_drafts=result.num_curve_drafts, num_probes=budgets.take_probes())

@@ -154,6 +154,10 @@ class Metrics:
                                               "adaptive budget reads to decide when a request at budget 0 verifies "
                                               "again; on a GPU their host work costs about a plain step).").labels(
             model_name)
+        self.spec_probes = counter("spec_decode_probes", "Tree budgets the adaptive speculation chose as probes: "
+                                   "a small tree verified to re-rate a request whose drafter is confident but "
+                                   "whose record (or, new, the engine's) says it is wrong; under CUDA graphs each "
+                                   "probe's step lays the whole batch out at the probe's width.").labels(model_name)
         self.engine_steps = counter("engine_steps", "Engine steps on a device with CUDA graphs: replayed (a tree "
                                     "step as a whole round, or its forward only with the reason), or eager with the "
                                     "reason.", ["mode", "reason"])
@@ -222,6 +226,9 @@ class Metrics:
             self.spec_guard_plain_steps.inc(guarded)
         if _get(stats, "num_curve_drafts", 0):
             self.spec_curve_draft_steps.inc()
+        probes = _get(stats, "num_probes", 0)
+        if probes:
+            self.spec_probes.inc(probes)
         graph = _get(stats, "cuda_graph", "")
         if graph:
             mode, _, reason = graph.partition(": ")

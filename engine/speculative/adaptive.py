@@ -110,6 +110,7 @@ class BudgetController(StepBudgets, TreeValue):
         self._hold: tuple | None = None  # StepBudgets.count_plain's held decision
         self.batch = 0  # decoding requests of the step being planned (budgets_of, drafts_of): explore_period's
         self._period: tuple | None = None  # ((version, batch), explore_period) until either changes
+        self.num_probes = 0  # counted budgets that were probes, since the last take_probes()
         self.guard = ThroughputGuard(self.guarded)
 
     def release(self, request_id: str) -> None:
@@ -233,6 +234,12 @@ class BudgetController(StepBudgets, TreeValue):
             stats.probe_interval, stats.failed_q = PROBE_EVERY, None
         return stats
 
+    def take_probes(self) -> int:
+        """Counted budgets that were probes (a small tree verified to re-rate a request whose record says its
+        confident drafter is wrong, or a new request's first) since the last call: for metrics."""
+        n, self.num_probes = self.num_probes, 0
+        return n
+
     def take_confidence_counts(self) -> dict[str, tuple[int, float]]:
         """Per confidence bin verified since the last call (ReliabilityBins.take_counts): for metrics."""
         return self.bins.take_counts()
@@ -295,6 +302,7 @@ class BudgetController(StepBudgets, TreeValue):
             effects.append((request_id, stats, effect))
         if effect == PROBED:
             stats.steps_at_zero = 0
+            self.num_probes += 1
         elif effect == AT_ZERO:
             stats.steps_at_zero += 1
         elif effect == CHOSEN:

@@ -166,6 +166,10 @@ def test_accepts_the_engines_step_stats():
         m.record_step(StepStats(num_running=8, num_waiting=0, kv_cache_usage=0.5, batch_size=8, num_preemptions=0,
                                 timings={}, num_drafted=curves + 2, num_curve_drafts=curves))
     assert value(m, "spec_decode_curve_draft_steps_total") == 2
+    assert value(m, "spec_decode_probes_total") == 0
+    m.record_step(StepStats(num_running=8, num_waiting=0, kv_cache_usage=0.5, batch_size=8, num_preemptions=0,
+                            timings={}, num_probes=3))
+    assert value(m, "spec_decode_probes_total") == 3
 
 
 def test_registries_are_per_instance():

@@ -821,7 +821,10 @@ def test_failing_probes_back_off_and_an_accepted_one_restores_them():
         return seen
 
     controller.observe_request("r", 8, [], curve)  # its own tree, verified: nothing accepted
-    gaps = [b - a for a, b in zip(*(lambda p: (p, p[1:]))(probes_in(400)))]
+    seen = probes_in(400)
+    # each probe counted once (the server's spec_decode_probes_total), then the count starts over
+    assert controller.take_probes() == len(seen) > 3 and controller.take_probes() == 0
+    gaps = [b - a for a, b in zip(*(lambda p: (p, p[1:]))(seen))]
     assert gaps[:3] == [2 * PROBE_EVERY, MAX_PROBE_BACKOFF, MAX_PROBE_BACKOFF], gaps
     controller.observe_request("r", PROBE_BUDGET, [1], curve)  # a probe accepted a draft
     assert controller.requests["r"].probe_interval == PROBE_EVERY

@@ -158,8 +158,9 @@ def test_first_drafts_and_probes_come_as_seldom_as_a_round_at_the_batch_costs(ro
     at the probe's width (and the root-only round leaving it), or the drafter's launches. Such steps come every
     explore period, long enough that a round's measured extra is at most PROBE_SHARE of the steps it recurs over:
     at batch 64 a round measured at 2.3 ms against 1.3 for a plain step (as on an H100 with the embedded model)
-    waits MAX_EXPLORE_PERIOD steps, where aligned to FIRST_PROBE_EVERY they cost the n-gram default 5-8% against
-    speculation off; a round that costs 1% more keeps FIRST_PROBE_EVERY (and re-probes PROBE_EVERY)."""
+    waits MAX_EXPLORE_PERIOD steps (there, with first probes and drafts aligned to FIRST_PROBE_EVERY, the n-gram
+    default's tree rounds and curve steps cost it 5-8% against speculation off on a loaded server); a round that
+    costs 1% more keeps FIRST_PROBE_EVERY (and re-probes PROBE_EVERY)."""
     c = BudgetController(max_budget=16)
     c.pipelined = c.switches_ahead = True
     c.costs.shape_of = graph_shape

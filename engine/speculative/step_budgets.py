@@ -178,12 +178,12 @@ class StepBudgets:
         1; the caller's own cadence is the floor), priced at the batch being planned (`batch`): a probe's step lays
         the whole batch out at the probe's width and then leaves trees through a root-only round, so the period is
         long enough that their measured extra (StepCosts.round_extra; before any round at this batch, the probe
-        width's price, width_seconds) is at most PROBE_SHARE of the plain steps it recurs over, up to
-        MAX_EXPLORE_PERIOD. On an H100 at batch 64 under load the n-gram default's tree rounds (2.3-2.7 ms against
+        width's price, width_seconds) is at most PROBE_SHARE of the plain steps it recurs over at FULL_BATCH
+        requests (FULL_BATCH / batch times that at fewer), up to MAX_EXPLORE_PERIOD. On an H100 at batch 64 under load the n-gram default's tree rounds (2.3-2.7 ms against
         1.3, 15-49 in a run of ~900 steps, 0.2-0.55 drafts accepted each) and curve steps cost it 5-8% against
         speculation off, first probes and first drafts falling on every 4th step (docs/BENCHMARKS.md,
-        2026-12-07); at batch 1 a round costs a fraction of a step and the period stays short. 1 without graphs or
-        before a plain step at this batch is measured (the caller's cadence then)."""
+        2026-12-07); at batch 1 the period stays at the caller's. 1 without graphs or before a plain step at this
+        batch is measured (the caller's cadence then)."""
         key = (self.version, self.batch)
         if self._period is None or self._period[0] != key:
             self._period = (key, self._priced_period())
@@ -198,8 +198,9 @@ class StepBudgets:
             width = min(PROBE_BUDGET, self.max_budget)
             extra = self.costs.width_seconds(n, width, self._row_seconds())[width]
         extra += leaving
+        share = min(1.0, PROBE_SHARE * FULL_BATCH / n)
         period = 1
-        while period < MAX_EXPLORE_PERIOD and extra > PROBE_SHARE * period * plain:
+        while period < MAX_EXPLORE_PERIOD and extra > share * period * plain:
             period *= 2
         return period
 
@@ -245,8 +246,12 @@ class StepBudgets:
 
 
 PROBE_BUDGET = 4  # nodes a probe verifies (a request whose record says its confident drafter is wrong)
-# under CUDA graphs a step that probes costs at most this share of the steps between probe steps (explore_period)
+# under CUDA graphs a step that probes costs at most this share of the steps between probe steps (explore_period) at
+# FULL_BATCH requests, and at fewer that much more in proportion: each probe step then re-rates a larger share of the
+# batch, and at batch 1 the request that pays is the one whose trees may pay it back (on the self-repeating prompt
+# the n-gram default ran 3.7-4.1x off at batch 1 on an H100, its rounds 0.3 ms beyond a 0.69 ms step)
 PROBE_SHARE = 0.02
+FULL_BATCH = 64
 MAX_EXPLORE_PERIOD = 64
 
 # a plain step's decision planned ahead holds (count_plain) at this many requests or more, until a step aligned to

@@ -152,31 +152,36 @@ def test_new_requests_first_drafts_share_aligned_steps_under_graphs(graphs):
         assert all(due)
 
 
-@pytest.mark.parametrize("round_ms,every", [(1.31, FIRST_PROBE_EVERY), (2.3, MAX_EXPLORE_PERIOD)])
-def test_first_drafts_and_probes_come_as_seldom_as_a_round_at_the_batch_costs(round_ms, every):
+@pytest.mark.parametrize("batch,round_ms,every", [(64, 1.31, FIRST_PROBE_EVERY), (64, 2.3, MAX_EXPLORE_PERIOD),
+                                                   (8, 2.3, 8), (1, 1.0, FIRST_PROBE_EVERY)])
+def test_first_drafts_and_probes_come_as_seldom_as_a_round_at_the_batch_costs(batch, round_ms, every):
     """Under CUDA graphs a step that probes, or drafts new requests' first curves, costs the whole batch: a tree round
     at the probe's width (and the root-only round leaving it), or the drafter's launches. Such steps come every
-    explore period, long enough that a round's measured extra is at most PROBE_SHARE of the steps it recurs over:
-    at batch 64 a round measured at 2.3 ms against 1.3 for a plain step (as on an H100 with the embedded model)
-    waits MAX_EXPLORE_PERIOD steps (there, with first probes and drafts aligned to FIRST_PROBE_EVERY, the n-gram
-    default's tree rounds and curve steps cost it 5-8% against speculation off on a loaded server); a round that
-    costs 1% more keeps FIRST_PROBE_EVERY (and re-probes PROBE_EVERY)."""
+    explore period, long enough that a round's measured extra is at most PROBE_SHARE of the steps it recurs over at
+    FULL_BATCH requests: at batch 64 a round measured at 2.3 ms against 1.3 for a plain step (as on an H100 with the
+    embedded model) waits MAX_EXPLORE_PERIOD steps (there, with first probes and drafts aligned to
+    FIRST_PROBE_EVERY, the n-gram default's tree rounds and curve steps cost it 5-8% against speculation off on a
+    loaded server); a round that costs 1% more keeps FIRST_PROBE_EVERY (and re-probes PROBE_EVERY). At fewer
+    requests a probe step re-rates more of the batch and may cost more in proportion: the same dear round at batch
+    8 waits 8 steps, and at batch 1 (a round 0.3 ms beyond a 0.69 ms step on an H100, the n-gram default 3.7-4.1x
+    off on the self-repeating prompt) first drafts keep FIRST_PROBE_EVERY."""
     c = BudgetController(max_budget=16)
     c.pipelined = c.switches_ahead = True
     c.costs.shape_of = graph_shape
+    plain_ms = 0.69 if batch == 1 else 1.3
     for _ in range(4):
-        c.costs.observe(64, 1, 0.0013)
-        c.costs.observe(64, PROBE_BUDGET + 1, round_ms / 1e3)
-    ids = [f"r{i}" for i in range(63)]
+        c.costs.observe(batch, 1, plain_ms / 1e3)
+        c.costs.observe(batch, PROBE_BUDGET + 1, round_ms / 1e3)
+    ids = [f"r{i}" for i in range(batch - 1)]
     due, aligned = [], []
     for step in range(2 * MAX_EXPLORE_PERIOD):
         due.append(c.drafts_of(ids + [f"new{step}"], ahead=False)[-1])
         aligned.append(c._aligned())
-        c.observe_step(64, 0.0013, 64)
+        c.observe_step(batch, plain_ms / 1e3, batch)
     assert [s for s, d in enumerate(due) if d] == list(range(0, 2 * MAX_EXPLORE_PERIOD, every))
     assert [s for s, a in enumerate(aligned) if a] == list(range(0, 2 * MAX_EXPLORE_PERIOD, max(PROBE_EVERY, every)))
     period = c.explore_period()
     for _ in range(200):  # the round's record goes stale (a width's price falls back to its rows): the period holds
-        c.costs.observe(64, 1, 0.0013)
-    c.observe_step(64, 0.0013, 64)
-    assert c.explore_period() == period == (MAX_EXPLORE_PERIOD if every == MAX_EXPLORE_PERIOD else 1)
+        c.costs.observe(batch, 1, plain_ms / 1e3)
+    c.observe_step(batch, plain_ms / 1e3, batch)
+    assert c.explore_period() == period and max(period, FIRST_PROBE_EVERY) == every

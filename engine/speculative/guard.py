@@ -25,19 +25,19 @@ docs/BENCHMARKS.md 2026-12-05 20:46.)
 
 Drafting costs too, trees or not. Under asynchronous scheduling a plain step that drafts curves for requests at
 budget 0 (what the budget reads to decide whether one should verify again) launches the drafter's work from the
-host, on an H100 at batch 64 about a plain step's time again, and the step before it pays (its successor is
-launched while it runs); the budget prices a draft by its device time only. So there a step that drafted counts as
+host, on an H100 at batch 64 about a plain step's time again, and the step before it pays (its successor is launched
+while it runs); the budget prices a draft by its device time only. So there a step that drafted counts as
 speculating as a tree step does (`drafted`), and windows are checked by their speculating steps as by their tree
 steps: a quarter of the window, against a forced plain window (which drafts nothing); fewer, against the steps
 between, where the speculation is charged with the steps that paid for it: a tree step's successor (the switch out
-of trees) and the step that ran while a drafting step was launched ahead (`paying`; a tree step's drafting too). Without it, drafts for a loaded server's new requests
-every few steps cost batch-64 throughput that no check could see, since trees themselves ran in 0.3% of the
-request-steps (docs/BENCHMARKS.md, 2026-12-07). A window that lost with drafts alone (no tree verified) stays off
-for the steps that pay its loss back (at least BACKOFF), without the doubling: its cost is measured, and a back-off
-grown to thousands of steps would miss the text turning to what the drafter predicts. Without asynchronous
-scheduling a draft's host time is measured and priced, and only trees count (on the 2-core CPU, checking every
-window of the draft-first n-gram engine, which drafts at every step, against a forced plain window cost the 8-chat
-mix 5%: step times swing between windows).
+of trees) and the step that ran while a drafting step was launched ahead (`paying`; a tree step's drafting too).
+Without it, drafts for a loaded server's new requests every few steps cost batch-64 throughput that no check could
+see, since trees themselves ran in 0.3% of the request-steps (docs/BENCHMARKS.md, 2026-12-07). A window that lost
+with drafts alone (no tree verified) stays off for the steps that pay its loss back (at least BACKOFF), without the
+doubling: its cost is measured, and a back-off grown to thousands of steps would miss the text turning to what the
+drafter predicts. Without asynchronous scheduling a draft's host time is measured and priced, and only trees count
+(on the 2-core CPU, checking every window of the draft-first n-gram engine, which drafts at every step, against a
+forced plain window cost the 8-chat mix 5%: step times swing between windows).
 
 Whether trees pay depends on the batch (a verify row costs more of a step at batch 64 than at batch 1), so each
 batch-size bucket (1, 2, 3-4, 5-8, ... requests) keeps its own verdict, interval and back-off: trees that lost at
@@ -207,12 +207,11 @@ class ThroughputGuard:
             outcome = LOST
         self.outcomes.append(outcome)
         if outcome == LOST:
-            paid_back = _paid_back_in(trees, plain)
+            # drafts alone lost (no tree verified): their measured cost sizes the back-off, which does not grow
+            least = b.backoff if b.trees.tree_steps else BACKOFF
+            b.interval, b.off_steps = WINDOW, min(max(least, _paid_back_in(trees, plain)), MAX_BACKOFF)
             if b.trees.tree_steps:
-                b.interval, b.off_steps = WINDOW, min(max(b.backoff, paid_back), MAX_BACKOFF)
                 b.backoff = min(2 * b.backoff, MAX_BACKOFF)
-            else:  # drafts alone lost: their measured cost sizes the back-off, which does not grow with repeats
-                b.interval, b.off_steps = WINDOW, min(max(BACKOFF, paid_back), MAX_BACKOFF)
             self._enter(b, OFF)
             return
         if outcome == WON:

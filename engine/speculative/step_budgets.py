@@ -174,16 +174,16 @@ class StepBudgets:
         return self._widths[1]
 
     def explore_period(self) -> int:
-        """Under CUDA graphs, the steps between those where probes and first drafts may run (a power of two, at least
-        1; the caller's own cadence is the floor), priced at the batch being planned (`batch`): a probe's step lays
-        the whole batch out at the probe's width and then leaves trees through a root-only round, so the period is
-        long enough that their measured extra (StepCosts.round_extra; before any round at this batch, the probe
-        width's price, width_seconds) is at most PROBE_SHARE of the plain steps it recurs over at FULL_BATCH
-        requests (FULL_BATCH / batch times that at fewer), up to MAX_EXPLORE_PERIOD. On an H100 at batch 64 under load the n-gram default's tree rounds (2.3-2.7 ms against
-        1.3, 15-49 in a run of ~900 steps, 0.2-0.55 drafts accepted each) and curve steps cost it 5-8% against
-        speculation off, first probes and first drafts falling on every 4th step (docs/BENCHMARKS.md,
-        2026-12-07); at batch 1 the period stays at the caller's. 1 without graphs or before a plain step at this
-        batch is measured (the caller's cadence then)."""
+        """Under CUDA graphs, the steps between those where probes and first drafts may run (a power of two, at least 1;
+        the caller's own cadence is the floor), priced at the batch being planned (`batch`): a probe's step lays the
+        whole batch out at the probe's width and then leaves trees through a root-only round, so the period is long
+        enough that their measured extra (StepCosts.round_extra; before any round at this batch, the probe width's
+        price, width_seconds) is at most PROBE_SHARE of the plain steps it recurs over at FULL_BATCH requests
+        (FULL_BATCH / batch times that at fewer), up to MAX_EXPLORE_PERIOD. On an H100 at batch 64 under load the n-gram
+        default's tree rounds (2.3-2.7 ms against 1.3, 15-49 in a run of ~900 steps, 0.2-0.55 drafts accepted each) and
+        curve steps cost it 5-8% against speculation off, first probes and first drafts falling on every 4th step
+        (docs/BENCHMARKS.md, 2026-12-07); at batch 1 the period stays at the caller's. 1 without graphs or before a
+        plain step at this batch is measured (the caller's cadence then)."""
         key = (self.version, self.batch)
         if self._period is None or self._period[0] != key:
             self._period = (key, self._priced_period())

@@ -1,24 +1,24 @@
 """Where a drafter's steps go: per kind of step (tree or plain, how it was scheduled, which graph), how many ran, their
-median wall time, tokens a step and phase timings, beside speculation off, with and without asynchronous scheduling,
-on the self-repeating chat prompt of bench/gpu_serving.py. Also the adaptive budget's view at the end (drafting cost
-and row threshold in tokens of throughput, whether drafts count as cheap, whether the engine drafts first), and over
-the run the steps that drafted curves only, the steps with trees and the budgets counted as probes (a probe is
-counted when its step is planned: under asynchronous scheduling a step's stats hold the probes of the step planned
-while it ran), and the throughput guard's verdicts and forced plain steps. --trace FILE writes every step as a JSON
-line (the run, its budgets, width, tokens, wall time, scheduling and graph, and the budget's threshold and fitted
-row and tree costs at that point), and --repeat N runs each configuration N times: for runs whose speed swings from
-one to the next. --host-times adds, per kind of step, the inclusive host time of the engine's methods a step
-(bench/host_timers.py's perf_counter wrappers). Each kind also reports its median host busy time: wall time less the
-wait for the device's results, and its steps' summed time and tokens (a few slow tree steps move a run's throughput
-where medians hide them). --slow-steps F lists each kind's steps slower than F times its median, with the methods
-(all of them wrapped) that took longest beyond that kind's median step: where a heavy tail's time goes (on the H100
-at batch 16 it found the n-gram engine's curve drafts at every 16th step). --queue K queues K times the batch's
-requests behind its seats, their lengths spread, as a loaded server sees them (one closed batch of equal lengths
-lasts as long as its slowest request: speculation there can only shorten the run by speeding up every request).
---admission-rows 0 256 runs each configuration with the engine's --admission-decode-rows at each value in turn
-(admission steps as prompt pieces, then as one-row requests beside the decoders). Requests reach the engine as the
-server sends one without stop strings: no text (the server detokenizes it); --engine-detokenize has the engine
-detokenize every request, as the server had it do before 2026-12-07.
+median wall time, tokens a step and phase timings, beside speculation off, with and without asynchronous scheduling, on
+the self-repeating chat prompt of bench/gpu_serving.py. Also the adaptive budget's view at the end (drafting cost and
+row threshold in tokens of throughput, whether drafts count as cheap, whether the engine drafts first), and over the run
+the steps that drafted curves only, the steps with trees and the budgets counted as probes (a probe is counted when its
+step is planned: under asynchronous scheduling a step's stats hold the probes of the step planned while it ran) with the
+explore period's back-off at the end (StepBudgets._judge_exploration), and the throughput guard's verdicts and forced
+plain steps. --trace FILE writes every step as a JSON line (the run, its budgets, width, tokens, wall time, scheduling
+and graph, and the budget's threshold and fitted row and tree costs at that point), and --repeat N runs each
+configuration N times: for runs whose speed swings from one to the next. --host-times adds, per kind of step, the
+inclusive host time of the engine's methods a step (bench/host_timers.py's perf_counter wrappers). Each kind also
+reports its median host busy time: wall time less the wait for the device's results, and its steps' summed time and
+tokens (a few slow tree steps move a run's throughput where medians hide them). --slow-steps F lists each kind's steps
+slower than F times its median, with the methods (all of them wrapped) that took longest beyond that kind's median step:
+where a heavy tail's time goes (on the H100 at batch 16 it found the n-gram engine's curve drafts at every 16th step).
+--queue K queues K times the batch's requests behind its seats, their lengths spread, as a loaded server sees them (one
+closed batch of equal lengths lasts as long as its slowest request: speculation there can only shorten the run by
+speeding up every request). --admission-rows 0 256 runs each configuration with the engine's --admission-decode-rows at
+each value in turn (admission steps as prompt pieces, then as one-row requests beside the decoders). Requests reach the
+engine as the server sends one without stop strings: no text (the server detokenizes it); --engine-detokenize has the
+engine detokenize every request, as the server had it do before 2026-12-07.
 
     python bench/step_kinds.py --model SmolLM2-135M-Instruct.Q4_1.gguf --device cuda --runs 16:0 1:1 1:0
     python bench/step_kinds.py --model ... --runs 16:0 --scheduling async --repeat 3 --trace steps.jsonl
@@ -160,7 +160,8 @@ def run(model, device, dtype, drafter, overlap, batch, temperature, max_tokens, 
     print(f"== {label}: {tokens / elapsed:.0f} tok/s, "
           f"{sum(len(v) for v in kinds.values())} steps; draft_tokens {b.draft_tokens():.3f} threshold "
           f"{b.threshold():.3f} cheap {b.cheap_draft()} draft first {core.draft_first is not None}; curve steps "
-          f"{curve_steps}, tree steps {tree_steps}, probes {num_probes}, guard won {checks['won']} lost "
+          f"{curve_steps}, tree steps {tree_steps}, probes {num_probes} (explore back-off x{b.explore_backoff} at the "
+          f"end), guard won {checks['won']} lost "
           f"{checks['lost']}, forced plain {forced_plain}; host probe "
           f"{statistics.median(probes):.0f} us ({min(probes):.0f}-{max(probes):.0f})", flush=True)
     for kind, steps in sorted(kinds.items(), key=lambda kv: -len(kv[1])):

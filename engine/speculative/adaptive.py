@@ -111,10 +111,14 @@ class BudgetController(StepBudgets, TreeValue):
         self.batch = 0  # decoding requests of the step being planned (budgets_of, drafts_of): explore_period's
         self._period: tuple | None = None  # ((version, batch), explore_period) until either changes
         self.num_probes = 0  # counted budgets that were probes, since the last take_probes()
+        self.probes_unobserved = 0  # counted probes whose steps have not been observed (observe_engine_step)
+        self.explore_backoff = 1  # explore_period's factor: doubled by a probe round that did not pay its cost
         self.guard = ThroughputGuard(self.guarded)
 
     def release(self, request_id: str) -> None:
-        self.requests.pop(request_id, None)
+        stats = self.requests.pop(request_id, None)
+        if stats is not None and stats.probe_unobserved:
+            self.probes_unobserved -= 1
 
     # -------------------------------------------------------------------------------------------- observing
 
@@ -303,6 +307,8 @@ class BudgetController(StepBudgets, TreeValue):
         if effect == PROBED:
             stats.steps_at_zero = 0
             self.num_probes += 1
+            stats.probe_unobserved = True
+            self.probes_unobserved += 1
         elif effect == AT_ZERO:
             stats.steps_at_zero += 1
         elif effect == CHOSEN:

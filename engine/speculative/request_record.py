@@ -24,6 +24,7 @@ class RequestRecord:
     failed_q: float | None = None  # the q mass of the last probe that accepted nothing (None: none since)
     pending: tuple | None = None  # a dry budget() answer: ((version, ahead), budget, effect) for the counted call
     probing: bool = False  # the last counted budget was a probe
+    probe_unobserved: bool = False  # a counted probe whose step has not been observed (StepBudgets' explore back-off)
     verified: bool = False  # a tree of the request's own was verified (else its record is the engine's prior)
     gains: tuple | None = None  # (version, its nodes' expected accepted drafts): _gains until the next observation
 

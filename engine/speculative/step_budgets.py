@@ -47,6 +47,9 @@ class StepBudgets:
             self.guard.observe(len(plan.seqs), tokens, seconds if cycle_seconds is None else cycle_seconds, width > 1,
                                *unpriced_drafts)
         self.observe_draft(result.num_drafted, draft_seconds)
+        probed = self._probed(plan) if self.probes_unobserved else False
+        if probed and uniform_layout and decoding and width > 1 and measured:
+            self._judge_exploration(len(plan.seqs), tokens, seconds)
         for s in plan.seqs if result.curves else ():  # (no curves: no request drafted)
             rid = s.request.request_id
             if rid in result.curves and not s.request.finished:  # (finished while a step ran ahead: released)
@@ -55,6 +58,30 @@ class StepBudgets:
                 chosen = s.spec_budget if s.chosen_budget is None else s.chosen_budget
                 accepted = [r for r in result.accepted_rows.get(rid, []) if r <= chosen]
                 self.observe_request(rid, chosen, accepted, result.curves[rid])
+
+    def _probed(self, plan) -> bool:
+        """Whether the step carried a counted probe (each request's flag is consumed here)."""
+        probed = False
+        for s in plan.seqs:
+            stats = self.requests.get(s.request.request_id)
+            if stats is not None and stats.probe_unobserved:
+                stats.probe_unobserved, probed = False, True
+                self.probes_unobserved = max(0, self.probes_unobserved - 1)
+        return probed
+
+    def _judge_exploration(self, num_seqs: int, tokens: int, seconds: float) -> None:
+        """A tree round that carried probes, under CUDA graphs: when the drafts it accepted (all of its requests')
+        fall short of what it cost beyond a plain step at this batch, with the root-only round that leaves trees, in
+        tokens of throughput, explore_period doubles (up to MAX_EXPLORE_BACKOFF times its price); a round that paid
+        restores it."""
+        plain, _, leaving = self.costs.round_extra(num_seqs)
+        if plain is None:
+            return
+        cost = self._in_tokens(max(0.0, seconds - plain) + leaving)
+        if tokens - num_seqs >= cost:
+            self.explore_backoff = 1
+        else:
+            self.explore_backoff = min(2 * self.explore_backoff, MAX_EXPLORE_BACKOFF)
 
     def budgets_of(self, request_ids: list[str], dry: bool = False, ahead: bool = False) -> list[int]:
         """budget() of each of a step's requests, the checks that hold for the whole step made once (at batch 64 the
@@ -183,10 +210,12 @@ class StepBudgets:
         default's tree rounds (2.3-2.7 ms against 1.3, 15-49 in a run of ~900 steps, 0.2-0.55 drafts accepted each) and
         curve steps cost it 5-8% against speculation off, first probes and first drafts falling on every 4th step
         (docs/BENCHMARKS.md, 2026-12-07); at batch 1 the period stays at the caller's. 1 without graphs or before a
-        plain step at this batch is measured (the caller's cadence then)."""
+        plain step at this batch is measured (the caller's cadence then). Times explore_backoff: while probe rounds
+        do not pay for themselves, exploring finds nothing worth its price, and it comes up to MAX_EXPLORE_BACKOFF
+        times less often (_judge_exploration)."""
         key = (self.version, self.batch)
         if self._period is None or self._period[0] != key:
-            self._period = (key, self._priced_period())
+            self._period = (key, self._priced_period() * self.explore_backoff)
         return self._period[1]
 
     def _priced_period(self) -> int:
@@ -253,6 +282,11 @@ PROBE_BUDGET = 4  # nodes a probe verifies (a request whose record says its conf
 PROBE_SHARE = 0.02
 FULL_BATCH = 64
 MAX_EXPLORE_PERIOD = 64
+# ... times up to this while probe rounds do not pay for themselves (_judge_exploration): on an H100 with a slow host
+# at batch 64, T = 1, rounds cost 3.1 ms beyond a 1.46 ms plain step and brought ~6 tokens each; one every 64 steps
+# (with the root-only round after it) still cost the n-gram default ~4.6% against speculation off (docs/BENCHMARKS.md,
+# 2026-12-07 16:06)
+MAX_EXPLORE_BACKOFF = 4
 
 # a plain step's decision planned ahead holds (count_plain) at this many requests or more, until a step aligned to
 # HOLD_EVERY (a multiple of it: probes and first probes fall there)

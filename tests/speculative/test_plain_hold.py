@@ -7,11 +7,15 @@ import random
 
 import pytest
 
+from engine import SamplingParams
 from engine.cuda_graphs import graph_shape
+from engine.plan import ScheduledSeq, StepPlan, StepResult
+from engine.request import Request
 from engine.speculative import step_budgets
 from engine.speculative.adaptive import FIRST_PROBE_EVERY, BudgetController
 from engine.speculative.request_record import PROBE_EVERY
-from engine.speculative.step_budgets import HOLD_EVERY, HOLD_MIN_BATCH, MAX_EXPLORE_PERIOD, PROBE_BUDGET
+from engine.speculative.step_budgets import (HOLD_EVERY, HOLD_MIN_BATCH, MAX_EXPLORE_BACKOFF, MAX_EXPLORE_PERIOD,
+                                             PROBE_BUDGET)
 from tests.speculative.test_adaptive import confidence, probe_state
 
 BATCH = 32
@@ -185,3 +189,59 @@ def test_first_drafts_and_probes_come_as_seldom_as_a_round_at_the_batch_costs(ba
         c.costs.observe(batch, 1, plain_ms / 1e3)
     c.observe_step(batch, plain_ms / 1e3, batch)
     assert c.explore_period() == period and max(period, FIRST_PROBE_EVERY) == every
+
+
+def _explore_round(c: BudgetController, tag: str, accepted: int, probe: bool = True, batch: int = 64) -> int:
+    """A batch of new requests whose drafter is confident where the engine's record says it is wrong: plain steps
+    up to the next step where first probes are due, their budgets counted there (all probes), and that round
+    observed with `accepted` drafts accepted by each (probe=False: the same round with no probe counted, as chosen
+    trees). The explore period after it."""
+    requests = [Request([1, 2, 3], SamplingParams(max_tokens=500), request_id=f"{tag}{i}") for i in range(batch)]
+    ids = [r.request_id for r in requests]
+    for r in requests:
+        r.output_token_ids = [5, 6, 7]  # past the warm-up
+        c.observe_curve(r.request_id, confidence(CURVES["copying"]))
+    plain = StepPlan([ScheduledSeq(r, 1, True) for r in requests])
+    one_each = StepResult(new_token_ids={rid: [7] for rid in ids})
+    c.budgets_of(ids, dry=True)  # (the batch being planned)
+    for _ in range(4 * MAX_EXPLORE_BACKOFF * MAX_EXPLORE_PERIOD):
+        if c._first_probe_due(False):
+            break
+        c.observe_engine_step(plain, one_each, 1.3e-3, 0.0, synchronous=False, uniform_layout=True)
+    if probe:
+        assert c.budgets_of(ids) == [PROBE_BUDGET] * batch
+    rows = list(range(1, accepted + 1))
+    round_plan = StepPlan([ScheduledSeq(r, 1, True, spec_budget=PROBE_BUDGET) for r in requests])
+    result = StepResult(new_token_ids={rid: [7] * (1 + accepted) for rid in ids},
+                        accepted_rows={rid: rows for rid in ids},
+                        curves={rid: confidence(CURVES["copying"]) for rid in ids}, num_drafted=batch)
+    c.observe_engine_step(round_plan, result, 2.3e-3, 0.0, synchronous=False, uniform_layout=True)
+    for rid in ids:
+        c.release(rid)
+    return c.explore_period()
+
+
+def test_probe_rounds_that_do_not_pay_come_less_often_until_one_does():
+    """Under CUDA graphs a round that carried probes and accepted fewer drafts than it cost beyond a plain step (with
+    the root-only round leaving it) in tokens of throughput doubles the explore period, up to MAX_EXPLORE_BACKOFF
+    times its price; a probe round that paid restores it. (On an H100 with a slow host at batch 64, T = 1, rounds
+    3.1 ms beyond a 1.46 ms plain step brought ~6 tokens each, and one every 64 steps still cost the n-gram default
+    ~4.6% against speculation off.) A round without probes (chosen trees) does not move it."""
+    c = BudgetController(max_budget=16)
+    c.pipelined = c.switches_ahead = True
+    c.costs.shape_of = graph_shape
+    for _ in range(4):  # a round 1 ms beyond a plain step at batch 64: the period's price is MAX_EXPLORE_PERIOD
+        c.costs.observe(64, 1, 1.3e-3)
+        c.costs.observe(64, PROBE_BUDGET + 1, 2.3e-3)
+    for _ in range(2):  # the engine's record: the drafter's confident trees were never accepted
+        c.observe_request("old", 16, [], confidence(CURVES["copying"]))
+    c.release("old")
+    c.batch = 64
+    assert c.explore_period() == MAX_EXPLORE_PERIOD
+    assert _explore_round(c, "a-", accepted=0) == 2 * MAX_EXPLORE_PERIOD
+    assert _explore_round(c, "chosen-", accepted=0, probe=False) == 2 * MAX_EXPLORE_PERIOD
+    periods = [_explore_round(c, f"b{k}-", accepted=0) for k in range(2)]
+    assert periods == [MAX_EXPLORE_BACKOFF * MAX_EXPLORE_PERIOD] * 2
+    # 4 drafts accepted by each of 64 requests: 256 tokens against ~1 ms of throughput (~45 tokens)
+    assert _explore_round(c, "paid-", accepted=4) == MAX_EXPLORE_PERIOD
+    assert c.probes_unobserved == 0

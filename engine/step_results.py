@@ -3,6 +3,7 @@ confidence, logprobs) packed on the device and brought over in one non-blocking 
 unpacked into Python lists once the copy's event has completed."""
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 import numpy as np
@@ -25,7 +26,7 @@ class HostResults:
 
         def take(*shape: int) -> np.ndarray:
             nonlocal pos
-            n = int(np.prod(shape))
+            n = math.prod(shape)  # (np.prod: ~3.5 us a call, four or more calls a step)
             part = values[pos:pos + n].reshape(shape)
             pos += n
             return part

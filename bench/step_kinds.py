@@ -4,7 +4,8 @@ the self-repeating chat prompt of bench/gpu_serving.py. Also the adaptive budget
 row threshold in tokens of throughput, whether drafts count as cheap, whether the engine drafts first), and over the run
 the steps that drafted curves only, the steps with trees and the budgets counted as probes (a probe is counted when its
 step is planned: under asynchronous scheduling a step's stats hold the probes of the step planned while it ran) with the
-explore period's back-off at the end (StepBudgets._judge_exploration), and the throughput guard's verdicts and forced
+explore period's back-off at the end (StepBudgets._judge_exploration), the rounds run ahead by whether their shape's
+measured time was believed or their width priced by its rows (StepCosts), and the throughput guard's verdicts and forced
 plain steps. --trace FILE writes every step as a JSON line (the run, its budgets, width, tokens, wall time, scheduling
 and graph, and the budget's threshold and fitted row and tree costs at that point), and --repeat N runs each
 configuration N times: for runs whose speed swings from one to the next. --host-times adds, per kind of step, the
@@ -59,6 +60,7 @@ def step_record(label: str, index: int, stats, seconds: float, emitted: int, bud
             "tree_ms": round(budgets.fit.tree_cost() * 1e3, 4), "batch": stats.batch_size,
             "guard_checks": stats.spec_guard_checks, "guard_plain": stats.spec_guard_plain,
             "drafted": stats.num_drafted, "probes": stats.num_probes,
+            "rounds_priced_by_rows": budgets.costs.rounds_priced_by_rows,
             "draft_ms": round(stats.timings.get("draft", 0.0) * 1e3, 3)}
 
 
@@ -161,7 +163,8 @@ def run(model, device, dtype, drafter, overlap, batch, temperature, max_tokens, 
           f"{sum(len(v) for v in kinds.values())} steps; draft_tokens {b.draft_tokens():.3f} threshold "
           f"{b.threshold():.3f} cheap {b.cheap_draft()} draft first {core.draft_first is not None}; curve steps "
           f"{curve_steps}, tree steps {tree_steps}, probes {num_probes} (explore back-off x{b.explore_backoff} at the "
-          f"end), guard won {checks['won']} lost "
+          f"end), rounds ahead priced by their measured shape {b.costs.rounds_believed} / by rows (unmeasured or "
+          f"stale) {b.costs.rounds_priced_by_rows}, guard won {checks['won']} lost "
           f"{checks['lost']}, forced plain {forced_plain}; host probe "
           f"{statistics.median(probes):.0f} us ({min(probes):.0f}-{max(probes):.0f})", flush=True)
     for kind, steps in sorted(kinds.items(), key=lambda kv: -len(kv[1])):

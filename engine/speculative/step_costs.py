@@ -52,6 +52,9 @@ class StepCosts:
         self.means: dict[tuple, list[float]] = {}
         self.tree_shapes: dict[int, list[tuple]] = {}  # batch bucket -> its tree and leaving shapes run ahead
         self.seen: set[tuple] = set()  # shapes whose first step has passed
+        # tree rounds run ahead, by whether their shape's own measured mean was believed when they came, or their
+        # width was priced by rows (never measured, or gone stale): what chose a run's rounds (bench/step_kinds.py)
+        self.rounds_believed = self.rounds_priced_by_rows = 0
 
     def observe(self, num_seqs: int, width: int, seconds: float, leaving: bool = False,
                 synchronous: bool = False) -> None:
@@ -61,6 +64,11 @@ class StepCosts:
             return
         batch, bucket = self.shape_of(num_seqs, width)
         key = (batch, LEAVING if leaving else bucket, synchronous)
+        if key[1] not in (1, LEAVING) and not synchronous:
+            if self._mean(key, MIN_TREE_WEIGHT) is None:
+                self.rounds_priced_by_rows += 1
+            else:
+                self.rounds_believed += 1
         if key not in self.seen:
             self.seen.add(key)
             return

@@ -70,6 +70,26 @@ def test_a_dear_round_is_priced_by_its_rows_again_after_a_run_of_plain_steps():
     assert seconds[16] == pytest.approx(16 * 64 * 1e-9 + (0.0028 - 0.00134 - 16 * 64 * 1e-9), rel=0.02)
 
 
+def test_rounds_are_counted_by_whether_their_shapes_measured_time_was_believed():
+    """What chose a run's rounds (bench/step_kinds.py prints it): a round of a shape never measured, or whose record
+    went stale, was priced by its rows; one whose record stood, by its measured time. Plain steps, the leaving
+    round and synchronous steps are not rounds run ahead."""
+    costs = StepCosts(graph_shape)
+    costs.observe(64, 1, 0.00134)
+    costs.observe(64, 1, 0.00134, leaving=True)
+    costs.observe(64, 5, 0.0051, synchronous=True)
+    assert (costs.rounds_believed, costs.rounds_priced_by_rows) == (0, 0)
+    for _ in range(3):  # the first never counted: priced by rows twice, then believed
+        costs.observe(64, 5, 0.0028)
+    assert (costs.rounds_believed, costs.rounds_priced_by_rows) == (1, 2)
+    for _ in range(200):  # stale
+        costs.observe(64, 1, 0.00134)
+    costs.observe(64, 5, 0.0028)
+    assert (costs.rounds_believed, costs.rounds_priced_by_rows) == (1, 3)
+    costs.reset()
+    assert (costs.rounds_believed, costs.rounds_priced_by_rows) == (0, 0)
+
+
 def measured(*steps: tuple[int, int, float]) -> StepCosts:
     """Step costs after three rounds of these (requests, width, seconds) steps (each shape's first not counted)."""
     costs = StepCosts(graph_shape)

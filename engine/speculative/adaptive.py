@@ -307,8 +307,9 @@ class BudgetController(StepBudgets, TreeValue):
         if effect == PROBED:
             stats.steps_at_zero = 0
             self.num_probes += 1
-            stats.probe_unobserved = True
-            self.probes_unobserved += 1
+            if not stats.probe_unobserved:
+                stats.probe_unobserved = True
+                self.probes_unobserved += 1
         elif effect == AT_ZERO:
             stats.steps_at_zero += 1
         elif effect == CHOSEN:

@@ -66,7 +66,7 @@ class StepBudgets:
             stats = self.requests.get(s.request.request_id)
             if stats is not None and stats.probe_unobserved:
                 stats.probe_unobserved, probed = False, True
-                self.probes_unobserved = max(0, self.probes_unobserved - 1)
+                self.probes_unobserved -= 1
         return probed
 
     def _judge_exploration(self, num_seqs: int, tokens: int, seconds: float) -> None:

@@ -210,6 +210,8 @@ def _explore_round(c: BudgetController, tag: str, accepted: int, probe: bool = T
         c.observe_engine_step(plain, one_each, 1.3e-3, 0.0, synchronous=False, uniform_layout=True)
     if probe:
         assert c.budgets_of(ids) == [PROBE_BUDGET] * batch
+        c.budgets_of(ids)  # counted again before the step is observed (as after a launch that failed)
+        assert c.probes_unobserved == batch  # each request's probe flagged once
     rows = list(range(1, accepted + 1))
     round_plan = StepPlan([ScheduledSeq(r, 1, True, spec_budget=PROBE_BUDGET) for r in requests])
     result = StepResult(new_token_ids={rid: [7] * (1 + accepted) for rid in ids},

@@ -152,6 +152,29 @@ def test_no_tree_is_priced_before_a_plain_step_at_its_batch_is_measured():
     assert uniform_width(strong, [16] * 64, 0.02, 0.0, [4] + [0] * 63, width_costs=tokens) == [4] * 64
 
 
+def test_entering_trees_pays_the_leaving_round_however_long_ago_it_was_measured():
+    """Under CUDA graphs with tree steps launched ahead, the step that enters trees pays the root-only round that
+    will leave them (switch_tokens). That round is measured each time trees are left, so its record ages only
+    while no tree is entered; priced at 0 once stale, entering trees looked ~1.2 ms cheaper after ~70 plain steps
+    at batch 64."""
+    controller = BudgetController(max_budget=16)
+    controller.pipelined = controller.switches_ahead = True
+    controller.costs.shape_of = graph_shape
+    for _ in range(4):
+        controller.costs.observe(64, 1, 0.00146)
+        controller.costs.observe(64, 1, 0.00266, leaving=True)
+    for _ in range(3):
+        controller.observe_step(64, 0.00146, 64)
+    fresh = controller.switch_tokens(64)
+    assert fresh == pytest.approx(0.0012 * 64 / 0.00146, rel=0.01)  # ~53 tokens at the plain steps' rate
+    for _ in range(300):  # the leaving record stale (a tree shape's would be priced by its rows again)
+        controller.costs.observe(64, 1, 0.00146)
+    controller.observe_step(64, 0.00146, 64)
+    assert controller.costs.extra(64, 1, leaving=True) is None
+    assert controller.switch_tokens(64) == pytest.approx(fresh, rel=0.01)
+    assert controller.switch_tokens(8) == 0.0  # nothing measured at that batch
+
+
 def _controller(measured: bool) -> BudgetController:
     """A controller after the H100 trace's steps at batch 64 under graphs (asynchronous, tree steps launched
     ahead of any step): plain steps, rounds of three widths, the root-only rounds that left them."""

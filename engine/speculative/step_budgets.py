@@ -240,10 +240,9 @@ class StepBudgets:
         (SwitchCost). When the engine launches tree steps ahead of any decoding step (`switches_ahead`: a drafter
         that drafts from the device, under CUDA graphs) no switch is synchronous, but trees are left by a
         root-only round, whose measured extra at this batch (step_costs.py) the entering step pays: its mean however
-        long ago (StepCosts.round_extra). The leaving round is measured whenever trees are left, so its record goes
-        stale only while trees are not entered; priced at 0 once stale, after ~70 plain steps at a batch entering
-        trees there looked a leaving round cheaper (~1.2 ms of a 1.46 ms plain step on an H100 at batch 64), and
-        with no need to re-measure it."""
+        long ago (StepCosts.round_extra). Priced at 0 once its record went stale (~70 plain steps at the batch),
+        entering trees looked a whole leaving round cheaper than it is (~1.2 ms beside a 1.46 ms plain step on an
+        H100 at batch 64); and the leaving round needs no re-measuring: it is measured whenever trees are left."""
         after_tree = self.last_tree if self._after is None else self._after
         if not self.pipelined or after_tree:
             return 0.0

@@ -15,7 +15,8 @@
 #                                            # T = 1 / 0), this tree and the tree in $ALT (another commit's files:
 #                                            # git archive <commit> | tar -x -C <folder>) taking turns, $AB_ROUNDS
 #                                            # (default 2) times; $AB_RUNS overrides the batch:temperature runs,
-#                                            # $AB_ARGS adds flags (e.g. "--queue 4 --distinct-prompts")
+#                                            # $AB_ARGS adds flags (e.g. "--queue 4 --distinct-prompts"); each
+#                                            # run's trace summarized by bench/trace_rounds.py into rounds.log
 #
 # Wheels: every .whl in $WHEELS (default .whl/) goes into $SITE (default /tmp/site), which joins PYTHONPATH.
 # Besides the server's own dependencies the GPU tests import llguidance, jsonschema (with referencing, rpds-py,
@@ -83,6 +84,9 @@ for part in "$@"; do
             --runs ${AB_RUNS:-64:1 64:0 16:0 16:1} --scheduling async --drafter ngram none ${AB_ARGS:-} \
             --trace "$OUT/ab_$(basename "$dir")_$i.jsonl" 2>&1) | grep "^==" | sed "s|^|$(basename "$dir") $i |" \
             | tee -a "$OUT/ab.log"
+          # each run's tree steps by what started them (this tree's analyzer: older trees lack it)
+          python3 bench/trace_rounds.py "$OUT/ab_$(basename "$dir")_$i.jsonl" | sed "s|^|$(basename "$dir") $i |" \
+            >> "$OUT/rounds.log"
         done
       done ;;
     *) echo "unknown part: $part (suite, guard, host, targets, chat, ab)"; exit 2 ;;

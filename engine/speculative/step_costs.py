@@ -109,14 +109,14 @@ class StepCosts:
                 extras[key[1] == LEAVING].append(max(0.0, total / weight - plain))
         return plain, min(extras[False], default=None), min(extras[True], default=0.0)
 
-    def extra(self, num_seqs: int, width: int, leaving: bool = False) -> float | None:
-        """Seconds a step of `width` rows a request (or the leaving round) costs beyond a plain step at this batch,
-        as measured; None when either is not measured."""
+    def extra(self, num_seqs: int, width: int, leaving: bool = False, synchronous: bool = False) -> float | None:
+        """Seconds a step of `width` rows a request (or the leaving round) costs beyond a plain step at this batch
+        (run ahead, or both synchronous), as measured and believed; None when either is not."""
         if self.shape_of is None:
             return None
         batch, bucket = self.shape_of(num_seqs, width)
-        plain = self._mean((batch, 1, False), MIN_PLAIN_WEIGHT)
-        tree = self._mean((batch, LEAVING if leaving else bucket, False), MIN_TREE_WEIGHT)
+        plain = self._mean((batch, 1, synchronous), MIN_PLAIN_WEIGHT)
+        tree = self._mean((batch, LEAVING if leaving else bucket, synchronous), MIN_TREE_WEIGHT)
         return None if plain is None or tree is None else max(0.0, tree - plain)
 
     def least_fixed(self, row_seconds: float, synchronous: bool = False) -> float:
@@ -146,12 +146,12 @@ class StepCosts:
         fixed = None
         out = [0.0]
         for w in range(1, top + 1):
-            bucket = self.shape_of(num_seqs, w + 1)[1]
-            tree = self._mean((batch, bucket, synchronous), MIN_TREE_WEIGHT)
-            if tree is None:
+            measured = self.extra(num_seqs, w + 1, synchronous=synchronous)
+            if measured is None:
                 if fixed is None:
                     fixed = self.least_fixed(row_seconds, synchronous)
+                bucket = self.shape_of(num_seqs, w + 1)[1]
                 out.append(max(row_seconds * (bucket - 1) * batch + fixed, max(out)))
             else:
-                out.append(max(0.0, tree - plain))
+                out.append(measured)
         return out

@@ -9,6 +9,8 @@ import importlib
 import time
 from collections import Counter, defaultdict
 
+from torch.utils._python_dispatch import TorchDispatchMode
+
 # "module:Class" -> the methods timed; "module:" -> functions of that module's namespace (where they are called
 # from: a function imported by name is timed in the module that imported it)
 METHODS = {
@@ -87,6 +89,26 @@ class HostTimers:
         """One line per method, slowest first: microseconds a step (inclusive) and calls a step."""
         return [f"{label:48s} {s / num_steps * 1e6:9.1f} us/step {self.calls[label] / num_steps:6.1f} calls/step"
                 for label, s in sorted(self.seconds.items(), key=lambda kv: -kv[1])]
+
+
+class HostOps(TorchDispatchMode):
+    """The torch operators the host issues while active (a graph replay is one call, its kernels none): per
+    operator, calls and the seconds its dispatch took below Python (launch included). On a small model's GPU step
+    each costs the host ~5-20 us, so their count is a step's fixed host cost (bench/step_kinds.py --host-ops). Ops
+    an extension calls from C++ are counted as the one op Python called."""
+
+    def __init__(self):
+        super().__init__()
+        self.seconds: defaultdict[str, float] = defaultdict(float)
+        self.calls: Counter[str] = Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        t0 = time.perf_counter()
+        out = func(*args, **(kwargs or {}))
+        name = str(func.overloadpacket)
+        self.seconds[name] += time.perf_counter() - t0
+        self.calls[name] += 1
+        return out
 
 
 def host_speed_us(repeats: int = 7) -> float:

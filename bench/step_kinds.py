@@ -40,7 +40,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench.gpu_serving import COPY_PROMPT, SMOLLM2_135M  # noqa: E402
-from bench.host_timers import HostTimers, host_speed_us  # noqa: E402
+from bench.host_timers import HostOps, HostTimers, host_speed_us  # noqa: E402
 from engine import LLM, SamplingParams  # noqa: E402
 from engine.config import EngineConfig  # noqa: E402
 
@@ -87,8 +87,8 @@ def request_prompts(llm, dummy: bool, num_requests: int, distinct: bool) -> list
 def run(model, device, dtype, drafter, overlap, batch, temperature, max_tokens, emulate=False, trace=None,
         rep=0, host_times: list[str] | None = None, slow_steps: float | None = None, queue: int = 1,
         distinct: bool = False, admission_wait: int = 0,
-        admission_rows: int = EngineConfig.admission_decode_rows, detokenize: bool = False, top_p: float = 0.9
-        ) -> None:
+        admission_rows: int = EngineConfig.admission_decode_rows, detokenize: bool = False, top_p: float = 0.9,
+        host_ops: bool = False) -> None:
     label = f"batch {batch}{f' queue {queue}' if queue > 1 else ''}{' distinct' if distinct else ''}" \
             f"{f' wait {admission_wait}' if admission_wait else ''}" \
             f" rows {admission_rows}{' detokenized' if detokenize else ''} " \
@@ -123,14 +123,17 @@ def run(model, device, dtype, drafter, overlap, batch, temperature, max_tokens, 
     timers = step_timers(core, wrapped)
     per_step = collections.defaultdict(list)  # kind -> (index, ms, method -> us): for --slow-steps
     host = collections.defaultdict(collections.Counter)  # kind of step -> method -> seconds (inclusive)
+    ops = collections.defaultdict(lambda: [collections.Counter(), collections.Counter()])  # kind -> (calls, seconds)
     kinds, tokens, t0, index = collections.defaultdict(list), 0, time.perf_counter(), 0
     # the guard's verdicts, steps drafting curves, probes the budget counted, steps with trees
     checks, forced_plain, curve_steps, num_probes, tree_steps = collections.Counter(), 0, 0, 0, 0
     probes = [host_speed_us()]  # the host's speed through the run (bench/host_timers.py host_speed_us)
     while core.has_unfinished():
         before = dict(timers.seconds)
+        mode = HostOps() if host_ops else contextlib.nullcontext()
         start = time.perf_counter()
-        deltas = core.step()
+        with mode:
+            deltas = core.step()
         seconds = time.perf_counter() - start
         emitted = sum(len(d.new_token_ids) for d in deltas)
         tokens += emitted
@@ -154,6 +157,9 @@ def run(model, device, dtype, drafter, overlap, batch, temperature, max_tokens, 
         kinds[kind].append((seconds * 1e3, emitted, {k: v * 1e3 for k, v in stats.timings.items()},
                             (seconds - waited) * 1e3))
         host[kind].update({k: v - before.get(k, 0.0) for k, v in timers.seconds.items()})
+        if host_ops:
+            ops[kind][0].update(mode.calls)
+            ops[kind][1].update(mode.seconds)
         if slow_steps:
             per_step[kind].append((index - 1, seconds * 1e3, {k: (v - before.get(k, 0.0)) * 1e6
                                                               for k, v in timers.seconds.items()}))
@@ -176,6 +182,12 @@ def run(model, device, dtype, drafter, overlap, batch, temperature, max_tokens, 
         if host_times is not None:
             print("      host us/step: " + ", ".join(f"{k} {v / len(steps) * 1e6:.0f}"
                                                     for k, v in host[kind].most_common(40)), flush=True)
+        if host_ops:
+            calls, op_seconds = ops[kind]
+            print(f"      torch ops a step: {sum(calls.values()) / len(steps):.1f} calls, "
+                  f"{sum(op_seconds.values()) / len(steps) * 1e6:.0f} us below Python: " +
+                  ", ".join(f"{k} {n / len(steps):.1f} x {op_seconds[k] / n * 1e6:.1f} us"
+                            for k, n in calls.most_common(30)), flush=True)
     if slow_steps:
         print_slow_steps(per_step, slow_steps)
 
@@ -252,6 +264,9 @@ def main() -> None:
     p.add_argument("--host-times", nargs="*", default=None, metavar="CLASS.METHOD",
                    help="per kind of step, the inclusive host time of the engine's methods (bench/host_timers.py); "
                         "with labels, of those only (fewer wrappers: each costs ~1 us a call)")
+    p.add_argument("--host-ops", action="store_true",
+                   help="per kind of step, the torch operators the host issues a step (bench/host_timers.py HostOps: "
+                        "calls and their dispatch time; the Python mode slows every op, so times are of that run)")
     p.add_argument("--slow-steps", type=float, default=None, metavar="FACTOR",
                    help="list the steps slower than FACTOR times their kind's median and the methods that took "
                         "longest beyond that kind's median step (every method wrapped)")
@@ -267,7 +282,7 @@ def main() -> None:
                             run(model, args.device, args.dtype, drafter, overlap, batch, temperature,
                                 args.max_tokens, args.emulate, trace, rep if args.repeat > 1 else 0,
                                 args.host_times, args.slow_steps, args.queue, args.distinct_prompts,
-                                args.admission_wait, rows, args.engine_detokenize, args.top_p)
+                                args.admission_wait, rows, args.engine_detokenize, args.top_p, args.host_ops)
 
 
 if __name__ == "__main__":

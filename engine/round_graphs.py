@@ -177,6 +177,9 @@ class RoundGraphs:
             graph.replay()
             built = rnd.built
         tree, curve, slots = built
+        if num == n:  # the bucket holds just these requests: its outputs as they are (each cut costs a torch call)
+            return RoundStep(tree, curve, slots, walk, self.small[START, :num], packed,
+                             [c if c.shape[0] == num * w else c[:num * w] for c in layers], w)
         cut = DraftTree(*(t[:num] for t in (tree.node_token_ids, tree.parents, tree.depths, tree.num_nodes,
                                             tree.visibility, tree.scores)), tree.max_depth)
         return RoundStep(cut, curve[:num], slots[:num],

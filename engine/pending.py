@@ -31,6 +31,8 @@ class PendingStep:
     copy: ResultCopy
     t1: float
     t2: float
+    # a whole round's successors() of its trees, computed inside its graph: (roots, root positions), [N] each
+    next_roots: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @property
     def is_tree_step(self) -> bool:
@@ -83,10 +85,13 @@ class PendingStep:
             plain = (roots, starts, torch.ones_like(starts), roots[:, None])
             if self.batch is None:
                 return plain
-        walk, starts = self.walk, self.inputs.tree_starts
-        accept_len = walk.accept_len
-        roots = walk.emitted.gather(1, (accept_len - 1)[:, None])[:, 0]
-        return self._per_request(requests, stage, (roots, starts + accept_len, accept_len, walk.emitted), plain)
+        walk, accept_len = self.walk, self.walk.accept_len
+        if self.next_roots is not None:
+            roots, starts = self.next_roots
+        else:
+            roots = walk.emitted.gather(1, (accept_len - 1)[:, None])[:, 0]
+            starts = self.inputs.tree_starts + accept_len
+        return self._per_request(requests, stage, (roots, starts, accept_len, walk.emitted), plain)
 
     def accepted_features(self, requests: list, stage: Staging) -> torch.Tensor:
         """[len(requests), A, F] the captured target features of each request's accepted rows (root first; rows

@@ -59,6 +59,7 @@ class RoundStep:
     packed: torch.Tensor  # [N, 1 + 2A + B] float64
     captured: list[torch.Tensor]  # the forward's captured layers, [N * W_bucket, hidden] each (views)
     width: int  # W_bucket
+    successors: tuple[torch.Tensor, torch.Tensor]  # [N] int64 each: the last emitted token, the position after it
 
 
 @dataclass
@@ -168,23 +169,24 @@ class RoundGraphs:
         if graphs.emulate:
             built = self._prologue(n, w)
             hidden, layers = graphs.replay(key)
-            walk, packed = self._epilogue(n, w, hidden, *built, variant)
+            walk, packed, nexts = self._epilogue(n, w, hidden, *built, variant)
         else:
             rnd = self.rounds[key]
             rnd.prologue.replay()
             _, layers = graphs.replay(key)
-            graph, (walk, packed) = rnd.epilogues[variant]
+            graph, (walk, packed, nexts) = rnd.epilogues[variant]
             graph.replay()
             built = rnd.built
         tree, curve, slots = built
         if num == n:  # the bucket holds just these requests: its outputs as they are (each cut costs a torch call)
             return RoundStep(tree, curve, slots, walk, self.small[START, :num], packed,
-                             [c if c.shape[0] == num * w else c[:num * w] for c in layers], w)
+                             [c if c.shape[0] == num * w else c[:num * w] for c in layers], w, nexts)
         cut = DraftTree(*(t[:num] for t in (tree.node_token_ids, tree.parents, tree.depths, tree.num_nodes,
                                             tree.visibility, tree.scores)), tree.max_depth)
         return RoundStep(cut, curve[:num], slots[:num],
                          Walk(walk.accepted_nodes[:num], walk.accept_len[:num], walk.emitted[:num]),
-                         self.small[START, :num], packed[:num], [c[:num * w] for c in layers], w)
+                         self.small[START, :num], packed[:num], [c[:num * w] for c in layers], w,
+                         (nexts[0][:num], nexts[1][:num]))
 
     def _stage_inputs(self, proposal: Proposal, n: int, w: int, width: int, variant: str, stage: Staging) -> None:
         """The static inputs of a round: one staged copy of the requests' integers and block tables (and one of
@@ -234,12 +236,15 @@ class RoundGraphs:
         return tree, curve, slots
 
     def _epilogue(self, n: int, w: int, hidden: torch.Tensor, tree: DraftTree, curve: torch.Tensor,
-                  slots: torch.Tensor, variant: str) -> tuple[Walk, torch.Tensor]:
-        """The target's token after every row, the walk, the compaction and the packed results of bucket
-        (n, w)."""
+                  slots: torch.Tensor, variant: str) -> tuple[Walk, torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+        """The target's token after every row, the walk, the compaction, the packed results of bucket (n, w), and
+        what a round launched ahead of these results starts from (PendingStep.successors): each request's last
+        emitted token and the position after it, [n] each."""
         logits = self.model.compute_logits(hidden, fp32=variant != GREEDY)  # [n * w, vocab]
         targets = self.sampling.choose(logits, n, w, tree.depths, variant)
         walk = Speculator.walk_tree(tree, targets.view(n, w))
         Speculator.compact(self.slot_views, walk, slots)
         parts = [walk.accept_len[:, None], walk.accepted_nodes, walk.emitted, curve]
-        return walk, torch.cat([p.to(torch.float64) for p in parts], dim=1)
+        last = (walk.accept_len - 1).clamp(min=0)  # (a padding request's walk is never read: no index below 0)
+        nexts = (walk.emitted.gather(1, last[:, None])[:, 0], self.small[START, :n] + walk.accept_len)
+        return walk, torch.cat([p.to(torch.float64) for p in parts], dim=1), nexts

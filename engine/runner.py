@@ -142,7 +142,7 @@ class ModelRunner:
         none = SampleOutput(torch.empty(0, dtype=torch.int64, device=self.device), [], None, None, None)
         copy = RoundCopy(step.packed, step.walk.accepted_nodes.shape[1])
         return PendingStep([], batch, None, inputs, [], none, step.walk, features, "replay: whole round", copy,
-                           t1, t2)
+                           t1, t2, step.successors)
 
     def _launch_tree_ahead(self, plan: StepPlan, after: PendingStep) -> PendingStep:
         """A tree step for every request of `plan` (root-only trees included), launched before `after` (a

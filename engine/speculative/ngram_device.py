@@ -25,6 +25,7 @@ from engine.staging import Staging
 from ext import ops
 
 MIN_WIDTH = 2048  # tokens a row holds at first; doubled as needed
+MAX_SPARE = 8  # read-back buffers kept for reuse, the most recently read (their shapes: the batches drafted)
 
 
 @dataclass
@@ -47,6 +48,9 @@ class DeviceNgramDrafter(NgramRule):
         self._free: list[int] = []
         # tops copied back from earlier calls, oldest first: (event or None on the CPU, [N, 1 + 2L] host, slots)
         self._readbacks: deque[tuple[torch.cuda.Event | None, torch.Tensor, list[_Slot]]] = deque()
+        # pinned buffers and events whose copies were read: reused (a pinned allocation and an event cost the host
+        # more than the copy they serve)
+        self._spare: list[tuple[torch.cuda.Event, torch.Tensor]] = []
 
     def release(self, request_id: str) -> None:
         slot = self._slots.pop(request_id, None)
@@ -90,9 +94,10 @@ class DeviceNgramDrafter(NgramRule):
     def _send_back(self, tops: torch.Tensor, slots: list[_Slot]) -> None:
         """Starts the copy of a call's tops [N, 1 + 2L] to the host, read by a later call once it has landed."""
         if tops.is_cuda:
-            host = torch.empty(tops.shape, dtype=tops.dtype, pin_memory=True)
+            spare = next((i for i, (_, h) in enumerate(self._spare) if h.shape == tops.shape), None)
+            event, host = self._spare.pop(spare) if spare is not None else \
+                (torch.cuda.Event(), torch.empty(tops.shape, dtype=tops.dtype, pin_memory=True))
             host.copy_(tops, non_blocking=True)
-            event = torch.cuda.Event()
             event.record()
             self._readbacks.append((event, host, slots))
         else:
@@ -103,7 +108,11 @@ class DeviceNgramDrafter(NgramRule):
         dropped, and a draft made again at the same length replaces the earlier one, as the host drafter does)."""
         horizon = self.horizon
         while self._readbacks and (self._readbacks[0][0] is None or self._readbacks[0][0].query()):
-            _, host, slots = self._readbacks.popleft()
+            event, host, slots = self._readbacks.popleft()
+            if event is not None:
+                self._spare.append((event, host))
+                if len(self._spare) > MAX_SPARE:
+                    self._spare.pop(0)
             for slot, top in zip(slots, host.tolist()):
                 if top[0] < 0 or self._slots.get(slot.request_id) is not slot:
                     continue

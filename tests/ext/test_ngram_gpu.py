@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
+from engine.speculative.drafter import DraftRequest
 from engine.speculative.ngram_device import DeviceNgramDrafter
 from ext import build, ops, reference
 from tests.speculative.test_ddtree_e2e import prompts
@@ -89,6 +90,34 @@ def test_kernel_equals_reference(vocab, calibrate):
     matched = want[2][:, 0] >= 0
     assert matched.sum() >= len(hist) // 2  # most histories had a suffix to continue
     assert torch.equal(want[2][matched, 1], got[2][matched, 1].cpu())  # the depth-1 tops (never after a swap)
+
+
+def test_calibration_on_cuda_learns_as_on_the_cpu_through_reused_read_back_buffers():
+    """The device drafter on CUDA over calls of changing batches (requests joining and leaving), each call's tops
+    read back once landed (synchronized here, so at the next call, as on the CPU): its drafts and calibration
+    equal the CPU drafter's, and its read-back copies go through a few reused pinned buffers, not one each."""
+    assert build.load_ops() is not None, build.load_error()
+    rng = random.Random(3)
+    vocab = 32000
+    cpu, gpu = DeviceNgramDrafter(vocab), DeviceNgramDrafter(vocab, device="cuda")
+    live = dict(zip("abc", histories(rng, 3, vocab)))
+    buffers = {}  # id -> the read-back buffer (held, so no id is reused)
+    for step in range(30):
+        batch = [DraftRequest(r, list(t)) for r, t in live.items() if rng.random() < 0.8] or \
+            [DraftRequest(r, list(t)) for r, t in live.items()]
+        want = cpu.propose(batch, 8)
+        got = gpu.propose(batch, 8)
+        torch.cuda.synchronize()
+        buffers.update((id(h), h) for _, h, _ in gpu._readbacks)
+        assert torch.equal(want[1], got[1].cpu()) and torch.allclose(want[0], got[0].cpu(), atol=TOL), step
+        for r in live:  # each grows by a copied stretch or a fresh token
+            t = live[r]
+            start = rng.randrange(len(t))
+            live[r] = t + (t[start:start + rng.randrange(1, 6)] if rng.random() < 0.7 else [rng.randrange(vocab)])
+    assert sum(cpu.calibration.seen) > 20
+    assert cpu.calibration.seen == pytest.approx(gpu.calibration.seen)
+    assert cpu.calibration.hits == pytest.approx(gpu.calibration.hits)
+    assert len(buffers) <= 6  # 30 calls over 3 batch sizes (without reuse: one a call)
 
 
 def test_the_engine_drafts_on_the_device_ahead_of_results(tiny_checkpoints):

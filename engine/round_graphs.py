@@ -92,6 +92,7 @@ class RoundGraphs:
         # graphs' pool they could sit where a forward graph keeps its intermediates
         self.pool = None
         self._told: set[str] = set()
+        self._views: dict[tuple[int, int, int], tuple[torch.Tensor, ...]] = {}  # _inputs_of's
 
     # ------------------------------------------------------------------------------------------ eligibility
 
@@ -193,23 +194,37 @@ class RoundGraphs:
         their sampling parameters), the proposal, and what the previous round left on the device."""
         seqs, num = proposal.seqs, len(proposal.seqs)
         pad = [0] * (n - num)
+        flat, num_cols = flat_block_table([s.request.block_ids for s in seqs])
+        small_n, roots, starts, tables, logprobs, token_ids = self._inputs_of(num, n, num_cols)
         host_ends = proposal.roots is None
         rows = [proposal.budgets, proposal.full_budgets(self.max_budget), [width] * num,
                 [s.request.last_token_id for s in seqs] if host_ends else [0] * num,
                 [s.request.num_computed_tokens for s in seqs] if host_ends else [0] * num]
-        flat, num_cols = flat_block_table([s.request.block_ids for s in seqs])
         small, table = stage.pack([[v for row in rows for v in row + pad], flat])
-        self.small[:, :n].copy_(small.view(len(rows), n))
+        small_n.copy_(small.view(len(rows), n))
         if variant != GREEDY:
             self.sampling.stage(seqs, [s.request.num_output_tokens for s in seqs], stage,
                                 None if host_ends else proposal.depth_offsets)
         if not host_ends:
-            self.small[ROOT, :num].copy_(proposal.roots)
-            self.small[START, :num].copy_(proposal.starts)
-        graphs = self.graphs
-        graphs.block_tables[:num, :num_cols].copy_(table.view(num, num_cols))
-        self.logprobs[:num].copy_(proposal.logprobs)
-        self.token_ids[:num].copy_(proposal.token_ids)
+            roots.copy_(proposal.roots)
+            starts.copy_(proposal.starts)
+        tables.copy_(table.view(num, num_cols))
+        logprobs.copy_(proposal.logprobs)
+        token_ids.copy_(proposal.token_ids)
+
+    def _inputs_of(self, num: int, n: int, num_cols: int) -> tuple[torch.Tensor, ...]:
+        """The static inputs of `num` requests in bucket n with num_cols blocks a table, as views: the integers'
+        rows [5, n], roots and root positions [num], block tables [num, num_cols], the proposal [num, L, K] twice.
+        Kept per shape: each view is a torch call, a few us of host time a round."""
+        key = (num, n, num_cols)
+        views = self._views.get(key)
+        if views is None:
+            if len(self._views) >= 1024:  # (block-table widths grow with the context: a long run meets many)
+                self._views.clear()
+            views = self._views[key] = (self.small[:, :n], self.small[ROOT, :num], self.small[START, :num],
+                                        self.graphs.block_tables[:num, :num_cols], self.logprobs[:num],
+                                        self.token_ids[:num])
+        return views
 
     # --------------------------------------------------------------------------------------- graph bodies
 

@@ -64,11 +64,15 @@ class DraftClock:
     """How long the drafter ran: host seconds on CPU; on CUDA, a pair of events recorded around it, read once
     the step's single device-to-host copy has synchronized (so waiting on the end event costs nothing)."""
 
-    def __init__(self, device: torch.device):
+    def __init__(self, device: torch.device, spare: list | None = None):
+        """spare: event pairs of clocks already read, reused (creating two events costs the host more than
+        recording them); seconds() returns this clock's pair there."""
         self.cuda = device.type == "cuda"
         self.host_s = 0.0
         if self.cuda:
-            self.start, self.end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            self.spare = spare if spare is not None else []
+            self.start, self.end = self.spare.pop() if self.spare else \
+                (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
             self.start.record()
         self.t0 = time.perf_counter()
 
@@ -82,8 +86,13 @@ class DraftClock:
         """Call after the step's fetch: the device work is then complete (the wait below returns at once)."""
         if not self.cuda:
             return self.host_s
-        self.end.synchronize()
-        return self.start.elapsed_time(self.end) / 1000.0
+        if self.start is not None:  # (read once: its events then go back to be reused)
+            self.end.synchronize()
+            self.device_s = self.start.elapsed_time(self.end) / 1000.0
+            if len(self.spare) < 8:
+                self.spare.append((self.start, self.end))
+            self.start = self.end = None
+        return self.device_s
 
 
 @dataclass
@@ -128,6 +137,7 @@ class Speculator:
         self.grammar_pruning = grammar_pruning
         self.device = torch.device(device)  # the target's: trees live where the verify rows are
         self.stage = Staging(device)  # the runner shares its own (reset every step)
+        self._spare_events: list = []  # DraftClock's event pairs, reused once read
         self.pending_hidden: dict[str, list[torch.Tensor]] = {}  # request -> feature rows not yet drafted on
 
     def use_staging(self, stage: Staging) -> None:
@@ -240,7 +250,7 @@ class Speculator:
         top_k = self.draft_top_k
         # the drafted requests' rows, when some are not drafted
         index = self.stage([i for i, d in enumerate(drafted) if d]) if len(run) < len(seqs) else None
-        clock = DraftClock(self.device)
+        clock = DraftClock(self.device, self._spare_events)
         try:
             if batch and ahead is not None:
                 roots, positions, num_new, feats, emitted_ids = (a if a is None or index is None else a[index]

@@ -508,3 +508,23 @@ def test_pack_candidates_excludes_and_pads():
 def test_pack_candidates_rejects_bad_candidates(rows, exclude, message):
     with pytest.raises(ValueError, match=message):
         pack_candidates(rows, 4, 10, exclude=exclude)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_draft_clocks_on_cuda_time_the_device_work_between_them_and_reuse_read_events():
+    """A DraftClock on CUDA times the device work recorded between its start and stop; once read, its events go
+    back to the spare list and the next clock records with them; reading it again gives the same seconds."""
+    from engine.speculative.speculator import DraftClock
+    spare: list = []
+    first = DraftClock(torch.device("cuda"), spare)
+    torch.cuda._sleep(20_000_000)  # ~10 ms of device time at ~2 GHz
+    first.stop()
+    seconds = first.seconds()
+    assert 1e-3 < seconds < 1.0 and first.seconds() == seconds
+    assert len(spare) == 1
+    events = spare[0]
+    second = DraftClock(torch.device("cuda"), spare)
+    assert (second.start, second.end) == events and not spare
+    second.stop()
+    assert 0 <= second.seconds() < seconds  # nothing ran between its events

@@ -45,6 +45,8 @@ class StepCosts:
         """shape_of(num_seqs, width): the graph shape a decoding step runs as, (batch bucket, width bucket); None
         (no CUDA graphs): nothing is measured and every price is None."""
         self.shape_of = shape_of
+        self._buckets: dict[tuple[int, int], tuple[int, list[int]]] = {}  # _width_buckets', for _buckets_of
+        self._buckets_of = shape_of
         self.reset()
 
     def reset(self) -> None:
@@ -116,8 +118,12 @@ class StepCosts:
             return None
         batch, bucket = self.shape_of(num_seqs, width)
         plain = self._mean((batch, 1, synchronous), MIN_PLAIN_WEIGHT)
-        tree = self._mean((batch, LEAVING if leaving else bucket, synchronous), MIN_TREE_WEIGHT)
-        return None if plain is None or tree is None else max(0.0, tree - plain)
+        return None if plain is None else self._extra_over(plain, (batch, LEAVING if leaving else bucket, synchronous))
+
+    def _extra_over(self, plain: float, key: tuple) -> float | None:
+        """A shape's believed mean beyond `plain` seconds (None: not believed)."""
+        tree = self._mean(key, MIN_TREE_WEIGHT)
+        return None if tree is None else max(0.0, tree - plain)
 
     def least_fixed(self, row_seconds: float, synchronous: bool = False) -> float:
         """The least fixed part any measured tree shape of that table showed: its extra over a plain step at its
@@ -139,19 +145,32 @@ class StepCosts:
         while the plain step at this batch is not measured. None without graphs."""
         if self.shape_of is None:
             return None
-        batch = self.shape_of(num_seqs, 1)[0]
+        batch, buckets = self._width_buckets(num_seqs, top)
         plain = self._mean((batch, 1, synchronous), MIN_PLAIN_WEIGHT)
         if plain is None:
             return [UNMEASURED_PLAIN * w for w in range(top + 1)]
         fixed = None
-        out = [0.0]
-        for w in range(1, top + 1):
-            measured = self.extra(num_seqs, w + 1, synchronous=synchronous)
+        out, most = [0.0], 0.0  # most: the dearest width so far
+        prices: dict[int, float | None] = {}  # bucket -> its measured extra (widths share buckets)
+        for bucket in buckets:
+            if bucket not in prices:
+                prices[bucket] = self._extra_over(plain, (batch, bucket, synchronous))
+            measured = prices[bucket]
             if measured is None:
                 if fixed is None:
                     fixed = self.least_fixed(row_seconds, synchronous)
-                bucket = self.shape_of(num_seqs, w + 1)[1]
-                out.append(max(row_seconds * (bucket - 1) * batch + fixed, max(out)))
-            else:
-                out.append(measured)
+                measured = max(row_seconds * (bucket - 1) * batch + fixed, most)
+            out.append(measured)
+            most = max(most, measured)
         return out
+
+    def _width_buckets(self, num_seqs: int, top: int) -> tuple[int, list[int]]:
+        """(the batch bucket, the width bucket of each width w = 1..top nodes) at num_seqs requests: kept, as the
+        graphs' buckets do not change."""
+        key = (num_seqs, top)
+        if self._buckets_of is not self.shape_of:  # (set anew: its buckets may differ)
+            self._buckets, self._buckets_of = {}, self.shape_of
+        if key not in self._buckets:
+            self._buckets[key] = (self.shape_of(num_seqs, 1)[0], [self.shape_of(num_seqs, w + 1)[1]
+                                                                  for w in range(1, top + 1)])
+        return self._buckets[key]

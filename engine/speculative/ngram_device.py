@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from engine.request import TokenView
 from engine.speculative.drafter import DraftRequest, proposal_width
 from engine.speculative.ngram import CAL_PRIOR, NgramRule, rewritten
 from engine.staging import Staging
@@ -34,6 +35,9 @@ class _Slot:
     row: int
     tokens: list[int] = field(default_factory=list)  # committed tokens written into the row from the host
     pending: list[list] = field(default_factory=list)  # the calibration's unchecked tops (Calibration.check)
+    # the request's token lists when its tokens came as a TokenView (the engine only appends to them): while the
+    # same lists come, the history was not rewritten and needs no check
+    lists: tuple | None = None
 
 
 class DeviceNgramDrafter(NgramRule):
@@ -129,8 +133,12 @@ class DeviceNgramDrafter(NgramRule):
         width, starts, counts, values = self.table.shape[1], [], [], []
         for slot, req, num_tokens in zip(slots, batch, lengths):
             toks = req.token_ids
-            if rewritten(slot.tokens, toks):
+            lists = (toks.prompt, toks.output) if isinstance(toks, TokenView) else None
+            same = lists is not None and slot.lists is not None and \
+                lists[0] is slot.lists[0] and lists[1] is slot.lists[1]
+            if not same and rewritten(slot.tokens, toks):
                 slot.tokens, slot.pending = [], []  # write it all again
+            slot.lists = lists
             done = len(slot.tokens)
             if done < num_tokens:
                 new = toks[done:num_tokens]

@@ -115,6 +115,26 @@ def test_long_histories_grow_the_table_and_a_rewritten_history_is_written_again(
                 dev.propose([DraftRequest("a", other)], 8), "rewritten")
 
 
+def test_a_requests_token_view_is_written_as_it_grows_and_a_new_request_under_its_id_is_written_again():
+    """Tokens as the engine passes them (a TokenView over the request's own lists): while the same lists come the
+    drafter writes only their new tokens; a new request under the same id (other lists, another history) is
+    written again from the start."""
+    from engine.request import TokenView
+    rng = random.Random(5)
+    prompt, output = [rng.randrange(30) for _ in range(50)], []
+    host, dev = NgramDrafter(30), DeviceNgramDrafter(30)
+    for step in range(20):
+        output += grow(rng, prompt + output, 30)
+        assert_same(host.propose([DraftRequest("a", prompt + output)], 8),
+                    dev.propose([DraftRequest("a", TokenView(prompt, output))], 8), step)
+    assert dev._slots["a"].tokens == prompt + output
+    other = [(t + 1) % 30 for t in prompt + output]  # same id, another request: its own lists
+    host.release("a")
+    assert_same(host.propose([DraftRequest("a", other)], 8),
+                dev.propose([DraftRequest("a", TokenView(other[:40], other[40:]))], 8), "another request")
+    assert dev._slots["a"].tokens == other
+
+
 def test_the_device_drafter_needs_the_emitted_tokens_to_draft_ahead():
     dev = DeviceNgramDrafter(20)
     one = torch.tensor([1])

@@ -36,6 +36,7 @@ import torch
 from tqdm import tqdm
 
 from engine.staging import Staging
+from engine.table_mirror import TableMirror
 from ext.metadata import AttentionMetadata, block_table_rows
 
 logger = logging.getLogger("ddtree.engine")
@@ -150,6 +151,7 @@ class CudaGraphs:
         self.query_start_loc = torch.zeros(seqs + 1, **i32)
         self.seq_lens = torch.zeros(seqs, **i32)
         self.block_tables = torch.zeros(seqs, max(max_blocks, len(scratch_blocks)), **i32)
+        self.table_mirror = TableMirror()  # the rows write_tables wrote (anything else writing rows forgets them)
         self.tree_masks = {w: torch.zeros(rows, w, dtype=torch.bool, device=device) for w in every_width if w > 1}
         # the scratch blocks and their slots, on the device once (a host list copied every step would synchronize)
         self.scratch = torch.tensor(scratch_blocks, dtype=torch.int32, device=device)
@@ -249,6 +251,7 @@ class CudaGraphs:
             self.positions.index_copy_(0, rows, meta.positions)
             self.slot_mapping.index_copy_(0, rows, meta.slot_mapping)
         self.seq_lens[:num_seqs].copy_(meta.seq_lens if w == width else meta.seq_lens + (w - width))
+        self.table_mirror.forget(0, num_seqs)
         self.block_tables[:num_seqs, :meta.block_tables.shape[1]].copy_(meta.block_tables)  # columns past a
         # request's last block are never read (the kernels stop at its length)
         if w > 1:
@@ -279,9 +282,23 @@ class CudaGraphs:
         stage.into(self.positions[:num_seqs], positions)
         stage.into(self.slot_mapping[:num_seqs], slots)
         stage.into(self.seq_lens[:num_seqs], seq_lens)
-        table = block_table_rows(tables, table_runs)  # columns past a request's last block are never read
-        self.block_tables[:num_seqs, :table.shape[1]].copy_(stage(table, torch.int32))
+        self.write_tables(tables, stage, table_runs)
         return key
+
+    def write_tables(self, tables: list[list[int]], stage: Staging, runs: bool = False) -> None:
+        """Block-table rows 0 .. len(tables) - 1 hold `tables` (columns past a request's last block are never read):
+        only the rows whose lists changed since this wrote them are written (TableMirror). runs: as write_decode."""
+        if runs:  # an admission step's one-row requests, a few lists repeated: not worth recording
+            self.table_mirror.forget(0, len(tables))
+            changed = range(len(tables))
+        else:
+            changed = self.table_mirror.changed(tables)
+        if 2 * len(changed) > len(tables):  # most of them: all in one copy
+            table = block_table_rows(tables, runs)
+            self.block_tables[:len(tables), :table.shape[1]].copy_(stage(table, torch.int32))
+        elif changed:
+            table = block_table_rows([tables[i] for i in changed])
+            self.block_tables[stage(changed), :table.shape[1]] = stage(table, torch.int32)
 
     def replay_rows(self, key: tuple[int, int, int], num_seqs: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """The first num_seqs rows of hidden and captured layers after replaying a bucket that write_decode()
@@ -341,6 +358,7 @@ class CudaGraphs:
             self.slot_mapping[first * w:n * w].copy_(slots.repeat(n - first))
             self.query_start_loc[first:n + 1].copy_(torch.arange(first, n + 1, device=self.device) * w)
             self.seq_lens[first:n].fill_(w)
+            self.table_mirror.forget(first, n)
             self.block_tables[first:n].zero_()
             self.block_tables[first:n, :len(self.scratch_blocks)].copy_(scratch)
             if w > 1:

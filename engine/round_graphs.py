@@ -14,8 +14,8 @@ full-context plain-decoding forward) and a few copies:
 
 Without it the same step launches ~150 operators from the host after the forward's replay, which at small
 batches bounds the step. Inputs live in static buffers the host fills with one staged copy (budgets, roots,
-root positions, seeds, output counts, block tables), one more for sampling parameters, and two device copies
-(the proposal); roots, root positions and output offsets may come from the previous tree step's epilogue on
+root positions, seeds, output counts), one more for sampling parameters, the block-table rows whose lists changed
+(CudaGraphs.write_tables), and two device copies (the proposal); roots, root positions and output offsets may come from the previous tree step's epilogue on
 the device (a step launched ahead of its predecessor's results).
 
 Invariants: rows a request does not own in the bucket (its rows past the step's W, and every row of a padding
@@ -39,7 +39,7 @@ from engine.plan import ScheduledSeq
 from engine.speculative.speculator import Proposal, Speculator, Walk
 from engine.speculative.tree import DraftTree
 from engine.staging import Staging
-from ext.metadata import flat_block_table, slots_on_device
+from ext.metadata import slots_on_device
 
 logger = logging.getLogger("ddtree.engine")
 
@@ -92,7 +92,7 @@ class RoundGraphs:
         # graphs' pool they could sit where a forward graph keeps its intermediates
         self.pool = None
         self._told: set[str] = set()
-        self._views: dict[tuple[int, int, int], tuple[torch.Tensor, ...]] = {}  # _inputs_of's
+        self._views: dict[tuple[int, int], tuple[torch.Tensor, ...]] = {}  # _inputs_of's
 
     # ------------------------------------------------------------------------------------------ eligibility
 
@@ -194,36 +194,31 @@ class RoundGraphs:
         their sampling parameters), the proposal, and what the previous round left on the device."""
         seqs, num = proposal.seqs, len(proposal.seqs)
         pad = [0] * (n - num)
-        flat, num_cols = flat_block_table([s.request.block_ids for s in seqs])
-        small_n, roots, starts, tables, logprobs, token_ids = self._inputs_of(num, n, num_cols)
+        small_n, roots, starts, logprobs, token_ids = self._inputs_of(num, n)
         host_ends = proposal.roots is None
         rows = [proposal.budgets, proposal.full_budgets(self.max_budget), [width] * num,
                 [s.request.last_token_id for s in seqs] if host_ends else [0] * num,
                 [s.request.num_computed_tokens for s in seqs] if host_ends else [0] * num]
-        small, table = stage.pack([[v for row in rows for v in row + pad], flat])
-        small_n.copy_(small.view(len(rows), n))
+        small_n.copy_(stage([v for row in rows for v in row + pad]).view(len(rows), n))
+        self.graphs.write_tables([s.request.block_ids for s in seqs], stage)
         if variant != GREEDY:
             self.sampling.stage(seqs, [s.request.num_output_tokens for s in seqs], stage,
                                 None if host_ends else proposal.depth_offsets)
         if not host_ends:
             roots.copy_(proposal.roots)
             starts.copy_(proposal.starts)
-        tables.copy_(table.view(num, num_cols))
         logprobs.copy_(proposal.logprobs)
         token_ids.copy_(proposal.token_ids)
 
-    def _inputs_of(self, num: int, n: int, num_cols: int) -> tuple[torch.Tensor, ...]:
-        """The static inputs of `num` requests in bucket n with num_cols blocks a table, as views: the integers'
-        rows [5, n], roots and root positions [num], block tables [num, num_cols], the proposal [num, L, K] twice.
-        Kept per shape: each view is a torch call, a few us of host time a round."""
-        key = (num, n, num_cols)
+    def _inputs_of(self, num: int, n: int) -> tuple[torch.Tensor, ...]:
+        """The static inputs of `num` requests in bucket n, as views: the integers' rows [5, n], roots and root
+        positions [num], the proposal [num, L, K] twice. Kept per shape: each view is a torch call, a few us of host
+        time a round."""
+        key = (num, n)
         views = self._views.get(key)
         if views is None:
-            if len(self._views) >= 1024:  # (block-table widths grow with the context: a long run meets many)
-                self._views.clear()
             views = self._views[key] = (self.small[:, :n], self.small[ROOT, :num], self.small[START, :num],
-                                        self.graphs.block_tables[:num, :num_cols], self.logprobs[:num],
-                                        self.token_ids[:num])
+                                        self.logprobs[:num], self.token_ids[:num])
         return views
 
     # --------------------------------------------------------------------------------------- graph bodies

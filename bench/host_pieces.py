@@ -1,0 +1,71 @@
+"""Host time of a few pieces of a step, outside any engine, in microseconds a call: the staging of a small array
+(pinned and copied on CUDA), the adaptive budget's width prices (StepCosts.width_seconds, 16 widths), and a batch's
+block-table rows as an array (block_table_rows: every row, as plain steps wrote them before 2026-12-07, against
+TableMirror's comparison and the changed rows only). Runs against whichever tree is first on PYTHONPATH (pieces a
+tree lacks are skipped), so two trees can be compared in one sitting.
+
+    python bench/host_pieces.py --device cuda
+    PYTHONPATH=<other tree> python bench/host_pieces.py
+"""
+from __future__ import annotations
+
+import argparse
+import random
+import time
+
+import torch
+
+
+def per_call_us(fn, calls: int = 2000) -> float:
+    for _ in range(100):
+        fn()
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    return (time.perf_counter() - start) / calls * 1e6
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--batch", type=int, default=64)
+    p.add_argument("--blocks", type=int, default=33, help="blocks a request holds (its context / block size)")
+    p.add_argument("--changed", type=int, default=4, help="rows whose lists grew since the last step")
+    args = p.parse_args()
+    from engine.cuda_graphs import graph_shape
+    from engine.speculative.step_costs import StepCosts
+    from engine.staging import Staging
+    from ext.metadata import block_table_rows
+
+    stage = Staging(args.device)
+    values = list(range(16))
+    print(f"Staging(16 ints): {per_call_us(lambda: (stage.reset(), stage(values))):.1f} us")
+    costs = StepCosts(graph_shape)
+    for _ in range(5):
+        for n, w, s in ((1, 1, 7e-4), (1, 3, 1.1e-3), (1, 9, 1.3e-3), (64, 1, 1.5e-3), (64, 5, 3e-3)):
+            costs.observe(n, w, s)
+    for n in (1, 64):
+        print(f"width_seconds(batch {n}, 16 widths): {per_call_us(lambda: costs.width_seconds(n, 16, 1e-6)):.1f} us")
+    rng = random.Random(0)
+    tables = [[rng.randrange(10000) for _ in range(args.blocks)] for _ in range(args.batch)]
+    print(f"block_table_rows(all {args.batch} rows of {args.blocks}): "
+          f"{per_call_us(lambda: block_table_rows(tables)):.1f} us")
+    try:
+        from engine.table_mirror import TableMirror
+    except ImportError:
+        return
+    mirror = TableMirror()
+    mirror.changed(tables)
+    grown = tables[:]
+
+    def changed_rows():
+        for i in range(args.changed):  # a few lists grew by a block since the last step
+            grown[i] = tables[i] + [1] if grown[i] is tables[i] else tables[i]
+        rows = mirror.changed(grown)
+        return block_table_rows([grown[i] for i in rows])
+
+    print(f"TableMirror.changed + the {args.changed} changed rows: {per_call_us(changed_rows):.1f} us")
+
+
+if __name__ == "__main__":
+    main()

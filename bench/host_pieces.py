@@ -10,19 +10,14 @@ tree lacks are skipped), so two trees can be compared in one sitting.
 from __future__ import annotations
 
 import argparse
+import os
 import random
-import time
+import sys
 
-import torch
+# after PYTHONPATH: the tree measured is the first there (this one by default)
+sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-
-def per_call_us(fn, calls: int = 2000) -> float:
-    for _ in range(100):
-        fn()
-    start = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    return (time.perf_counter() - start) / calls * 1e6
+from bench.budget_host import per_step_us as per_call_us  # noqa: E402
 
 
 def main() -> None:

@@ -43,12 +43,20 @@ def test_into_on_cuda_copies_from_pinned_regions_that_alternate_by_step():
     assert first.is_pinned() and first[:2048].tolist() == list(range(2048))
 
 
-@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
-    not torch.cuda.is_available(), reason="needs CUDA")])])
-def test_staged_values_arrive_whole_in_their_shape_and_dtype(device):
+@pytest.mark.parametrize("device", ["cpu", "cpu-as-pinned", pytest.param("cuda", marks=[
+    pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")])])
+def test_staged_values_arrive_whole_in_their_shape_and_dtype(device, monkeypatch):
     """A step's staged lists, nested lists, host tensors (bf16, which numpy lacks, too), packs and scalars each come
-    back on the device as given, none overwriting another before the generation after next."""
-    stage = Staging(device)
+    back on the device as given, none overwriting another before the generation after next. cpu-as-pinned: the CUDA
+    path's regions and numpy views on the CPU (its buffers unpinned, its copies to the CPU returning the regions)."""
+    if device == "cpu-as-pinned":
+        real_empty = torch.empty
+        monkeypatch.setattr(torch, "empty", lambda *a, pin_memory=False, **k: real_empty(*a, **k))
+        stage = Staging("cpu")
+        stage.pinned = True
+        device = "cpu"
+    else:
+        stage = Staging(device)
     if device == "cuda":
         torch.cuda._sleep(50_000_000)  # the copies are still queued while the host stages the rest
     flat = stage(list(range(5)))

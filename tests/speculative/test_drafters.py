@@ -528,3 +528,37 @@ def test_draft_clocks_on_cuda_time_the_device_work_between_them_and_reuse_read_e
     assert (second.start, second.end) == events and not spare
     second.stop()
     assert 0 <= second.seconds() < seconds  # nothing ran between its events
+
+
+def test_draft_clocks_hand_their_events_back_once_read(monkeypatch):
+    """The reuse logic of DraftClock's CUDA events, with stand-in events (no CUDA needed): a clock read once gives
+    its pair back to the spare list, the next clock takes it, and reading twice neither re-reads nor gives it back
+    twice (two clocks sharing a pair would time each other)."""
+    from engine.speculative.speculator import DraftClock
+
+    class Event:
+        made = 0
+
+        def __init__(self, enable_timing=False):
+            Event.made += 1
+            self.t = None
+
+        def record(self):
+            self.t = Event.made * 1000.0 + len(spare)
+
+        def synchronize(self):
+            pass
+
+        def elapsed_time(self, end):
+            return end.t - self.t
+
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    spare: list = []
+    first = DraftClock(torch.device("cuda"), spare).stop()
+    assert Event.made == 2 and first.seconds() == first.seconds() and len(spare) == 1
+    second = DraftClock(torch.device("cuda"), spare)
+    assert Event.made == 2 and not spare  # the first clock's pair, not a new one
+    second.stop()
+    second.seconds()
+    second.seconds()
+    assert len(spare) == 1

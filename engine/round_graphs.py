@@ -15,8 +15,8 @@ full-context plain-decoding forward) and a few copies:
 Without it the same step launches ~150 operators from the host after the forward's replay, which at small
 batches bounds the step. Inputs live in static buffers the host fills with one staged copy (budgets, roots,
 root positions, seeds, output counts), one more for sampling parameters, the block-table rows whose lists changed
-(CudaGraphs.write_tables), and two device copies (the proposal); roots, root positions and output offsets may come from the previous tree step's epilogue on
-the device (a step launched ahead of its predecessor's results).
+(CudaGraphs.write_tables), and two device copies (the proposal); roots, root positions and output offsets may come
+from the previous tree step's epilogue on the device (a step launched ahead of its predecessor's results).
 
 Invariants: rows a request does not own in the bucket (its rows past the step's W, and every row of a padding
 request) write their K/V into the scratch slots (engine/cuda_graphs.py) and are never accepted; a bucket's
@@ -179,14 +179,15 @@ class RoundGraphs:
             graph.replay()
             built = rnd.built
         tree, curve, slots = built
+        starts = self._inputs_of(num, n)[2]
         if num == n:  # the bucket holds just these requests: its outputs as they are (each cut costs a torch call)
-            return RoundStep(tree, curve, slots, walk, self.small[START, :num], packed,
+            return RoundStep(tree, curve, slots, walk, starts, packed,
                              [c if c.shape[0] == num * w else c[:num * w] for c in layers], w, nexts)
         cut = DraftTree(*(t[:num] for t in (tree.node_token_ids, tree.parents, tree.depths, tree.num_nodes,
                                             tree.visibility, tree.scores)), tree.max_depth)
         return RoundStep(cut, curve[:num], slots[:num],
                          Walk(walk.accepted_nodes[:num], walk.accept_len[:num], walk.emitted[:num]),
-                         self.small[START, :num], packed[:num], [c[:num * w] for c in layers], w,
+                         starts, packed[:num], [c[:num * w] for c in layers], w,
                          (nexts[0][:num], nexts[1][:num]))
 
     def _stage_inputs(self, proposal: Proposal, n: int, w: int, width: int, variant: str, stage: Staging) -> None:

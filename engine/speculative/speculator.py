@@ -60,6 +60,9 @@ class TreeBatch:
         return len(self.seqs)
 
 
+MAX_SPARE_CLOCKS = 8  # event pairs of read clocks kept for reuse (a step reads one or two)
+
+
 class DraftClock:
     """How long the drafter ran: host seconds on CPU; on CUDA, a pair of events recorded around it, read once
     the step's single device-to-host copy has synchronized (so waiting on the end event costs nothing)."""
@@ -89,7 +92,7 @@ class DraftClock:
         if self.start is not None:  # (read once: its events then go back to be reused)
             self.end.synchronize()
             self.device_s = self.start.elapsed_time(self.end) / 1000.0
-            if len(self.spare) < 8:
+            if len(self.spare) < MAX_SPARE_CLOCKS:
                 self.spare.append((self.start, self.end))
             self.start = self.end = None
         return self.device_s

@@ -111,14 +111,14 @@ class StepCosts:
                 extras[key[1] == LEAVING].append(max(0.0, total / weight - plain))
         return plain, min(extras[False], default=None), min(extras[True], default=0.0)
 
-    def extra(self, num_seqs: int, width: int, leaving: bool = False, synchronous: bool = False) -> float | None:
-        """Seconds a step of `width` rows a request (or the leaving round) costs beyond a plain step at this batch
-        (run ahead, or both synchronous), as measured and believed; None when either is not."""
+    def extra(self, num_seqs: int, width: int, leaving: bool = False) -> float | None:
+        """Seconds a step of `width` rows a request (or the leaving round) costs beyond a plain step at this batch,
+        both run ahead, as measured and believed; None when either is not."""
         if self.shape_of is None:
             return None
         batch, bucket = self.shape_of(num_seqs, width)
-        plain = self._mean((batch, 1, synchronous), MIN_PLAIN_WEIGHT)
-        return None if plain is None else self._extra_over(plain, (batch, LEAVING if leaving else bucket, synchronous))
+        plain = self._mean((batch, 1, False), MIN_PLAIN_WEIGHT)
+        return None if plain is None else self._extra_over(plain, (batch, LEAVING if leaving else bucket, False))
 
     def _extra_over(self, plain: float, key: tuple) -> float | None:
         """A shape's believed mean beyond `plain` seconds (None: not believed)."""

@@ -100,6 +100,7 @@ class BudgetController(StepBudgets, TreeValue):
         self.accepted = self.predicted = 0.0  # decayed sums over every request: a new request's calibration
         self.bins = ReliabilityBins()
         self._costs: tuple[float, float] | None = None  # (threshold, draft_tokens) until the next observation
+        self._stacks: list[tuple] = []  # (node_q lists, q, bins) of the last records valued together (TreeValue)
         self.latest: RequestRecord | None = None  # the last request whose tree was verified: a new one's guess
         self.clock = 0  # engine steps observed: probes and interval drafts wait for a multiple of PROBE_EVERY
         self.switch = SwitchCost()  # under asynchronous scheduling: what a step that cannot run ahead costs more
@@ -232,6 +233,7 @@ class BudgetController(StepBudgets, TreeValue):
             stats = self.requests[request_id] = RequestRecord()
         num_nodes = len(confidence) // 2
         stats.node_q, stats.node_bins = confidence[:num_nodes], list(map(int, confidence[num_nodes:]))
+        stats.best = None  # (value_together's, of the previous tree)
         stats.q_total = sum(stats.node_q[:self.max_budget])
         if stats.failed_q is not None and sum(stats.node_q[:PROBE_BUDGET]) > stats.failed_q + CONFIDENCE_RISE:
             # the drafter is surer than when its probe failed (a reply that starts copying): probe at once again
@@ -320,9 +322,12 @@ class BudgetController(StepBudgets, TreeValue):
     def _choose(self, stats: RequestRecord, ahead: bool) -> tuple[int, str | None]:
         """(the request's budget, what counting it does to its probe state)."""
         theta = self.threshold()
-        if self._cannot_pay(stats, theta):
+        if stats.best is not None and stats.best[0] == (self.version, theta):
+            chosen = stats.best[1]  # (worked out for the whole step, StepBudgets.value_step: 0 where it cannot pay)
+        elif self._cannot_pay(stats, theta):
             return 0, None
-        chosen = self._net_best(stats, theta)
+        else:
+            chosen = self._net_best(stats, theta)
         if chosen == 0 and nodes_above(stats.node_q[:self.max_budget], theta):
             # the drafter is confident but this request's record says it is wrong: verify a small tree now
             # and then, in case it has become right; at once when that record is only the engine's prior (a

@@ -27,6 +27,7 @@ class RequestRecord:
     probe_unobserved: bool = False  # a counted probe whose step has not been observed (StepBudgets' explore back-off)
     verified: bool = False  # a tree of the request's own was verified (else its record is the engine's prior)
     gains: tuple | None = None  # (version, its nodes' expected accepted drafts): _gains until the next observation
+    best: tuple | None = None  # ((version, threshold), _net_best's answer) worked out for a whole step: value_together
 
 
 def nodes_above(node_q: list[float], theta: float) -> int:

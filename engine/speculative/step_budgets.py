@@ -6,8 +6,11 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 
+import numpy as np
+
 from engine.speculative.request_record import AT_ZERO, PROBED, draft_due
-from engine.speculative.step_width import common_width, uniform_width
+from engine.speculative.step_width import common_width, uniform_width, uniform_width_array
+from engine.speculative.tree_value import VALUE_TOGETHER
 
 
 class StepBudgets:
@@ -94,6 +97,7 @@ class StepBudgets:
         held = self._held() if dry and ahead else None
         if held is not None:  # a request the held decision does not cover (just admitted) is asked
             return [0 if rid in held[1] else self._answer(rid, dry, ahead) for rid in request_ids]
+        self.value_step(request_ids, ahead)
         return [self._answer(rid, dry, ahead) for rid in request_ids]
 
     def count_plain(self, request_ids: list[str]) -> None:
@@ -111,6 +115,8 @@ class StepBudgets:
             return
         self.batch = len(request_ids)
         held = self._held()
+        if held is None:
+            self.value_step(request_ids, True)
         effects: list = []  # (request id, record, effect) of the requests whose probe state counting changed
         for rid in request_ids:
             if held is None or rid not in held[1]:
@@ -124,6 +130,27 @@ class StepBudgets:
                 all(effect != PROBED for _, _, effect in effects):
             at_zero = {rid: stats for rid, stats, effect in effects if effect == AT_ZERO}
             self._hold = ((self.events, (self.clock + 1) // HOLD_EVERY), set(request_ids), at_zero)
+
+    def value_step(self, request_ids: list[str], ahead: bool) -> None:
+        """Before a step's requests are answered one by one (_choose): the own trees with mass of those without a dry
+        answer standing for this step valued at once, their `best` 0 where the tree cannot pay (_cannot_pay, whose
+        answer is then _choose's whatever the probe state: its first node is below the threshold) and the others
+        valued together (TreeValue.value_together), when there are enough of them."""
+        if len(request_ids) < VALUE_TOGETHER or not self.enabled or not self.guard.allows_trees():
+            return
+        key, theta = (self.version, ahead), self.threshold()
+        best = ((self.version, theta), 0)
+        records = []
+        for rid in request_ids:
+            stats = self.requests.get(rid)
+            if stats is None or not stats.node_q or stats.q_total == 0.0 or \
+                    (stats.pending is not None and stats.pending[0] == key):
+                continue
+            if self._cannot_pay(stats, theta):
+                stats.best = best
+            else:
+                records.append(stats)
+        self.value_together(records, theta)
 
     def _held(self) -> tuple | None:
         """count_plain's held decision when it stands for the step planned ahead now: (its key, the request ids it
@@ -176,10 +203,12 @@ class StepBudgets:
         if not self.enabled or not any(budgets):
             return budgets
         caps = [max(0, c) for c in caps]
-        gains, probes = self._step_gains(request_ids, budgets, caps)
         n = len(request_ids)
-        return uniform_width(gains, caps, self.threshold(), self.draft_tokens(), probes, self.switch_tokens(n),
-                             self._width_costs(n, max(caps, default=0), synchronous and self.pipelined))
+        # (from VALUE_TOGETHER requests on, the gains and the width in numpy passes over the whole batch)
+        gains, probes = (self._step_gain_rows if n >= VALUE_TOGETHER else self._step_gains)(request_ids, budgets, caps)
+        width = uniform_width_array if n >= VALUE_TOGETHER else uniform_width
+        return width(gains, caps, self.threshold(), self.draft_tokens(), probes, self.switch_tokens(n),
+                     self._width_costs(n, max(caps, default=0), synchronous and self.pipelined))
 
     def _width_costs(self, num_seqs: int, top: int, synchronous: bool = False) -> list[float] | None:
         """What each width 0..top costs a step of num_seqs requests in tokens, as measured per graph shape
@@ -261,6 +290,29 @@ class StepBudgets:
             yield
         finally:
             self._after = saved
+
+    def _step_gain_rows(self, request_ids: list[str], budgets: list[int], caps: list[int]
+                        ) -> tuple[np.ndarray, list[int]]:
+        """_step_gains as an [n, max(caps)] array, zero past each cap: the trees of the requests' own valued
+        together (TreeValue.gain_rows), a borrowed tree's gains row by row."""
+        top = max(caps, default=0)
+        gains = np.zeros((len(request_ids), top))
+        records = [self.requests.get(rid) for rid in request_ids]
+        own = [i for i, stats in enumerate(records) if stats is not None and stats.node_q]
+        if own and top:
+            rows = self.gain_rows([records[i] for i in own])[:, :top]
+            gains[own, :rows.shape[1]] = rows
+        lender = self._lender()
+        probes = []
+        for i, (stats, budget, cap) in enumerate(zip(records, budgets, caps)):
+            if stats is None or not stats.node_q:
+                if lender is not None and cap > 0:
+                    row = self._gains(lender, 1.0, cap)
+                    gains[i, :len(row)] = row
+                probes.append(0)
+            else:
+                probes.append(budget if budget and self._is_probe(stats) else 0)
+        return np.where(np.arange(top) < np.asarray(caps)[:, None], gains, 0.0), probes
 
     def _step_gains(self, request_ids: list[str], budgets: list[int], lengths: list[int]
                     ) -> tuple[list[list[float]], list[int]]:

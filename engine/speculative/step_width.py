@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from itertools import accumulate
 
+import numpy as np
+
 
 def common_width(gains: list[list[float]], budgets: list[int], theta: float,
                  fixed: list[bool] | None = None) -> list[int]:
@@ -76,3 +78,33 @@ def uniform_width(gains: list[list[float]], caps: list[int], theta: float, draft
     if best_w == 0:
         return [0] * n
     return [min(best_w, cap) if probe or row[best_w] > 0 else 0 for row, cap, probe in zip(rows, caps, fixed)]
+
+
+def uniform_width_array(gains: np.ndarray, caps: list[int], theta: float, draft_cost: float,
+                        fixed: list[int] | None = None, switch_cost: float = 0.0,
+                        width_costs: list[float] | None = None) -> list[int]:
+    """uniform_width over a whole batch's gains at once: gains [n, max(caps)], each row zero past its cap and its
+    tree. The same sums in the same order (prefix sums left to right, each width's requests summed in batch order;
+    Python's sum of floats compensates its rounding since 3.12, so there two widths within rounding of each
+    other may tie differently), in a few numpy passes instead of a Python loop a request and a width (~270 us at
+    batch 64 on the 2-core CPU)."""
+    n, top = len(caps), max(caps, default=0)
+    fixed = fixed or [0] * n
+    floor = max(fixed, default=0)
+    rows = np.empty((n, top + 1))  # rows[i, w]: the gain of request i's first min(w, cap_i) nodes, net of drafting
+    rows[:, 0] = -draft_cost
+    rows[:, 1:] = gains[:, :top]
+    rows = np.cumsum(rows, axis=1)
+    cost = theta * np.arange(top + 1) * n if width_costs is None else np.asarray(width_costs[:top + 1])
+    net = np.cumsum(np.where(rows > 0.0, rows, 0.0), axis=0)[-1] - cost - switch_cost  # [top + 1]
+    probes = [i for i in range(n) if fixed[i]]
+    if probes:  # a probe counts whatever its gain
+        held = rows[probes]
+        net = net + np.cumsum(np.where(held <= 0.0, held, 0.0), axis=0)[-1]
+    low = max(1, floor)
+    if low > top:
+        return [0] * n
+    best_w = low + int(net[low:].argmax())
+    if not net[best_w] > (0.0 if floor == 0 else float("-inf")):
+        return [0] * n
+    return [min(best_w, cap) if probe or row > 0 else 0 for row, cap, probe in zip(rows[:, best_w].tolist(), caps, fixed)]

@@ -7,10 +7,14 @@ from __future__ import annotations
 
 from itertools import accumulate
 
+import numpy as np
+
+from engine.speculative.confidence import NUM_BINS
 from engine.speculative.request_record import RequestRecord
 
 PRIOR_WEIGHT = 4.0  # predicted drafts of the engine-wide record behind a request's own (calibration); also the
 # pseudo-observations behind the cost prior (adaptive.py)
+VALUE_TOGETHER = 10  # a step's requests from this many on are valued in one numpy pass (value_together)
 
 
 class TreeValue:
@@ -36,6 +40,60 @@ class TreeValue:
             if total - theta * j > best_net:
                 best, best_net = j, total - theta * j
         return best if best and best_net > self.draft_tokens() else 0
+
+    def value_together(self, records: list[RequestRecord], theta: float) -> None:
+        """_net_best of each record's own tree at `theta`, worked out in one numpy pass over an [n, budget] array and
+        kept on the record until the next observation (its `best`, which _choose answers from). The values are
+        _net_best's: the same products in the same order, prefix sums taken left to right, the first best prefix;
+        padding nodes (gain 0) never raise a prefix's net. Node by node in Python it took ~220 of the ~240 us a
+        batch-64 step's dry budgets cost on the 2-core CPU (bench/budget_host.py)."""
+        if len(records) < VALUE_TOGETHER:
+            return
+        gains = self.gain_rows(records)  # [n, budget]
+        net = np.cumsum(gains, axis=1) - theta * np.arange(1, gains.shape[1] + 1)  # [n, budget]
+        last = net.argmax(axis=1)
+        best_net = net[np.arange(len(records)), last]
+        chosen = np.where((best_net > 0.0) & (best_net > self.draft_tokens()), last + 1, 0).tolist()
+        key = (self.version, theta)
+        for stats, best in zip(records, chosen):
+            stats.best = (key, best)
+
+    def gain_rows(self, records: list[RequestRecord]) -> np.ndarray:
+        """[n, budget] each record's own nodes' expected accepted drafts, best-first, zero past its tree: _gains's
+        values (standing from its record), the same products in the same order."""
+        q, bins = self._stacked(records)  # [n, budget] each
+        engine = self._engine_ratio()
+        reliability = np.asarray(self.bins.curve(engine))  # [NUM_BINS]
+        scale = np.array([self._standing(stats, None) for stats in records])  # [n]
+        gains = q * reliability[bins] * scale[:, None]
+        capped = scale * self.bins.ceiling(engine) > 1.0  # (a node is accepted at most once)
+        if capped.any():
+            gains = np.where(capped[:, None], np.minimum(gains, 1.0), gains)
+        return gains
+
+    def _stacked(self, records: list[RequestRecord]) -> tuple[np.ndarray, np.ndarray]:
+        """The records' node q and bins as [n, budget] arrays (zero-padded; the last bin), kept while the same
+        records hold the same trees (a tree arrives as a new list: _set_tree); the last two sets are kept (a step's
+        dry answers value the trees that may pay, its width all of them)."""
+        lists = [stats.node_q for stats in records]
+        for kept in self._stacks:
+            if len(kept[0]) == len(lists) and all(a is b for a, b in zip(kept[0], lists)):
+                return kept[1], kept[2]
+        budget = self.max_budget
+        q = np.zeros((len(records), budget))
+        bins = np.full((len(records), budget), NUM_BINS - 1, dtype=np.int64)
+        lengths = {len(stats.node_q) for stats in records} | {len(stats.node_bins) for stats in records}
+        if len(lengths) == 1:  # (every tree as long: one conversion each, not one a row)
+            n = min(budget, lengths.pop())
+            q[:, :n] = np.array(lists)[:, :n]
+            bins[:, :n] = np.array([stats.node_bins for stats in records])[:, :n]
+        else:
+            for i, stats in enumerate(records):
+                n = min(budget, len(stats.node_q), len(stats.node_bins))
+                q[i, :n] = stats.node_q[:n]
+                bins[i, :n] = stats.node_bins[:n]
+        self._stacks = [(lists, q, bins), *self._stacks[:1]]
+        return q, bins
 
     def _gains(self, stats: RequestRecord, standing: float | None, num_nodes: int) -> list[float]:
         """The first num_nodes nodes' expected accepted drafts, best-first. A request's own (standing None) are

@@ -858,18 +858,18 @@ def test_a_probe_whose_tree_held_no_mass_does_not_back_off():
     assert controller.requests["r"].probe_interval == 2 * PROBE_EVERY
 
 
-def random_step(rng: random.Random, requests: list[str], controllers) -> None:
+def random_step(rng: random.Random, requests: list[str], controllers, num_nodes=lambda rng: 16) -> None:
     """One step's observations, the same for each controller: r0-r3 confident and never right (probed; one step
     in five their drafter finds nothing), r4 unsure and always right (its bins over-deliver, its few nodes just
     pay), r5 confident and right, the rest mixed (trees with and without mass); a random step time, size and
-    drafting cost."""
+    drafting cost. num_nodes(rng): each tree's nodes."""
     events = []
     for i, rid in enumerate(requests):
         if i < 4:
             scale = 1.0 if rng.random() < 0.8 else 0.0
         else:
             scale = (0.01, 1.0)[i - 4] if i < 6 else rng.choice([0.0, 0.0, 0.002, 0.05, 0.3, 1.0])
-        node_q = sorted((scale * rng.random() ** 2 for _ in range(16)), reverse=True)
+        node_q = sorted((scale * rng.random() ** 2 for _ in range(num_nodes(rng))), reverse=True)
         conf = node_confidence(np.array([node_q], dtype=np.float64))[0].tolist()
         budget = rng.choice([0, 0, 4, 16])
         right = i in (4, 5) or (i >= 6 and rng.random() < 0.6)

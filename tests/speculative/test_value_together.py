@@ -1,0 +1,100 @@
+"""A step's trees valued together (TreeValue.value_together through StepBudgets.value_step): a whole step's budgets
+asked at once equal the same requests asked one by one, answer for answer and probe state for probe state, over
+random states: trees shorter and longer than the budget, bins that over-deliver (gains capped at one token), dear
+and free drafting, trees without mass, requests that come and go, steps that observe no tree (their stacked
+arrays reused) and trees drafted before their budgets are asked (no observation in between)."""
+from __future__ import annotations
+
+import random
+
+import numpy as np
+
+from engine.speculative import step_budgets, tree_value
+from engine.speculative.confidence import node_confidence
+from engine.speculative.step_width import uniform_width, uniform_width_array
+from engine.speculative.adaptive import BudgetController
+from tests.speculative.test_adaptive import probe_state, random_step
+
+
+def test_a_steps_budgets_valued_together_equal_the_requests_asked_one_by_one(monkeypatch):
+    rng = random.Random(7)
+    together, apart = BudgetController(max_budget=16), BudgetController(max_budget=16)
+    valued, chosen, widths = [], 0, 0
+    value = tree_value.TreeValue.value_together
+
+    def counting(self, records, theta):
+        if self is together:
+            valued.append(len(records))
+        return value(self, records, theta)
+
+    monkeypatch.setattr(tree_value.TreeValue, "value_together", counting)
+    requests = [f"r{i}" for i in range(40)]
+    for step in range(300):
+        if step % 4 == 3:  # a step that observed no tree: the same lists, the arrays kept
+            for c in (together, apart):
+                c.observe_step(64, 0.004, tokens=70)
+        else:
+            random_step(rng, requests, (together, apart), num_nodes=lambda rng: rng.choice([16, 16, 16, 5, 1, 20]))
+        if step % 25 == 24:  # one request leaves, another comes (no tree of its own yet)
+            for c in (together, apart):
+                c.release(requests[10])
+            requests[10] = f"new{step}"
+        ahead = step % 3 == 0
+        mine = together.budgets_of(requests, dry=True, ahead=ahead) if step % 2 else None
+        theirs = [apart.budget(rid, dry=True, ahead=ahead) for rid in requests] if step % 2 else None
+        assert mine == theirs, step
+        if step % 7 == 6:  # each request's next tree drafted first (engine/draft_first.py): no observation between
+            for rid in requests:
+                scale = rng.choice([0.0, 0.05, 1.0])
+                curve = node_confidence(np.array([sorted((scale * rng.random() for _ in range(16)), reverse=True)]))
+                for c in (together, apart):
+                    c.observe_curve(rid, curve[0].tolist())
+        # counted: after the dry answers (reused) or alone (worked out), as budgets_of and as count_plain
+        if step % 7 == 6:  # (one by one, as the synchronous scheduler asks: the trees valued before are stale)
+            theirs = [apart.budget(rid, ahead=ahead) for rid in requests]
+            assert [together.budget(rid, ahead=ahead) for rid in requests] == theirs, step
+        elif step % 5 == 0:
+            together.count_plain(requests)
+            theirs = [apart.budget(rid, ahead=True) for rid in requests]
+        else:
+            theirs = [apart.budget(rid, ahead=ahead) for rid in requests]
+            assert together.budgets_of(requests, ahead=ahead) == theirs, step
+        chosen += sum(1 for b in theirs if b)
+        caps = [rng.choice([0, 3, 16, 16, 16]) for _ in requests]
+        with monkeypatch.context() as m:  # the width one request at a time, as at a small batch
+            m.setattr(step_budgets, "VALUE_TOGETHER", 10 ** 9)
+            width = apart.uniform(requests, theirs, caps)
+        assert together.uniform(requests, theirs, caps) == width, step
+        widths += any(width)
+        assert together.requests.keys() == apart.requests.keys()
+        for rid, record in apart.requests.items():
+            assert probe_state(together.requests[rid]) == probe_state(record), (step, rid)
+    assert chosen > 300 and sum(valued) > 2000 and widths > 50, (chosen, sum(valued), widths)
+    assert sum(1 for n in valued if n >= tree_value.VALUE_TOGETHER) > 100
+
+
+def test_the_batch_width_equals_the_width_request_by_request():
+    """uniform_width_array against uniform_width over random batches: trees shorter than their caps, caps of 0,
+    probes (whose width every tree pays) with and without gain, widths priced by rows and by measured costs, a
+    switch cost, dear and free drafting."""
+    rng = random.Random(3)
+    trees = 0
+    for trial in range(3000):
+        n = rng.choice([1, 2, 10, 40, 64])
+        caps = [rng.choice([0, 2, 8, 16, 16]) for _ in range(n)]
+        top = max(caps)
+        gains = []
+        for cap in caps:
+            scale = rng.choice([0.0, 0.01, 0.2, 1.0])
+            gains.append([min(1.0, scale * rng.random()) for _ in range(min(cap, rng.choice([1, 5, 16])))])
+        array = np.zeros((n, top))
+        for i, row in enumerate(gains):
+            array[i, :len(row)] = row
+        fixed = [rng.choice([0] * 12 + [2, 4]) if cap >= 4 else 0 for cap in caps]
+        theta = rng.choice([0.02, 0.1, 0.3])
+        costs = None if trial % 2 else sorted(rng.uniform(0, 0.5 * n) for _ in range(top + 1))
+        args = (caps, theta, rng.choice([0.0, 0.01, 0.2]), fixed, rng.choice([0.0, 1.0]), costs)
+        expected = uniform_width(gains, *args)
+        assert uniform_width_array(array, *args) == expected, trial
+        trees += any(expected)
+    assert 500 < trees < 2900, trees

@@ -17,11 +17,15 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from engine.cuda_graphs import graph_shape  # noqa: E402
 from engine.speculative.adaptive import BudgetController  # noqa: E402
+from engine.plan import ScheduledSeq, StepPlan  # noqa: E402
+from engine.request import Request, SamplingParams  # noqa: E402
 from engine.speculative.confidence import node_confidence  # noqa: E402
+from engine.step_results import StepResult  # noqa: E402
 
 NODES = 16
 
@@ -78,9 +82,36 @@ def main() -> None:
             held.budgets_of(ids, dry=True, ahead=True)
             held.count_plain(ids)
 
+        observed, _ = controller_at(batch)
+        observed.costs.shape_of = graph_shape
+        plan, plain_result, curve_result = observed_step(ids)
+
+        def observe_plain():
+            observed.observe_engine_step(plan, plain_result, 0.0013, 0.0, False, True)
+
+        def observe_curves():
+            observed.observe_engine_step(plan, curve_result, 0.0013, 0.0001, False, True)
+
         print(f"batch {batch}: dry + counted budgets_of {per_step_us(plain_step):.0f} us a step; "
               f"dry budgets_of + uniform {per_step_us(priced_step):.0f} us a step; "
-              f"dry budgets_of + count_plain under graphs {per_step_us(held_step):.0f} us a step (held 3 steps in 4)")
+              f"dry budgets_of + count_plain under graphs {per_step_us(held_step):.0f} us a step (held 3 steps in 4); "
+              f"observe_engine_step of a plain step {per_step_us(observe_plain):.0f} us, of one that drafted "
+              f"every request's curve {per_step_us(observe_curves):.0f} us")
+
+
+def observed_step(ids: list[str]) -> tuple[StepPlan, StepResult, StepResult]:
+    """A decoding step of these requests at budget 0 under CUDA graphs (each 10 tokens into its output), and its
+    results: plain, and with every request's curve drafted (16 nodes of mass)."""
+    plan = StepPlan()
+    for rid in ids:
+        request = Request([1, 2, 3], SamplingParams(max_tokens=64), request_id=rid)
+        request.output_token_ids = list(range(10))
+        plan.seqs.append(ScheduledSeq(request, 1, True, num_ahead=1))
+    plain = StepResult(new_token_ids={rid: [7] for rid in ids})
+    curve = node_confidence(np.array([[0.6 ** (j + 1) for j in range(NODES)]] * len(ids))).tolist()
+    curves = StepResult(new_token_ids={rid: [7] for rid in ids}, curves=dict(zip(ids, curve)),
+                        num_drafted=len(ids), num_curve_drafts=len(ids))
+    return plan, plain, curves
 
 
 if __name__ == "__main__":

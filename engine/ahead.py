@@ -121,6 +121,8 @@ class AheadLauncher:
     def _trees(self, current: Launched, budgets) -> Launched | None:
         t0 = time.perf_counter()
         dry = (lambda r: budgets.budget(r.request_id, dry=True, ahead=True)) if budgets else (lambda r: 10 ** 9)
+        if budgets is not None:  # (the scheduler asks them one by one)
+            budgets.value_step([s.request.request_id for s in current.plan.seqs if not s.request.finished], True)
         # a drafter fed by the target's features has not seen a prompt whose last chunk is in flight
         after_prompts = not self.speculator.capture_layer_ids
         plan = self.scheduler.schedule_ahead_trees(current.plan, dry, after_prompts)

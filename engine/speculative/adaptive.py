@@ -194,10 +194,12 @@ class BudgetController(StepBudgets, TreeValue):
             return 0.0  # too few measurements: drafting counts as free until then
         return self._in_tokens(per_request)
 
-    def observe_request(self, request_id: str, budget: int, accepted_rows: list[int], confidence: list[float]) -> None:
+    def observe_request(self, request_id: str, budget: int, accepted_rows: list[int], confidence: list[float],
+                        trees: list | None = None) -> None:
         """A tree step of one request: the budget it verified, the tree rows of its accepted drafts (row j >= 1 is
         the j-th node of the best-first order), and its full-budget tree's node confidence as node_confidence()
-        made it on the device (B node probabilities q, then their B bins)."""
+        made it on the device (B node probabilities q, then their B bins). trees: where a step's verified trees
+        gather for the reliability bins, which take them at once (observe_engine_step); None: taken now."""
         self.version += 1
         stats = self._set_tree(request_id, confidence)
         accepted = len(accepted_rows)
@@ -216,7 +218,11 @@ class BudgetController(StepBudgets, TreeValue):
             stats.verified = True
             self.accepted += accepted  # decayed by the step (observe_step)
             self.predicted += predicted
-            self.bins.observe(stats.node_q, stats.node_bins, budget, accepted_rows)
+            tree = (stats.node_q, stats.node_bins, budget, accepted_rows)
+            if trees is None:
+                self.bins.observe([tree])
+            else:
+                trees.append(tree)
             self.latest = stats
 
     def observe_curve(self, request_id: str, confidence: list[float]) -> None:

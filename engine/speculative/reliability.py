@@ -23,17 +23,19 @@ class ReliabilityBins:
         self.predicted = [factor * p for p in self.predicted]
         self._curve = None
 
-    def observe(self, node_q: list[float], node_bins: list[int], budget: int, accepted_rows: list[int]) -> None:
-        """The verified nodes of one request's tree, by confidence bin. Lists indexed by bin, not dicts: at batch 64
-        this runs 64 times a step on the host's critical path."""
-        verified = min(budget, len(node_bins))
+    def observe(self, trees: list[tuple[list[float], list[int], int, list[int]]]) -> None:
+        """A step's verified trees, each (node q, node bins, budget verified, accepted tree rows: row j >= 1 is node
+        j - 1), summed per bin over the step and added once (at batch 64 a round's 64 trees, one by one, took ~240
+        us of the host's critical path on the 2-core CPU). Lists indexed by bin, not dicts."""
         acc, pred, seen = [0] * NUM_BINS, [0.0] * NUM_BINS, [False] * NUM_BINS
-        for q, k in zip(node_q[:verified], node_bins):
-            pred[k] += q
-            seen[k] = True
-        for row in set(accepted_rows):  # row j >= 1 is node j - 1
-            if 1 <= row <= verified:
-                acc[node_bins[row - 1]] += 1
+        for node_q, node_bins, budget, accepted_rows in trees:
+            verified = min(budget, len(node_bins))
+            for q, k in zip(node_q[:verified], node_bins):
+                pred[k] += q
+                seen[k] = True
+            for row in set(accepted_rows):
+                if 1 <= row <= verified:
+                    acc[node_bins[row - 1]] += 1
         for k in range(NUM_BINS):
             if seen[k]:
                 self.accepted[k] += acc[k]

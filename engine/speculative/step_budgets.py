@@ -53,6 +53,7 @@ class StepBudgets:
         probed = self._probed(plan) if self.probes_unobserved else False
         if probed and uniform_layout and decoding and width > 1 and measured:
             self._judge_exploration(len(plan.seqs), tokens, seconds)
+        trees: list = []  # the step's verified trees, for the reliability bins at once
         for s in plan.seqs if result.curves else ():  # (no curves: no request drafted)
             rid = s.request.request_id
             if rid in result.curves and not s.request.finished:  # (finished while a step ran ahead: released)
@@ -60,7 +61,9 @@ class StepBudgets:
                 # them is what the chosen tree alone would have accepted)
                 chosen = s.spec_budget if s.chosen_budget is None else s.chosen_budget
                 accepted = [r for r in result.accepted_rows.get(rid, []) if r <= chosen]
-                self.observe_request(rid, chosen, accepted, result.curves[rid])
+                self.observe_request(rid, chosen, accepted, result.curves[rid], trees)
+        if trees:
+            self.bins.observe(trees)
 
     def _probed(self, plan) -> bool:
         """Whether the step carried a counted probe (each request's flag is consumed here)."""

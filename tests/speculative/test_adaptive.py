@@ -716,7 +716,7 @@ def test_the_budget_learns_only_from_the_nodes_it_chose():
 
     seen = []
     budgets = SimpleNamespace(observe_step=lambda *a, **k: None, observe_draft=lambda *a: None, enabled=True,
-                              observe_request=lambda *args: seen.append(args), probes_unobserved=0,
+                              observe_request=lambda *args: seen.append(args[:4]), probes_unobserved=0,
                               guard=SimpleNamespace(observe=lambda *args, **kwargs: None))
     requests = [Request([1, 2, 3], SamplingParams(max_tokens=50), request_id=r) for r in ("filled", "own")]
     plan = StepPlan([ScheduledSeq(requests[0], 1, True, 6, chosen_budget=2), ScheduledSeq(requests[1], 1, True, 6)])

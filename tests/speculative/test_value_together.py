@@ -2,12 +2,15 @@
 asked at once equal the same requests asked one by one, answer for answer and probe state for probe state, over
 random states: trees shorter and longer than the budget, bins that over-deliver (gains capped at one token), dear
 and free drafting, trees without mass, requests that come and go, steps that observe no tree (their stacked
-arrays reused) and trees drafted before their budgets are asked (no observation in between)."""
+arrays reused) and trees drafted before their budgets are asked (no observation in between). The uniform width
+over the batch in numpy equals the width request by request; a step's verified trees reach the reliability
+bins at once as they did one by one."""
 from __future__ import annotations
 
 import random
 
 import numpy as np
+import pytest
 
 from engine.speculative import step_budgets, tree_value
 from engine.speculative.confidence import node_confidence
@@ -98,3 +101,61 @@ def test_the_batch_width_equals_the_width_request_by_request():
         assert uniform_width_array(array, *args) == expected, trial
         trees += any(expected)
     assert 500 < trees < 2900, trees
+
+
+def test_a_steps_trees_reach_the_reliability_bins_at_once_as_one_by_one():
+    """ReliabilityBins.observe takes a step's verified trees at once (observe_engine_step gathers them): its sums
+    per bin, decayed and undecayed, equal those of the trees taken one by one up to rounding (the step's q are
+    summed per bin before they are added), and so does the curve the budget reads; accepted counts are exact."""
+    from engine.speculative.reliability import ReliabilityBins
+
+    rng = random.Random(5)
+    at_once, one_by_one = ReliabilityBins(), ReliabilityBins()
+    for step in range(200):
+        trees = []
+        for _ in range(rng.choice([1, 3, 64])):
+            q = sorted((rng.random() ** 3 for _ in range(16)), reverse=True)
+            conf = node_confidence(np.array([q]))[0].tolist()
+            budget = rng.choice([0, 1, 4, 16])
+            accepted = sorted(rng.sample(range(1, 17), rng.randint(0, 4)))  # some past the budget: not counted
+            trees.append((conf[:16], list(map(int, conf[16:])), budget, accepted))
+        for bins in (at_once, one_by_one):
+            bins.decay(0.9)
+        at_once.observe(trees)
+        for tree in trees:
+            one_by_one.observe([tree])
+        assert at_once.accepted == one_by_one.accepted and at_once.step_accepted == one_by_one.step_accepted
+        assert np.allclose(at_once.predicted, one_by_one.predicted, rtol=1e-12, atol=0)
+        assert np.allclose(at_once.curve(0.7), one_by_one.curve(0.7), rtol=1e-12, atol=0)
+    counts, expected = at_once.take_counts(), one_by_one.take_counts()
+    assert counts.keys() == expected.keys() and len(counts) >= 6
+    for label, (accepted, predicted) in counts.items():
+        assert accepted == expected[label][0] and predicted == pytest.approx(expected[label][1], rel=1e-12)
+    assert sum(a for a, _ in counts.values()) > 500
+
+
+def test_an_engine_steps_trees_reach_the_reliability_bins():
+    """observe_engine_step hands the bins every verified tree of the step (the nodes each request chose and the
+    accepted rows among them), once: the counts the metrics take equal those of the trees taken one by one."""
+    from engine.plan import ScheduledSeq, StepPlan, StepResult
+    from engine.request import Request, SamplingParams
+    from engine.speculative.reliability import ReliabilityBins
+
+    rng = random.Random(9)
+    controller, expected = BudgetController(max_budget=16), ReliabilityBins()
+    plan, result = StepPlan(), StepResult()
+    for i in range(12):
+        rid = f"r{i}"
+        request = Request([1, 2, 3], SamplingParams(max_tokens=64), request_id=rid)
+        chosen = rng.choice([0, 2, 4])
+        plan.seqs.append(ScheduledSeq(request, 1, True, 4, chosen_budget=chosen))
+        conf = node_confidence(np.array([sorted((rng.random() for _ in range(16)), reverse=True)]))[0].tolist()
+        result.curves[rid], result.accepted_rows[rid] = conf, [1, 2, 3][:rng.randint(0, 3)]
+        result.new_token_ids[rid] = [7] * (len(result.accepted_rows[rid]) + 1)
+        kept = [r for r in result.accepted_rows[rid] if r <= chosen]
+        expected.observe([(conf[:16], list(map(int, conf[16:])), chosen, kept)])
+    controller.observe_engine_step(plan, result, 0.01, 0.001, synchronous=False, uniform_layout=False)
+    counts, wanted = controller.take_confidence_counts(), expected.take_counts()
+    assert counts.keys() == wanted.keys() and counts
+    for label, (accepted, predicted) in counts.items():
+        assert accepted == wanted[label][0] and predicted == pytest.approx(wanted[label][1], rel=1e-12)

@@ -107,4 +107,5 @@ def uniform_width_array(gains: np.ndarray, caps: list[int], theta: float, draft_
     best_w = low + int(net[low:].argmax())
     if not net[best_w] > (0.0 if floor == 0 else float("-inf")):
         return [0] * n
-    return [min(best_w, cap) if probe or row > 0 else 0 for row, cap, probe in zip(rows[:, best_w].tolist(), caps, fixed)]
+    chosen = rows[:, best_w].tolist()
+    return [min(best_w, cap) if probe or row > 0 else 0 for row, cap, probe in zip(chosen, caps, fixed)]

@@ -94,19 +94,20 @@ def _batched_layout(meta: AttentionMetadata, seqs: list[int], starts: list[int],
 
 
 def _step_layout(meta: AttentionMetadata, on_cuda: bool) -> tuple[list, list]:
-    """The step's attention layout, the same for every layer: ([(query rows [S * num_q], KV slots [S, L], hidden
-    [S, 1, 1, num_q, L])] per batched query length, [(first row, query count, KV slots, hidden [num_q,
-    seq_len] or None)] per sequence done alone). Built by the first layer and kept on the metadata for the others
-    (~10 small ops a group, rebuilt by each of 30 layers they made a CPU tree step ~15 ms dearer than a plain one
-    at batch 16 on two threads). Not kept for CUDA tensors: a graph captured after an eager warm-up over the same
-    metadata would replay the warm-up's values."""
+    """The step's attention layout, the same for every layer: ([(query rows [S * num_q], KV slots [S * L], hidden
+    [S, num_q, 1, L] or None when every key is visible, S)] per batched query length, [(first row, query count, KV
+    slots, hidden [num_q, seq_len] or None)] per sequence done alone). Built by the first layer and kept on the
+    metadata for the others (~10 small ops a group, rebuilt by each of 30 layers they made a CPU tree step ~15 ms
+    dearer than a plain one at batch 16 on two threads). Not kept for CUDA tensors: a graph captured after an eager
+    warm-up over the same metadata would replay the warm-up's values."""
     if not on_cuda and meta._reference_layout is not None:
         return meta._reference_layout
     starts, batched, single = _groups(meta)
     groups = []
     for num_q, seqs in batched.items():
         slots, q_rows, visible = _batched_layout(meta, seqs, starts, num_q)
-        groups.append((q_rows.reshape(-1), slots, ~visible[:, None, None]))
+        hidden = ~visible[:, :, None]  # [S, num_q, 1, L]
+        groups.append((q_rows.reshape(-1), slots.reshape(-1), hidden if bool(hidden.any()) else None, len(seqs)))
     alone = []
     for seq in single:
         num_q, seq_len, q0 = meta.query_lens_host[seq], meta.seq_lens_host[seq], starts[seq]
@@ -126,38 +127,74 @@ def paged_attention(
     scale: float,
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
     out = torch.empty_like(q)
-    num_heads, head_dim = q.shape[1], q.shape[2]
-    num_kv_heads = k_cache.shape[2]
-    group = num_heads // num_kv_heads  # query head h reads KV head h // group
+    num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
     k_flat = k_cache.view(-1, num_kv_heads, head_dim)
     v_flat = v_cache.view(-1, num_kv_heads, head_dim)
     groups, alone = _step_layout(meta, q.is_cuda)
-    for q_rows, slots, hidden in groups:  # decode rows and tree-verify blocks: one batched product per length
-        num_seqs, longest = slots.shape
-        num_q = q_rows.shape[0] // num_seqs
-        k = _gather(k_flat, slots).float().permute(0, 2, 3, 1)  # [S, kv_heads, head_dim, L]
-        v = _gather(v_flat, slots).float().transpose(1, 2)  # [S, kv_heads, L, head_dim]
-        qs = q[q_rows].float().view(num_seqs, num_q, num_kv_heads, group, head_dim)
-        qs = qs.permute(0, 2, 3, 1, 4).reshape(num_seqs, num_kv_heads, group * num_q, head_dim)
-        scores = (qs @ k * scale).view(num_seqs, num_kv_heads, group, num_q, longest)
-        scores = scores.masked_fill(hidden, float("-inf"))
-        probs = scores.softmax(dim=-1).view(num_seqs, num_kv_heads, group * num_q, longest)
-        o = (probs @ v).view(num_seqs, num_kv_heads, group, num_q, head_dim).permute(0, 3, 1, 2, 4)
-        out[q_rows] = o.reshape(num_seqs * num_q, num_heads, head_dim).to(q.dtype)
+    for q_rows, slots, hidden, num_seqs in groups:  # decode rows and tree-verify blocks: batched per length
+        qs = q[q_rows].float()
+        keys, values = _gather(k_flat, slots).float(), _gather(v_flat, slots).float()
+        out[q_rows] = _attend_by_head(qs, keys, values, hidden, num_seqs, scale).to(q.dtype)
     for q0, num_q, slots, hidden in alone:
-        seq_len = slots.shape[0]
-        k = k_flat.index_select(0, slots).float().transpose(0, 1)  # [num_kv_heads, seq_len, head_dim]
-        v = v_flat.index_select(0, slots).float().transpose(0, 1)
-        # grouped bmm instead of SDPA(enable_gqa): on CPU it is several times faster for decode-sized queries
-        qs = q[q0 : q0 + num_q].float().view(num_q, num_kv_heads, group, head_dim).permute(1, 2, 0, 3)
-        scores = torch.bmm(qs.reshape(num_kv_heads, group * num_q, head_dim), k.transpose(1, 2)) * scale
-        scores = scores.view(num_kv_heads, group, num_q, seq_len)
-        if hidden is not None:
-            scores = scores.masked_fill(hidden, float("-inf"))
-        probs = scores.softmax(dim=-1).view(num_kv_heads, group * num_q, seq_len)
-        o = torch.bmm(probs, v).view(num_kv_heads, group, num_q, head_dim).permute(2, 0, 1, 3)
-        out[q0 : q0 + num_q] = o.reshape(num_q, num_heads, head_dim).to(q.dtype)
+        qs = q[q0 : q0 + num_q].float()
+        keys, values = k_flat.index_select(0, slots).float(), v_flat.index_select(0, slots).float()
+        if num_q > BATCH_MAX_QUERY:  # a long prompt chunk
+            o = _attend_by_head(qs, keys, values, None if hidden is None else hidden[None, :, None], 1, scale)
+        else:
+            o = _attend_grouped(qs, keys, values, hidden, scale)
+        out[q0 : q0 + num_q] = o.to(q.dtype)
     return out
+
+
+def _attend_by_head(
+    q: torch.Tensor,  # [S * num_q, num_heads, head_dim] fp32
+    keys: torch.Tensor,  # [S * L, num_kv_heads, head_dim] fp32
+    values: torch.Tensor,  # [S * L, num_kv_heads, head_dim] fp32
+    hidden: torch.Tensor | None,  # [S, num_q, 1, L] bool: keys a query does not see (None: it sees them all)
+    num_seqs: int,
+    scale: float,
+) -> torch.Tensor:  # [S * num_q, num_heads, head_dim] fp32
+    """Attention of S sequences with num_q queries and L keys each, one KV head at a time: both products run on
+    strided views of the gathered rows. Permuted for one product over all heads, matmul copied K and V again, each
+    a fresh buffer of the gathered size (bench/cpu_attention.py: the embedded model's decoding step at 16 requests
+    of 400 tokens 131-144 ms before, 118-124 after, on the 2-core CPU)."""
+    num_kv_heads, head_dim = keys.shape[1], keys.shape[2]
+    num_q, longest = q.shape[0] // num_seqs, keys.shape[0] // num_seqs
+    group = q.shape[1] // num_kv_heads  # query head h reads KV head h // group
+    qs = q.view(num_seqs, num_q, num_kv_heads, group, head_dim)
+    keys = keys.view(num_seqs, longest, num_kv_heads, head_dim)
+    values = values.view(num_seqs, longest, num_kv_heads, head_dim)
+    o = torch.empty(num_seqs, num_q, num_kv_heads, group, head_dim)
+    for h in range(num_kv_heads):
+        qh = qs[:, :, h].reshape(num_seqs, num_q * group, head_dim)
+        scores = torch.bmm(qh, keys[:, :, h].transpose(1, 2)).mul_(scale)  # [S, num_q * group, L]
+        if hidden is not None:
+            scores.view(num_seqs, num_q, group, longest).masked_fill_(hidden, float("-inf"))
+        o[:, :, h] = torch.bmm(scores.softmax(dim=-1), values[:, :, h]).view(num_seqs, num_q, group, head_dim)
+    return o.view(num_seqs * num_q, num_kv_heads * group, head_dim)
+
+
+def _attend_grouped(
+    q: torch.Tensor,  # [num_q, num_heads, head_dim] fp32
+    keys: torch.Tensor,  # [L, num_kv_heads, head_dim] fp32
+    values: torch.Tensor,  # [L, num_kv_heads, head_dim] fp32
+    hidden: torch.Tensor | None,  # [num_q, L] bool: keys a query does not see (None: it sees them all)
+    scale: float,
+) -> torch.Tensor:  # [num_q, num_heads, head_dim] fp32
+    """Attention of one sequence with a few queries: each KV head's group in one bmm over the heads (one head at a
+    time it was slower at a query or a few: ~0.33 against ~0.24 ms a layer at 1,000 keys on the 2-core CPU; SDPA
+    with enable_gqa several times slower)."""
+    num_q, num_heads, head_dim = q.shape
+    num_kv_heads, seq_len = keys.shape[1], keys.shape[0]
+    group = num_heads // num_kv_heads
+    qs = q.view(num_q, num_kv_heads, group, head_dim).permute(1, 2, 0, 3)
+    qs = qs.reshape(num_kv_heads, group * num_q, head_dim)
+    scores = torch.bmm(qs, keys.permute(1, 2, 0)).mul_(scale).view(num_kv_heads, group, num_q, seq_len)
+    if hidden is not None:
+        scores.masked_fill_(hidden, float("-inf"))
+    probs = scores.softmax(dim=-1).view(num_kv_heads, group * num_q, seq_len)
+    o = torch.bmm(probs, values.transpose(0, 1)).view(num_kv_heads, group, num_q, head_dim).permute(2, 0, 1, 3)
+    return o.reshape(num_q, num_heads, head_dim)
 
 
 def mla_paged_attention(

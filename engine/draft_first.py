@@ -21,7 +21,7 @@ import time
 import torch
 
 from engine.plan import ScheduledSeq
-from engine.speculative.confidence import node_confidence
+from engine.speculative.confidence import confidence_rows
 
 
 class DraftFirst:
@@ -45,7 +45,7 @@ class DraftFirst:
         t0 = time.perf_counter()
         seqs = [ScheduledSeq(r, num_new_tokens=1, sample=True) for r in decoding]
         curve, _ = self.speculator.curves(seqs)
-        rows = node_confidence(curve.cpu().numpy()).tolist()  # [N, 2B]: q, then bins
+        rows = confidence_rows(curve.cpu().numpy())  # [N] of (q, bins)
         # the wall time, tree build and copy included: it runs before the step's clock starts
         self.budgets.observe_draft(len(decoding), time.perf_counter() - t0)
         for request, confidence in zip(decoding, rows):

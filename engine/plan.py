@@ -63,9 +63,9 @@ class StepResult:
     accept_lengths: list[int] = field(default_factory=list)  # tokens produced per request (accepted + bonus)
     tree_nodes: list[int] = field(default_factory=list)  # draft nodes verified per request
     accepted_per_position: list[int] = field(default_factory=list)  # index d: drafts accepted at depth d + 1
-    # request_id -> its full-budget tree's node confidence: B draft probabilities q, then B confidence bins
-    # (engine.speculative.confidence.node_confidence, on the host; adaptive budgets)
-    curves: dict[str, list[float]] = field(default_factory=dict)
+    # request_id -> its full-budget tree's node confidence: (B draft probabilities q, their B confidence bins)
+    # (engine.speculative.confidence.confidence_rows, on the host; adaptive budgets)
+    curves: dict[str, tuple[list[float], list[int]]] = field(default_factory=dict)
     # "replay" (a CUDA graph ran the forward), "eager: <why>" where graphs exist but could not serve the step,
     # "" without graphs
     cuda_graph: str = ""

@@ -11,7 +11,7 @@ import torch
 
 from engine.plan import StepResult
 from engine.sampler import SampleOutput
-from engine.speculative.confidence import node_confidence
+from engine.speculative.confidence import confidence_rows
 from engine.speculative.speculator import TreeBatch, Walk
 
 
@@ -38,7 +38,7 @@ class HostResults:
             self.accept_len = take(num_reqs).astype(np.int64).tolist()
             self.accepted = take(num_reqs, width).astype(np.int64).tolist()
             self.emitted = take(num_reqs, width).astype(np.int64).tolist()
-        self.curves = node_confidence(take(*curve.shape)).tolist() if curve is not None else []  # [N, 2B]
+        self.curves = confidence_rows(take(*curve.shape)) if curve is not None else []  # [N] of (q, bins)
         self._lp_index = {row: k for k, row in enumerate(out.logprob_rows)}
         self._chosen = take(len(out.logprob_rows)).tolist()
         n_top = out.top_ids.shape[1] if out.top_ids is not None else 0
@@ -57,7 +57,7 @@ class HostResults:
         out.accept_len = ints[:, 0].tolist()
         out.accepted = ints[:, 1:1 + a].tolist()
         out.emitted = ints[:, 1 + a:].tolist()
-        out.curves = node_confidence(rows[:, 1 + 2 * a:]).tolist()
+        out.curves = confidence_rows(rows[:, 1 + 2 * a:])
         return out
 
     def logprob(self, row: int, num_top: int) -> tuple[float, list[tuple[int, float]]]:

@@ -231,14 +231,18 @@ class BudgetController(StepBudgets, TreeValue):
         stats = self._set_tree(request_id, confidence)
         stats.gains = stats.pending = None  # both were worked out from the previous tree
 
-    def _set_tree(self, request_id: str, confidence: list[float]) -> RequestRecord:
-        """The request's latest tree from its node confidence (B node probabilities q, then their B bins)."""
+    def _set_tree(self, request_id: str, confidence: list[float] | tuple[list[float], list[int]]) -> RequestRecord:
+        """The request's latest tree from its node confidence: B node probabilities q then their B bins, or the two
+        split (confidence.confidence_rows; kept as they are, never modified)."""
         self.events += 1
         stats = self.requests.get(request_id)
         if stats is None:
             stats = self.requests[request_id] = RequestRecord()
-        num_nodes = len(confidence) // 2
-        stats.node_q, stats.node_bins = confidence[:num_nodes], list(map(int, confidence[num_nodes:]))
+        if isinstance(confidence, tuple):  # (q, int bins): confidence_rows, the engine's results
+            stats.node_q, stats.node_bins = confidence
+        else:
+            num_nodes = len(confidence) // 2
+            stats.node_q, stats.node_bins = confidence[:num_nodes], list(map(int, confidence[num_nodes:]))
         stats.best = None  # (value_together's, of the previous tree)
         stats.q_total = sum(stats.node_q[:self.max_budget])
         if stats.failed_q is not None and sum(stats.node_q[:PROBE_BUDGET]) > stats.failed_q + CONFIDENCE_RISE:

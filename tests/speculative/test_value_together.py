@@ -159,3 +159,26 @@ def test_an_engine_steps_trees_reach_the_reliability_bins():
     assert counts.keys() == wanted.keys() and counts
     for label, (accepted, predicted) in counts.items():
         assert accepted == wanted[label][0] and predicted == pytest.approx(wanted[label][1], rel=1e-12)
+
+
+def test_a_tree_split_on_arrival_is_kept_as_its_list_form_would_be():
+    """The engine's results carry each tree split (confidence_rows: its q, its bins as ints, one numpy pass a step);
+    the budget keeps the same tree, bins and mass from them as from node_confidence's row, and answers alike."""
+    from engine.speculative.confidence import confidence_rows
+
+    rng = random.Random(2)
+    split, listed = BudgetController(max_budget=16), BudgetController(max_budget=16)
+    for step in range(60):
+        q = np.array([sorted((rng.choice([0.0, 0.05, 1.0]) * rng.random() for _ in range(16)), reverse=True)
+                      for _ in range(6)])
+        for i, (row, pair) in enumerate(zip(node_confidence(q).tolist(), confidence_rows(q))):
+            assert pair == (row[:16], [int(k) for k in row[16:]]) and all(type(k) is int for k in pair[1])
+            split.observe_request(f"r{i}", step % 5, [1][:step % 2], pair)
+            listed.observe_request(f"r{i}", step % 5, [1][:step % 2], row)
+        for c in (split, listed):
+            c.observe_step(40, 0.01, tokens=48)
+        for rid, record in listed.requests.items():
+            mine = split.requests[rid]
+            assert (mine.node_q, mine.node_bins, mine.q_total) == (record.node_q, record.node_bins, record.q_total)
+            assert split.budget(rid) == listed.budget(rid)
+    assert split.bins.predicted == listed.bins.predicted

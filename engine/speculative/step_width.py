@@ -86,8 +86,8 @@ def uniform_width_array(gains: np.ndarray, caps: list[int], theta: float, draft_
     """uniform_width over a whole batch's gains at once: gains [n, max(caps)], each row zero past its cap and its
     tree. The same sums in the same order (prefix sums left to right, each width's requests summed in batch order;
     Python's sum of floats compensates its rounding since 3.12, so there two widths within rounding of each
-    other may tie differently), in a few numpy passes instead of a Python loop a request and a width (~270 us at
-    batch 64 on the 2-core CPU)."""
+    other may tie differently), in a few numpy passes instead of a Python loop a request and a width (with the
+    gains, ~220 us of a batch-64 step's host work on the 2-core CPU, bench/budget_host.py)."""
     n, top = len(caps), max(caps, default=0)
     fixed = fixed or [0] * n
     floor = max(fixed, default=0)

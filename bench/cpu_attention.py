@@ -1,7 +1,8 @@
 """The CPU's paged attention (ext/reference/attention.py, what the engine runs without CUDA): one layer of the
 embedded model's heads (9 query heads over 3 KV heads of 64) at decode, tree-verify and prompt-chunk shapes, over
 random KV in scattered blocks, median and 90th percentile of --iters calls; then, with --engine, the embedded model's
-decoding step in the engine at --batch requests of --context tokens (drafter none). Runs against whichever tree is
+decoding step in the engine at --batch requests of --context tokens (drafter none), and with --prefill N one N-token
+prompt's time to its first token. Runs against whichever tree is
 first on PYTHONPATH, so two trees can be compared in one sitting; --save DIR writes each shape's output there, to
 check that two trees compute the same values (--compare DIR).
 
@@ -22,7 +23,9 @@ sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 
 # (sequences, keys each, queries each): decode at batch 1 / 16 / 64, trees of 5 at 16 / 64, a lone tree, prompt chunks
-SHAPES = [(1, 1000, 1), (16, 400, 1), (64, 200, 1), (16, 400, 5), (64, 300, 5), (1, 1000, 16), (2, 500, 200)]
+# (two of 200 after 300 of context each, a whole prompt of 2,048, 400 after 1,000 of context)
+SHAPES = [(1, 1000, 1), (16, 400, 1), (64, 200, 1), (16, 400, 5), (64, 300, 5), (1, 1000, 16), (2, 500, 200),
+          (1, 2048, 2048), (1, 1400, 400)]
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 9, 3, 64, 16
 
 
@@ -66,7 +69,7 @@ def time_layers(iters: int, save: str | None, compare: str | None) -> None:
             other = torch.load(os.path.join(compare, f"{name}.pt"))
             same = f"; equal to {compare}'s: {torch.equal(out, other)} (max diff {(out - other).abs().max():.3g})"
         times = []
-        for _ in range(iters):
+        for _ in range(iters if shape[2] < 1024 else max(1, iters // 10)):  # (a long chunk: a tenth as many)
             t0 = time.perf_counter()
             paged_attention(q, k_cache, v_cache, meta, HEAD_DIM ** -0.5)
             times.append((time.perf_counter() - t0) * 1e3)
@@ -97,6 +100,21 @@ def time_engine(batch: int, context: int, steps: int) -> None:
           f"(median of {steps})", flush=True)
 
 
+def time_prefill(num_tokens: int, repeats: int = 3) -> None:
+    """Median wall time of one prompt of num_tokens tokens to its first token (none cached), the embedded model."""
+    from engine import LLM, SamplingParams
+
+    llm = LLM(None, device="cpu", drafter="none")
+    times = []
+    for r in range(repeats + 1):
+        prompt = [1 + r] + [100 + (j * 13 + r) % 5000 for j in range(num_tokens - 1)]
+        t0 = time.perf_counter()
+        llm.generate([prompt], SamplingParams(max_tokens=1, temperature=0, ignore_eos=True))
+        times.append(time.perf_counter() - t0)
+    print(f"engine, one {num_tokens}-token prompt to its first token: {statistics.median(times[1:]):.2f} s "
+          f"(median of {repeats})", flush=True)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--iters", type=int, default=100)
@@ -106,10 +124,14 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--context", type=int, default=400)
     p.add_argument("--steps", type=int, default=15)
+    p.add_argument("--prefill", type=int, default=0, metavar="TOKENS",
+                   help="also time one prompt of this many tokens to its first token")
     args = p.parse_args()
     time_layers(args.iters, args.save, args.compare)
     if args.engine:
         time_engine(args.batch, args.context, args.steps)
+    if args.prefill:
+        time_prefill(args.prefill)
 
 
 if __name__ == "__main__":

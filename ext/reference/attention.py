@@ -7,6 +7,8 @@ plain decode (one query) and tree verify (a tree mask over the new tokens). Math
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
+from torch.nn.attention.bias import causal_lower_right
 
 from ext.metadata import AttentionMetadata
 
@@ -138,7 +140,9 @@ def paged_attention(
     for q0, num_q, slots, hidden in alone:
         qs = q[q0 : q0 + num_q].float()
         keys, values = k_flat.index_select(0, slots).float(), v_flat.index_select(0, slots).float()
-        if num_q > BATCH_MAX_QUERY:  # a long prompt chunk
+        if num_q > BATCH_MAX_QUERY and meta.tree_mask is None:  # a long prompt chunk
+            o = _attend_chunk(qs, keys, values, scale)
+        elif num_q > BATCH_MAX_QUERY:  # a tree too wide to batch
             o = _attend_by_head(qs, keys, values, None if hidden is None else hidden[None, :, None], 1, scale)
         else:
             o = _attend_grouped(qs, keys, values, hidden, scale)
@@ -172,6 +176,23 @@ def _attend_by_head(
             scores.view(num_seqs, num_q, group, longest).masked_fill_(hidden, float("-inf"))
         o[:, :, h] = torch.bmm(scores.softmax(dim=-1), values[:, :, h]).view(num_seqs, num_q, group, head_dim)
     return o.view(num_seqs * num_q, num_kv_heads * group, head_dim)
+
+
+def _attend_chunk(
+    q: torch.Tensor,  # [num_q, num_heads, head_dim] fp32
+    keys: torch.Tensor,  # [L, num_kv_heads, head_dim] fp32: the context, then the chunk's own
+    values: torch.Tensor,  # [L, num_kv_heads, head_dim] fp32
+    scale: float,
+) -> torch.Tensor:  # [num_q, num_heads, head_dim] fp32
+    """A prompt chunk's attention through torch's fused attention: each row sees the context and the chunk's rows up
+    to its own (causal, aligned to the bottom right), GQA read in place. On the 2-core CPU 2.4x our products at 400
+    new tokens and 6x at 2,048 (178 against 30 ms a layer), the same values to ~1e-6."""
+    num_q, seq_len = q.shape[0], keys.shape[0]
+    mask = causal_lower_right(num_q, seq_len) if seq_len > num_q else None
+    out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], keys.transpose(0, 1)[None],
+                                         values.transpose(0, 1)[None], attn_mask=mask, is_causal=mask is None,
+                                         scale=scale, enable_gqa=True)
+    return out[0].transpose(0, 1)
 
 
 def _attend_grouped(

@@ -140,9 +140,10 @@ def paged_attention(
     for q0, num_q, slots, hidden in alone:
         qs = q[q0 : q0 + num_q].float()
         keys, values = k_flat.index_select(0, slots).float(), v_flat.index_select(0, slots).float()
-        if num_q > BATCH_MAX_QUERY and meta.tree_mask is None:  # a long prompt chunk
+        if num_q > BATCH_MAX_QUERY and meta.tree_mask is None and not q.is_cuda:  # a long prompt chunk, on the CPU
             o = _attend_chunk(qs, keys, values, scale)
-        elif num_q > BATCH_MAX_QUERY:  # a tree too wide to batch
+        elif num_q > BATCH_MAX_QUERY:  # a tree too wide to batch, or a chunk on CUDA (there the reference is the
+            # kernels' twin in the GPU tests, and SDPA's bottom-right mask with GQA has not run on a GPU here)
             o = _attend_by_head(qs, keys, values, None if hidden is None else hidden[None, :, None], 1, scale)
         else:
             o = _attend_grouped(qs, keys, values, hidden, scale)

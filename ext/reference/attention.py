@@ -137,8 +137,7 @@ def paged_attention(
     for q_rows, slots, hidden, num_seqs in groups:  # decode rows and tree-verify blocks: batched per length
         qs = q[q_rows].float()
         keys, values = _gather(k_flat, slots).float(), _gather(v_flat, slots).float()
-        attend = _attend_by_head if slots.shape[0] >= BY_HEAD_MIN_KEYS else _attend_all_heads
-        out[q_rows] = attend(qs, keys, values, hidden, num_seqs, scale).to(q.dtype)
+        out[q_rows] = _attend_batched(qs, keys, values, hidden, num_seqs, scale).to(q.dtype)
     for q0, num_q, slots, hidden in alone:
         qs = q[q0 : q0 + num_q].float()
         keys, values = k_flat.index_select(0, slots).float(), v_flat.index_select(0, slots).float()
@@ -146,14 +145,14 @@ def paged_attention(
             o = _attend_chunk(qs, keys, values, scale)
         elif num_q > BATCH_MAX_QUERY:  # a tree too wide to batch, or a chunk on CUDA (there the reference is the
             # kernels' twin in the GPU tests, and SDPA's bottom-right mask with GQA has not run on a GPU here)
-            o = _attend_by_head(qs, keys, values, None if hidden is None else hidden[None, :, None], 1, scale)
+            o = _attend_batched(qs, keys, values, None if hidden is None else hidden[None, :, None], 1, scale)
         else:
             o = _attend_grouped(qs, keys, values, hidden, scale)
         out[q0 : q0 + num_q] = o.to(q.dtype)
     return out
 
 
-def _attend_by_head(
+def _attend_batched(
     q: torch.Tensor,  # [S * num_q, num_heads, head_dim] fp32
     keys: torch.Tensor,  # [S * L, num_kv_heads, head_dim] fp32
     values: torch.Tensor,  # [S * L, num_kv_heads, head_dim] fp32
@@ -161,16 +160,26 @@ def _attend_by_head(
     num_seqs: int,
     scale: float,
 ) -> torch.Tensor:  # [S * num_q, num_heads, head_dim] fp32
-    """Attention of S sequences with num_q queries and L keys each, one KV head at a time: both products run on
-    strided views of the gathered rows. Permuted for one product over all heads, matmul copied K and V again, each
-    a fresh buffer of the gathered size (bench/cpu_attention.py: the embedded model's decoding step at 16 requests
-    of 400 tokens 131-144 ms before, 118-124 after, on the 2-core CPU)."""
+    """Attention of S sequences with num_q queries and L keys each. From BY_HEAD_MIN_KEYS keys in all, one KV head at
+    a time, both products on strided views of the gathered rows: permuted for one product over all heads, matmul
+    copied K and V again, each a fresh buffer of the gathered size (bench/cpu_attention.py: the embedded model's
+    decoding step at 16 requests of 400 tokens 131-144 ms before, 118-124 after, on the 2-core CPU). Below it, that
+    one product, whose copies cost less than the head loop's extra calls (0.18-0.20 against 0.25 ms a layer at 4
+    sequences of 100 keys). The same values either way."""
     num_kv_heads, head_dim = keys.shape[1], keys.shape[2]
     num_q, longest = q.shape[0] // num_seqs, keys.shape[0] // num_seqs
     group = q.shape[1] // num_kv_heads  # query head h reads KV head h // group
     qs = q.view(num_seqs, num_q, num_kv_heads, group, head_dim)
     keys = keys.view(num_seqs, longest, num_kv_heads, head_dim)
     values = values.view(num_seqs, longest, num_kv_heads, head_dim)
+    if keys.shape[0] * longest < BY_HEAD_MIN_KEYS:
+        scores = (qs.permute(0, 2, 3, 1, 4).reshape(num_seqs, num_kv_heads, group * num_q, head_dim)
+                  @ keys.permute(0, 2, 3, 1)).mul_(scale)  # [S, kv_heads, group * num_q, L]
+        if hidden is not None:  # [S, num_q, 1, L] -> [S, 1, 1, num_q, L]
+            scores.view(num_seqs, num_kv_heads, group, num_q, longest).masked_fill_(
+                hidden.permute(0, 2, 1, 3)[:, None], float("-inf"))
+        o = (scores.softmax(dim=-1) @ values.transpose(1, 2)).view(num_seqs, num_kv_heads, group, num_q, head_dim)
+        return o.permute(0, 3, 1, 2, 4).reshape(num_seqs * num_q, num_kv_heads * group, head_dim)
     o = torch.empty(num_seqs, num_q, num_kv_heads, group, head_dim)
     for h in range(num_kv_heads):
         qh = qs[:, :, h].reshape(num_seqs, num_q * group, head_dim)
@@ -179,31 +188,6 @@ def _attend_by_head(
             scores.view(num_seqs, num_q, group, longest).masked_fill_(hidden, float("-inf"))
         o[:, :, h] = torch.bmm(scores.softmax(dim=-1), values[:, :, h]).view(num_seqs, num_q, group, head_dim)
     return o.view(num_seqs * num_q, num_kv_heads * group, head_dim)
-
-
-def _attend_all_heads(
-    q: torch.Tensor,  # [S * num_q, num_heads, head_dim] fp32
-    keys: torch.Tensor,  # [S * L, num_kv_heads, head_dim] fp32
-    values: torch.Tensor,  # [S * L, num_kv_heads, head_dim] fp32
-    hidden: torch.Tensor | None,  # [S, num_q, 1, L] bool: keys a query does not see (None: it sees them all)
-    num_seqs: int,
-    scale: float,
-) -> torch.Tensor:  # [S * num_q, num_heads, head_dim] fp32
-    """_attend_by_head's attention with one product over all heads (K and V permuted, and copied by matmul): for a
-    small group the copies cost less than a head loop's extra calls (0.18-0.20 against 0.25 ms a layer at 4
-    sequences of 100 keys on the 2-core CPU). The same values."""
-    num_kv_heads, head_dim = keys.shape[1], keys.shape[2]
-    num_q, longest = q.shape[0] // num_seqs, keys.shape[0] // num_seqs
-    group = q.shape[1] // num_kv_heads
-    k = keys.view(num_seqs, longest, num_kv_heads, head_dim).permute(0, 2, 3, 1)  # [S, kv_heads, head_dim, L]
-    v = values.view(num_seqs, longest, num_kv_heads, head_dim).transpose(1, 2)  # [S, kv_heads, L, head_dim]
-    qs = q.view(num_seqs, num_q, num_kv_heads, group, head_dim).permute(0, 2, 3, 1, 4)
-    scores = (qs.reshape(num_seqs, num_kv_heads, group * num_q, head_dim) @ k).mul_(scale)
-    if hidden is not None:  # [S, num_q, 1, L] -> [S, 1, 1, num_q, L]
-        scores.view(num_seqs, num_kv_heads, group, num_q, longest).masked_fill_(
-            hidden.permute(0, 2, 1, 3)[:, None], float("-inf"))
-    o = (scores.softmax(dim=-1) @ v).view(num_seqs, num_kv_heads, group, num_q, head_dim).permute(0, 3, 1, 2, 4)
-    return o.reshape(num_seqs * num_q, num_kv_heads * group, head_dim)
 
 
 def _attend_chunk(

@@ -180,7 +180,7 @@ def _attend_batched(
                 hidden.permute(0, 2, 1, 3)[:, None], float("-inf"))
         o = (scores.softmax(dim=-1) @ values.transpose(1, 2)).view(num_seqs, num_kv_heads, group, num_q, head_dim)
         return o.permute(0, 3, 1, 2, 4).reshape(num_seqs * num_q, num_kv_heads * group, head_dim)
-    o = torch.empty(num_seqs, num_q, num_kv_heads, group, head_dim)
+    o = q.new_empty(num_seqs, num_q, num_kv_heads, group, head_dim)  # on q's device: the reference runs on CUDA too
     for h in range(num_kv_heads):
         qh = qs[:, :, h].reshape(num_seqs, num_q * group, head_dim)
         scores = torch.bmm(qh, keys[:, :, h].transpose(1, 2)).mul_(scale)  # [S, num_q * group, L]

@@ -4,6 +4,8 @@ unequal lengths (hidden keys), tree-verify blocks, a lone sequence, and prompt c
 fused path), in one step each."""
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -72,8 +74,15 @@ def dense(q, k_cache, v_cache, meta, visible, scale):
     ([(60, 100), (20, 1), (0, 70)], False),               # a chunk after context, a decode, a whole prompt
     ([(50, 70)], True),                                   # a tree too wide to batch
 ])
-def test_the_cpu_paged_attention_equals_sdpa_sequence_by_sequence(seqs, tree):
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_the_paged_attention_reference_equals_sdpa_sequence_by_sequence(seqs, tree, device):
+    """On CUDA the reference is the kernels' twin in the GPU tests: its by-head form once returned a CPU buffer there."""
     gen = torch.Generator().manual_seed(len(seqs) * 7 + tree)
     q, k_cache, v_cache, meta, visible = step(gen, seqs, tree)
-    got = attention.paged_attention(q, k_cache, v_cache, meta, 0.3)
-    torch.testing.assert_close(got, dense(q, k_cache, v_cache, meta, visible, 0.3), rtol=1e-5, atol=1e-5)
+    want = dense(q, k_cache, v_cache, meta, visible, 0.3)
+    moved = {f.name: getattr(meta, f.name).to(device) for f in dataclasses.fields(meta)
+             if isinstance(getattr(meta, f.name), torch.Tensor)}
+    meta = dataclasses.replace(meta, **moved)
+    got = attention.paged_attention(q.to(device), k_cache.to(device), v_cache.to(device), meta, 0.3)
+    assert got.device.type == device
+    torch.testing.assert_close(got.cpu(), want, rtol=1e-5, atol=1e-5)

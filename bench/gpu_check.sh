@@ -17,6 +17,13 @@
 #                                            # (default 2) times; $AB_RUNS overrides the batch:temperature runs,
 #                                            # $AB_ARGS adds flags (e.g. "--queue 4 --distinct-prompts"); each
 #                                            # run's trace summarized by bench/trace_rounds.py into rounds.log
+#   bench/gpu_check.sh spy                   # py-spy (its wheel among the wheels) over bench/step_kinds.py, batch 64
+#                                            # queued at T = 1 on dummy SmolLM2-shaped weights, speculation off and
+#                                            # the n-gram default one process each, summarized by bench/spy_steps.py
+#                                            # (host us a step by function, off against n-gram); $SPY_ARGS adds flags
+#
+# PIN=2-5 runs the step_kinds parts (host, ab, spy) under taskset on those cores: on the H100 hosts a batch-64 run
+# read 29-37k tok/s unpinned from one run to the next and 32-34k pinned (2026-12-07 23:52).
 #
 # Wheels: every .whl in $WHEELS (default .whl/) goes into $SITE (default /tmp/site), which joins PYTHONPATH.
 # Besides the server's own dependencies the GPU tests import llguidance, jsonschema (with referencing, rpds-py,
@@ -31,6 +38,7 @@ GGUF_NAME=SmolLM2-135M-Instruct.Q4_1.gguf
 mkdir -p "$OUT" "$SITE"
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 PYTHONUNBUFFERED=1 DDTREE_EXT_DIR=${DDTREE_EXT_DIR:-/tmp/ddext}
 export PYTHONPATH="$SITE:$PWD"
+PINNED=${PIN:+taskset -c $PIN}
 
 if compgen -G "$WHEELS/*.whl" >/dev/null; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" \
@@ -62,7 +70,7 @@ for part in "$@"; do
         --drafter ngram ngram:noguard --max-tokens 512 --repeat 2 --trace "$OUT/guard_trace.jsonl" 2>&1 \
         | grep "^==" | tee "$OUT/guard.log" ;;
     host)
-      python3 bench/step_kinds.py --smollm2-shape --device cuda --runs 1:1 16:1 64:1 --scheduling async \
+      $PINNED python3 bench/step_kinds.py --smollm2-shape --device cuda --runs 1:1 16:1 64:1 --scheduling async \
         --drafter ngram --max-tokens 384 --repeat 2 2>&1 | grep "==\|n=" | tee "$OUT/host.log" ;;
     targets)
       [ -n "$GGUF" ] && python3 bench/e2e.py --model "$GGUF" --batch 1 64 --skip-transformers 2>&1 \
@@ -80,7 +88,7 @@ for part in "$@"; do
       { [ -n "$GGUF" ] && [ -d "${ALT:-}" ]; } || { echo "ab: needs the embedded model and ALT=<folder>"; continue; }
       for i in $(seq "${AB_ROUNDS:-2}"); do
         for dir in "$ALT" "$PWD"; do
-          (cd "$dir" && PYTHONPATH="$SITE:$dir" python3 bench/step_kinds.py --model "$GGUF" --device cuda \
+          (cd "$dir" && PYTHONPATH="$SITE:$dir" $PINNED python3 bench/step_kinds.py --model "$GGUF" --device cuda \
             --runs ${AB_RUNS:-64:1 64:0 16:0 16:1} --scheduling async --drafter ngram none ${AB_ARGS:-} \
             --trace "$OUT/ab_$(basename "$dir")_$i.jsonl" 2>&1) | grep "^==" | sed "s|^|$(basename "$dir") $i |" \
             | tee -a "$OUT/ab.log"
@@ -89,6 +97,16 @@ for part in "$@"; do
             >> "$OUT/rounds.log"
         done
       done ;;
-    *) echo "unknown part: $part (suite, guard, host, targets, chat, ab)"; exit 2 ;;
+    spy)
+      [ -x "$SITE/bin/py-spy" ] || { echo "spy: no py-spy among the wheels"; continue; }
+      for drafter in none ngram; do
+        $PINNED "$SITE/bin/py-spy" record -r 1000 -f raw -o "$OUT/spy_$drafter.txt" -- python3 bench/step_kinds.py \
+          --smollm2-shape --device cuda --runs 64:1 --queue 4 --distinct-prompts --scheduling async --max-tokens 256 \
+          --drafter $drafter --no-off ${SPY_ARGS:-} 2>&1 | grep "^==" | cut -c1-160 | tee -a "$OUT/spy.log"
+      done
+      steps=$(grep -o "tok/s, [0-9]* steps" "$OUT/spy.log" | cut -d" " -f2 | tr "\n" " ")
+      python3 bench/spy_steps.py "$OUT/spy_none.txt" "$OUT/spy_ngram.txt" --rate 1000 --steps $steps --top 60 \
+        | tee "$OUT/spy_steps.txt" | head -30 ;;
+    *) echo "unknown part: $part (suite, guard, host, targets, chat, ab, spy)"; exit 2 ;;
   esac
 done

@@ -260,6 +260,9 @@ def main() -> None:
                    help="the engine detokenizes every request (default: none, as the server sends a request "
                         "without stop strings)")
     p.add_argument("--repeat", type=int, default=1, help="runs of each configuration")
+    p.add_argument("--no-off", action="store_true",
+                   help="only the drafters named, without speculation off before them (one process per drafter, "
+                        "e.g. under a sampling profiler: bench/spy_steps.py)")
     p.add_argument("--trace", default=None, help="write every step here as a JSON line")
     p.add_argument("--host-times", nargs="*", default=None, metavar="CLASS.METHOD",
                    help="per kind of step, the inclusive host time of the engine's methods (bench/host_timers.py); "
@@ -276,7 +279,7 @@ def main() -> None:
         for pair in args.runs:
             batch, temperature = int(pair.split(":")[0]), float(pair.split(":")[1])
             for overlap in {"both": (True, False), "async": (True,), "sync": (False,)}[args.scheduling]:
-                for drafter in ("none", *args.drafter):
+                for drafter in args.drafter if args.no_off else ("none", *args.drafter):
                     for rep in range(1, args.repeat + 1):
                         for rows in args.admission_rows:
                             run(model, args.device, args.dtype, drafter, overlap, batch, temperature,

@@ -1,7 +1,9 @@
 """Host time of a few pieces of a step, outside any engine, in microseconds a call: the staging of a small array
-(pinned and copied on CUDA), the adaptive budget's width prices (StepCosts.width_seconds, 16 widths), and a batch's
+(pinned and copied on CUDA), the adaptive budget's width prices (StepCosts.width_seconds, 16 widths), a batch's
 block-table rows as an array (block_table_rows: every row, as plain steps wrote them before 2026-12-07, against
-TableMirror's comparison and the changed rows only). Runs against whichever tree is first on PYTHONPATH (pieces a
+TableMirror's comparison and the changed rows only), and the scheduler's side of a batch's plain decoding step
+planned ahead (Scheduler.schedule_ahead, then the results applied: Scheduler.update and each request's Delta, as
+EngineCore._complete does; no speculation, prefix caching on, a block filled every 16 steps per request). Runs against whichever tree is first on PYTHONPATH (pieces a
 tree lacks are skipped), so two trees can be compared in one sitting.
 
     python bench/host_pieces.py --device cuda
@@ -60,6 +62,46 @@ def main() -> None:
         return block_table_rows([grown[i] for i in rows])
 
     print(f"TableMirror.changed + the {args.changed} changed rows: {per_call_us(changed_rows):.1f} us")
+    print(f"a plain step's scheduling and completion, batch {args.batch}: {plain_step_us(args.batch):.1f} us")
+
+
+def plain_step_us(batch: int, prompt_len: int = 121) -> float:
+    """Microseconds a step of the scheduler's side of plain decoding (module docstring), the batch decoding."""
+    import time
+
+    from engine.block_manager import BlockManager
+    from engine.config import EngineConfig
+    from engine.request import Request, SamplingParams
+    from engine.scheduler import Scheduler
+    from engine.step_outputs import step_delta
+    from engine.step_results import StepResult
+
+    config = EngineConfig(max_num_seqs=batch, max_num_batched_tokens=max(2048, batch * prompt_len))
+    sched = Scheduler(config, BlockManager(batch * 300, 16), max_model_len=8192)
+    for i in range(batch):
+        sched.add(Request([1000 + i] + [7] * (prompt_len - 1), SamplingParams(max_tokens=4000, ignore_eos=True,
+                                                                              detokenize=False)))
+    plan = sched.schedule()  # the prompts, then a token each
+
+    def results(plan) -> StepResult:
+        result = StepResult()
+        for s in plan.seqs:
+            result.new_token_ids[s.request.request_id] = [5 + len(s.request.output_token_ids) % 1000]
+        return result
+
+    step = 0
+
+    def one_step():
+        nonlocal plan, step
+        ahead = sched.schedule_ahead(plan)
+        live = [(s.request, len(s.request.output_token_ids)) for s in plan.seqs if not s.request.finished]
+        sched.update(plan, results(plan), in_flight=ahead)
+        now = time.monotonic()
+        [d for d in (step_delta(req, n, now) for req, n in live) if d]
+        plan, step = ahead, step + 1
+
+    one_step()
+    return per_call_us(one_step, steps=1000) - per_call_us(lambda: results(plan), steps=1000)
 
 
 if __name__ == "__main__":

@@ -98,7 +98,9 @@ class BlockManager:
         if not self.enable_prefix_caching:
             return
         # a stop inside a multi-token step leaves computed KV past the kept tokens: only kept tokens count
-        num_full = min(request.num_computed_tokens, request.num_tokens) // self.block_size
+        computed = request.num_computed_tokens
+        num_tokens = len(request.prompt_token_ids) + len(request.output_token_ids)
+        num_full = (computed if computed < num_tokens else num_tokens) // self.block_size
         while len(request.block_digests) < num_full:  # usually no block fills this step: nothing to build
             i = len(request.block_digests)
             parent = request.block_digests[-1] if request.block_digests else b""

@@ -24,7 +24,7 @@ from engine.messages import Delta, RequestError, StepStats
 from engine.model.loader import default_sampling, load_model, resolve_dtype
 from engine.plan import StepPlan
 from engine.plain_graphs import PlainGraphs
-from engine.request import Request, SamplingParams, next_request_id
+from engine.request import Request, SamplingParams, Status, next_request_id
 from engine.round_graphs import RoundGraphs
 from engine.runner import ModelRunner
 from engine.sampler import RequestFault, Sampler
@@ -359,7 +359,8 @@ class EngineCore:
         self._last_ready = ready
         result.timings["schedule"] = launched.schedule_time
         # (request, output tokens before the step) of those not finished while the step ran: nothing to emit
-        live = [(s.request, len(s.request.output_token_ids)) for s in plan.seqs if not s.request.finished]
+        live = [(s.request, len(s.request.output_token_ids)) for s in plan.seqs
+                if s.request.status is not Status.FINISHED]
         if not live:  # a step run ahead for requests that all finished before it: its work is dropped
             self.last_stats = None
             return []

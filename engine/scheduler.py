@@ -218,9 +218,10 @@ class Scheduler:
             return "after a prefill or tree step"
         plan = StepPlan()
         block_size, max_model_len = self.blocks.block_size, self.max_model_len
+        seqs, finished = plan.seqs, Status.FINISHED
         for s in previous.seqs:
             req = s.request
-            if req.finished:
+            if req.status is finished:
                 continue
             num_output = len(req.output_token_ids) + 1  # with the token `previous` samples
             num_tokens = len(req.prompt_token_ids) + num_output  # ... and the one this step feeds
@@ -229,7 +230,7 @@ class Scheduler:
             # KV for the in-flight token (a new block once every block_size steps)
             if num_tokens > len(req.block_ids) * block_size and not self.blocks.allocate(req, num_tokens):
                 return "KV blocks"
-            plan.seqs.append(ScheduledSeq(req, 1, True, 0, num_ahead=1))
+            seqs.append(ScheduledSeq(req, 1, True, 0, num_ahead=1))
         plan.spec_budgets = [0] * len(plan.seqs)
         if admits:
             self._admit(plan, self.config.max_num_batched_tokens - len(plan.seqs), 0)
@@ -343,9 +344,13 @@ class Scheduler:
     def _first_stop(self, req: Request, new_ids: list[int]) -> tuple[int, str | None]:
         """(how many of a step's tokens `req` keeps, why it stops after the last of them or None), stop strings
         aside: _token_stop token by token, scanning only when a stop token is among them."""
-        num_out, num_tokens = len(req.output_token_ids), req.num_tokens
+        num_out = len(req.output_token_ids)
+        num_tokens = len(req.prompt_token_ids) + num_out
         # the first token (1-based) at which the request reaches max_tokens or the context
-        at_length = max(1, min(req.sampling.max_tokens - num_out, self.max_model_len - num_tokens))
+        at_length = req.sampling.max_tokens - num_out
+        if self.max_model_len - num_tokens < at_length:
+            at_length = self.max_model_len - num_tokens
+        at_length = at_length if at_length > 1 else 1
         stops = req.stop_ids
         if stops and not stops.isdisjoint(new_ids):
             for j, token in enumerate(new_ids[:at_length], 1):

@@ -6,24 +6,26 @@ import time
 
 from engine.messages import Delta, StepStats
 from engine.plan import StepPlan
-from engine.request import Request
+from engine.request import Request, Status
 
 
 def step_delta(req: Request, num_before: int, now: float) -> Delta | None:
     """The request's Delta since it had num_before output tokens, or None when it has nothing new and runs on (the
     caller releases a finished request's state)."""
-    new = req.output_token_ids[num_before:]
+    # (each attribute read once: at batch 64 this runs 64 times a step on the host's critical path)
+    output, finished, text = req.output_token_ids, req.status is Status.FINISHED, req.text
+    new = output[num_before:] if len(output) > num_before else []
+    if not new and not finished:
+        return None
     if new and req.first_token_time is None:
         req.first_token_time = time.monotonic()
-    if not new and not req.finished:
-        return None
-    if req.finished and req.text is not None:
-        req.text.finish()
-    delta = Delta(req.request_id, new, req.finished, req.finish_reason,
+    if finished and text is not None:
+        text.finish()
+    delta = Delta(req.request_id, new, finished, req.finish_reason,
                   req.output_logprobs[num_before:] if req.sampling.logprobs is not None else None,
-                  num_prompt_tokens=req.num_prompt_tokens, num_cached_tokens=req.num_cached_tokens,
-                  text=req.text.take() if req.text is not None else "", stop_reason=req.stop_reason)
-    if req.finished:
+                  len(req.prompt_token_ids), req.num_cached_tokens, text=text.take() if text is not None else "",
+                  stop_reason=req.stop_reason)
+    if finished:
         delta.queue_time = (req.first_scheduled_time or now) - req.arrival_time
         delta.accept_lengths = list(req.accept_lengths)
     return delta

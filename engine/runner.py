@@ -348,7 +348,7 @@ class ModelRunner:
             result.new_token_ids[req.request_id] = [host.tokens[i]]
             if req.sampling.logprobs is not None:
                 result.logprobs[req.request_id] = [host.logprob(i, req.sampling.logprobs)]
-        if self.speculator is not None:
+        if self.speculator is not None and self.speculator.capture_layer_ids:  # (else record_hidden keeps nothing)
             for s, (r0, n) in zip(plain, inputs.plain_rows):
                 self.speculator.record_hidden(s.request.request_id,
                                               features[r0:r0 + n] if features is not None else None)

@@ -363,5 +363,5 @@ def _warming_up(plan) -> bool:
     n = len(plan.seqs)
     if n < 8:
         return False
-    young = sum(1 for s in plan.seqs if s.request.num_output_tokens < WARM_UP_TOKENS)
+    young = sum(1 for s in plan.seqs if len(s.request.output_token_ids) < WARM_UP_TOKENS)
     return 4 * young >= n

@@ -100,13 +100,16 @@ for part in "$@"; do
     spy)
       [ -x "$SITE/bin/py-spy" ] || { echo "spy: no py-spy among the wheels"; continue; }
       for drafter in none ngram; do
-        $PINNED "$SITE/bin/py-spy" record -r 1000 -f raw -o "$OUT/spy_$drafter.txt" -- python3 bench/step_kinds.py \
-          --smollm2-shape --device cuda --runs 64:1 --queue 4 --distinct-prompts --scheduling async --max-tokens 256 \
-          --drafter $drafter --no-off ${SPY_ARGS:-} 2>&1 | grep "^==" | cut -c1-160 | tee -a "$OUT/spy.log"
+        $PINNED "$SITE/bin/py-spy" record --threads -r 1000 -f raw -o "$OUT/spy_$drafter.txt" -- \
+          python3 bench/step_kinds.py --smollm2-shape --device cuda --runs 64:1 --queue 4 --distinct-prompts \
+          --scheduling async --max-tokens 256 --drafter $drafter --no-off ${SPY_ARGS:-} 2>&1 | grep "^==" \
+          | cut -c1-160 | tee -a "$OUT/spy.log"
       done
       steps=$(grep -o "tok/s, [0-9]* steps" "$OUT/spy.log" | cut -d" " -f2 | tr "\n" " ")
       python3 bench/spy_steps.py "$OUT/spy_none.txt" "$OUT/spy_ngram.txt" --rate 1000 --steps $steps --top 60 \
-        | tee "$OUT/spy_steps.txt" | head -30 ;;
+        | tee "$OUT/spy_steps.txt" | head -30
+      python3 bench/spy_steps.py "$OUT/spy_none.txt" "$OUT/spy_ngram.txt" --rate 1000 --threads \
+        | tee -a "$OUT/spy.log" ;;
     *) echo "unknown part: $part (suite, guard, host, targets, chat, ab, spy)"; exit 2 ;;
   esac
 done

@@ -9,6 +9,10 @@ at batch 64 is most of a per-request function's time. Samples are converted at t
     py-spy record -r 1000 -f raw -o ngram.txt -- python bench/step_kinds.py ... --drafter ngram --no-off
     python bench/spy_steps.py off.txt ngram.txt --steps 916 --rate 1000
     python bench/spy_steps.py ngram.txt --tree ModelRunner.collect --depth 2
+    python bench/spy_steps.py off.txt ngram.txt --threads    # (recorded with py-spy's --threads)
+
+--threads: milliseconds a profile's threads were busy (py-spy samples only threads that are not idle), per thread,
+over the whole run: a thread beside the engine's that competes for its cores or its GIL.
 """
 from __future__ import annotations
 
@@ -48,6 +52,16 @@ def totals(path: str, root: str, own: bool) -> tuple[collections.Counter, int]:
     return counts, total
 
 
+def threads(path: str) -> collections.Counter:
+    """Samples per thread (the outermost frame of a stack recorded with --threads: "thread (id): name")."""
+    counts = collections.Counter()
+    with open(path) as f:
+        for line in f:
+            frames, n = frames_of(line)
+            counts[frames[0]] += n
+    return counts
+
+
 def tree(path: str, root: str, depth: int) -> collections.Counter:
     """Samples per call path of up to `depth` frames below `root` (the root's children, theirs, ...)."""
     paths = collections.Counter()
@@ -70,9 +84,15 @@ def main() -> None:
     p.add_argument("--top", type=int, default=40)
     p.add_argument("--tree", default=None, metavar="FRAME", help="the call tree below FRAME (first profile)")
     p.add_argument("--depth", type=int, default=2)
+    p.add_argument("--threads", action="store_true", help="busy milliseconds per thread over each whole run")
     args = p.parse_args()
     steps = args.steps * len(args.profiles) if len(args.steps) == 1 else args.steps
     us = [1e6 / args.rate / n for n in steps]  # microseconds a step per sample, per profile
+    if args.threads:
+        for path in args.profiles:
+            for name, n in threads(path).most_common(12):
+                print(f"{path}: {n * 1e3 / args.rate:9.1f} ms  {name[:100]}")
+        return
     if args.tree:
         for path, n in sorted(tree(args.profiles[0], args.tree, args.depth).items()):
             print(f"{n * us[0]:9.1f} us  " + "  " * (len(path) - 1) + path[-1][:120])

@@ -3,7 +3,8 @@
 block-table rows as an array (block_table_rows: every row, as plain steps wrote them before 2026-12-07, against
 TableMirror's comparison and the changed rows only), and the scheduler's side of a batch's plain decoding step
 planned ahead (Scheduler.schedule_ahead, then the results applied: Scheduler.update and each request's Delta, as
-EngineCore._complete does; no speculation, prefix caching on, a block filled every 16 steps per request). Runs against whichever tree is first on PYTHONPATH (pieces a
+EngineCore._complete does; no speculation, prefix caching on, a block filled every 16 steps per request), and
+the sampling parameters of a sampled plain step staged for its graph (GraphSampling.stage). Runs against whichever tree is first on PYTHONPATH (pieces a
 tree lacks are skipped), so two trees can be compared in one sitting.
 
     python bench/host_pieces.py --device cuda
@@ -63,6 +64,24 @@ def main() -> None:
 
     print(f"TableMirror.changed + the {args.changed} changed rows: {per_call_us(changed_rows):.1f} us")
     print(f"a plain step's scheduling and completion, batch {args.batch}: {plain_step_us(args.batch):.1f} us")
+    print(f"GraphSampling.stage, batch {args.batch} at T = 1, the requests of the step before: "
+          f"{sampling_stage_us(args.batch, args.device):.1f} us")
+
+
+def sampling_stage_us(batch: int, device: str) -> float:
+    """A sampled plain step's parameters, seeds and output positions staged for its sampling graph."""
+    import torch
+
+    from engine.graph_sampling import GraphSampling
+    from engine.plan import ScheduledSeq
+    from engine.request import Request, SamplingParams
+    from engine.staging import Staging
+
+    seqs = [ScheduledSeq(Request([1], SamplingParams(temperature=1.0, top_p=0.9), seed=i), 1, True)
+            for i in range(batch)]
+    sampling, stage = GraphSampling(batch, torch.device(device)), Staging(device)
+    outputs = list(range(batch))
+    return per_call_us(lambda: (stage.reset(), sampling.stage(seqs, outputs, stage)))
 
 
 def plain_step_us(batch: int, prompt_len: int = 121) -> float:

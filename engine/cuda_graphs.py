@@ -160,6 +160,10 @@ class CudaGraphs:
         # each width's request offsets (i * w), on the device once
         self._starts = {w: torch.arange(seqs + 1, device=device) * w for w in {1, *every_width}}
         self._columns = torch.arange(max(every_width), device=device)  # a row's index inside its request
+        # one-row padding requests: their block-table rows (the scratch blocks) to copy, and their one slot
+        self._pad_tables = torch.zeros_like(self.block_tables)
+        self._pad_tables[:, :len(scratch_blocks)] = self.scratch
+        self._pad_slot = scratch_blocks[0] * block_size
         self._layout: tuple | None = None  # (num_seqs, n, w, width) of the last replay: its padding is in place
         self.last_key: tuple[int, int, int] | None = None  # the bucket run() replayed last
         self.graphs: dict[tuple[int, int, int], _Captured] = {}  # (requests, rows each, context capacity)
@@ -310,10 +314,21 @@ class CudaGraphs:
         """num_seqs requests of width rows each in bucket (n, w): padding rows and request offsets in place (kept
         while the layout repeats)."""
         layout = (num_seqs, n, w, width)
-        if layout != self._layout:
+        if layout == self._layout:
+            return
+        last = self._layout
+        if w == 1 and last is not None and last[1:] == layout[1:]:
+            # one-row requests in the same bucket as the step before, whose padding is in place past its requests:
+            # only rows that stopped being real become padding (those that became real are written by the step,
+            # and a row's offset is its index either way). As requests finish and join, a queued batch-64 load
+            # changed its plain steps' layout every other step, each time ~12 small copies and kernels for the
+            # whole padding on the host's critical path.
+            if num_seqs < last[0]:
+                self._fill_padding(num_seqs, last[0], w, width)
+        else:
             self._fill_padding(num_seqs, n, w, width)
             self.query_start_loc[:num_seqs + 1].copy_(self._starts[w][:num_seqs + 1])
-            self._layout = layout
+        self._layout = layout
 
     def forget_layout(self) -> None:
         """Something else wrote the static buffers: the next step lays its padding out again."""
@@ -352,7 +367,15 @@ class CudaGraphs:
             self.slot_mapping.index_copy_(0, extra, slots[width:w].repeat(first))
             self.positions.index_fill_(0, extra, 0)
             self.input_ids.index_fill_(0, extra, 0)
-        if first < n:
+        if first < n and w == 1:  # plain decoding's buckets: fills and one copy, no temporaries to build
+            self.input_ids[first:n].zero_()
+            self.positions[first:n].zero_()
+            self.slot_mapping[first:n].fill_(self._pad_slot)
+            self.query_start_loc[first:n + 1].copy_(self._starts[1][first:n + 1])
+            self.seq_lens[first:n].fill_(1)
+            self.table_mirror.forget(first, n)
+            self.block_tables[first:n].copy_(self._pad_tables[:n - first])
+        elif first < n:
             self.input_ids[first * w:n * w].zero_()
             self.positions[first * w:n * w].copy_(torch.arange(w, device=self.device).repeat(n - first))
             self.slot_mapping[first * w:n * w].copy_(slots.repeat(n - first))

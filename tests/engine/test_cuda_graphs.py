@@ -263,3 +263,54 @@ def test_graph_capture_pauses_the_garbage_collector(monkeypatch):
         with pytest.raises(AttributeError):  # (no graphs object: the body fails at once)
             method(object())
     assert len(paused) == 4
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_padding_rows_stay_padding_as_a_batch_shrinks_and_grows_in_its_bucket(tiny_checkpoints, monkeypatch, overlap):
+    """A plain step in the bucket of the step before pads only the rows whose requests left (CudaGraphs.set_layout):
+    at every replay the padding rows hold a padding request's inputs (token 0 at position 0 into the first scratch
+    slot, length 1, the scratch blocks' table), and the output equals eager decoding, while requests finish one by
+    one and others join mid-run."""
+    folder, _ = tiny_checkpoints("llama")
+    ps = prompts(17)
+    lengths = [6 + 2 * i for i in range(17)]
+    params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in lengths]
+    ref = [o.token_ids for o in LLM(folder, dtype="fp32").generate(ps, params)]
+    llm = LLM(folder, dtype="fp32", async_scheduling=overlap, max_num_seqs=32)
+    core = llm.engine
+    core.enable_graphs(emulate=True)
+    core.overlap = overlap
+    graphs, checked, partial = core.runner.graphs, [0], []
+    real_replay, real_fill = graphs.replay, graphs._fill_padding
+    scratch = torch.tensor(graphs.scratch_blocks, dtype=torch.int32)
+
+    def fill(first, n, w, width=None):
+        partial.append(first > 0 and (first, n) != (graphs._layout or (0,))[:2])
+        real_fill(first, n, w, width)
+
+    def replay(key):
+        num, n, w, _ = graphs._layout
+        if w == 1:  # padding requests: token 0 at position 0 into the first scratch slot, over the scratch blocks
+            assert graphs.query_start_loc[:n + 1].tolist() == list(range(n + 1))
+            pad = slice(num, n)
+            assert not graphs.input_ids[pad].any() and not graphs.positions[pad].any()
+            assert graphs.slot_mapping[pad].tolist() == [graphs.scratch_blocks[0] * graphs.block_size] * (n - num)
+            assert graphs.seq_lens[pad].tolist() == [1] * (n - num)
+            tables = graphs.block_tables[pad]
+            assert torch.equal(tables[:, :len(scratch)], scratch.expand(n - num, -1))
+            assert not tables[:, len(scratch):].any()
+            checked[0] += num < n
+        return real_replay(key)
+
+    monkeypatch.setattr(graphs, "replay", replay)
+    monkeypatch.setattr(graphs, "_fill_padding", fill)
+    ids, out = [core.add_request(p, q) for p, q in zip(ps[:13], params[:13])], {}
+    steps = 0
+    while core.has_unfinished():
+        for d in core.step():
+            out.setdefault(d.request_id, []).extend(d.new_token_ids)
+        steps += 1
+        if steps == 8:  # four more join a running batch
+            ids += [core.add_request(p, q) for p, q in zip(ps[13:], params[13:])]
+    assert [out[rid] for rid in ids] == ref
+    assert checked[0] > 10 and any(partial)  # the layout changed in its bucket, and only the rows that left

@@ -194,12 +194,12 @@ class BudgetController(StepBudgets, TreeValue):
             return 0.0  # too few measurements: drafting counts as free until then
         return self._in_tokens(per_request)
 
-    def observe_request(self, request_id: str, budget: int, accepted_rows: list[int], confidence: list[float],
-                        trees: list | None = None) -> None:
+    def observe_request(self, request_id: str, budget: int, accepted_rows: list[int],
+                        confidence: list[float] | tuple[list[float], list[int]], trees: list | None = None) -> None:
         """A tree step of one request: the budget it verified, the tree rows of its accepted drafts (row j >= 1 is
-        the j-th node of the best-first order), and its full-budget tree's node confidence as node_confidence()
-        made it on the device (B node probabilities q, then their B bins). trees: where a step's verified trees
-        gather for the reliability bins, which take them at once (observe_engine_step); None: taken now."""
+        the j-th node of the best-first order), and its full-budget tree's node confidence as _set_tree takes
+        it. trees: where a step's verified trees gather for the reliability bins, which take them at once
+        (observe_engine_step); None: taken now."""
         self.version += 1
         stats = self._set_tree(request_id, confidence)
         accepted = len(accepted_rows)
@@ -225,15 +225,16 @@ class BudgetController(StepBudgets, TreeValue):
                 trees.append(tree)
             self.latest = stats
 
-    def observe_curve(self, request_id: str, confidence: list[float]) -> None:
+    def observe_curve(self, request_id: str, confidence: tuple[list[float], list[int]]) -> None:
         """The request's full-budget tree for its coming step, drafted before its budget is asked (engine/
-        draft_first.py), as node_confidence() made it: its budget prices this tree."""
+        draft_first.py), as confidence_rows() split it: its budget prices this tree."""
         stats = self._set_tree(request_id, confidence)
         stats.gains = stats.pending = None  # both were worked out from the previous tree
 
     def _set_tree(self, request_id: str, confidence: list[float] | tuple[list[float], list[int]]) -> RequestRecord:
-        """The request's latest tree from its node confidence: B node probabilities q then their B bins, or the two
-        split (confidence.confidence_rows; kept as they are, never modified)."""
+        """The request's latest tree from its node confidence: the two split (confidence.confidence_rows, what the
+        engine's results carry; kept as they are, never modified), or one node_confidence() row, B node
+        probabilities q then their B bins (the tests' and bench/controller_sim.py's form)."""
         self.events += 1
         stats = self.requests.get(request_id)
         if stats is None:

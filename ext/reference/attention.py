@@ -137,17 +137,20 @@ def paged_attention(
     for q_rows, slots, hidden, num_seqs in groups:  # decode rows and tree-verify blocks: batched per length
         qs = q[q_rows].float()
         keys, values = _gather(k_flat, slots).float(), _gather(v_flat, slots).float()
-        out[q_rows] = _attend_batched(qs, keys, values, hidden, num_seqs, scale).to(q.dtype)
+        by_head = slots.shape[0] >= BY_HEAD_MIN_KEYS
+        out[q_rows] = _attend_batched(qs, keys, values, hidden, num_seqs, scale, by_head).to(q.dtype)
     for q0, num_q, slots, hidden in alone:
         qs = q[q0 : q0 + num_q].float()
         keys, values = k_flat.index_select(0, slots).float(), v_flat.index_select(0, slots).float()
         if num_q > BATCH_MAX_QUERY and meta.tree_mask is None and not q.is_cuda:  # a long prompt chunk, on the CPU
             o = _attend_chunk(qs, keys, values, scale)
-        elif num_q > BATCH_MAX_QUERY:  # a tree too wide to batch, or a chunk on CUDA (there the reference is the
-            # kernels' twin in the GPU tests, and SDPA's bottom-right mask with GQA has not run on a GPU here)
-            o = _attend_batched(qs, keys, values, None if hidden is None else hidden[None, :, None], 1, scale)
         else:
-            o = _attend_grouped(qs, keys, values, hidden, scale)
+            # a few queries: one product over all heads (a head at a time was slower at a query or a few, ~0.33
+            # against ~0.24 ms a layer at 1,000 keys on the 2-core CPU; SDPA with enable_gqa several times slower);
+            # a tree too wide to batch or a chunk on CUDA (where the reference is the kernels' twin in the GPU tests,
+            # and SDPA's bottom-right mask with GQA has not run on a GPU here) by head from BY_HEAD_MIN_KEYS keys
+            by_head = num_q > BATCH_MAX_QUERY and slots.shape[0] >= BY_HEAD_MIN_KEYS
+            o = _attend_batched(qs, keys, values, None if hidden is None else hidden[None, :, None], 1, scale, by_head)
         out[q0 : q0 + num_q] = o.to(q.dtype)
     return out
 
@@ -159,20 +162,21 @@ def _attend_batched(
     hidden: torch.Tensor | None,  # [S, num_q, 1, L] bool: keys a query does not see (None: it sees them all)
     num_seqs: int,
     scale: float,
+    by_head: bool,
 ) -> torch.Tensor:  # [S * num_q, num_heads, head_dim] fp32
-    """Attention of S sequences with num_q queries and L keys each. From BY_HEAD_MIN_KEYS keys in all, one KV head at
-    a time, both products on strided views of the gathered rows: permuted for one product over all heads, matmul
-    copied K and V again, each a fresh buffer of the gathered size (bench/cpu_attention.py: the embedded model's
-    decoding step at 16 requests of 400 tokens 131-144 ms before, 118-124 after, on the 2-core CPU). Below it, that
-    one product, whose copies cost less than the head loop's extra calls (0.18-0.20 against 0.25 ms a layer at 4
-    sequences of 100 keys). The same values either way."""
+    """Attention of S sequences with num_q queries and L keys each. by_head (the callers: from BY_HEAD_MIN_KEYS keys
+    in a batched group), one KV head at a time, both products on strided views of the gathered rows: permuted for
+    one product over all heads, matmul copied K and V again, each a fresh buffer of the gathered size
+    (bench/cpu_attention.py: the embedded model's decoding step at 16 requests of 400 tokens 131-144 ms before,
+    118-124 after, on the 2-core CPU). Else that one product, whose copies cost less than the head loop's extra
+    calls (0.18-0.20 against 0.25 ms a layer at 4 sequences of 100 keys). The same values either way."""
     num_kv_heads, head_dim = keys.shape[1], keys.shape[2]
     num_q, longest = q.shape[0] // num_seqs, keys.shape[0] // num_seqs
     group = q.shape[1] // num_kv_heads  # query head h reads KV head h // group
     qs = q.view(num_seqs, num_q, num_kv_heads, group, head_dim)
     keys = keys.view(num_seqs, longest, num_kv_heads, head_dim)
     values = values.view(num_seqs, longest, num_kv_heads, head_dim)
-    if keys.shape[0] * longest < BY_HEAD_MIN_KEYS:
+    if not by_head:
         scores = (qs.permute(0, 2, 3, 1, 4).reshape(num_seqs, num_kv_heads, group * num_q, head_dim)
                   @ keys.permute(0, 2, 3, 1)).mul_(scale)  # [S, kv_heads, group * num_q, L]
         if hidden is not None:  # [S, num_q, 1, L] -> [S, 1, 1, num_q, L]
@@ -205,29 +209,6 @@ def _attend_chunk(
                                          values.transpose(0, 1)[None], attn_mask=mask, is_causal=mask is None,
                                          scale=scale, enable_gqa=True)
     return out[0].transpose(0, 1)
-
-
-def _attend_grouped(
-    q: torch.Tensor,  # [num_q, num_heads, head_dim] fp32
-    keys: torch.Tensor,  # [L, num_kv_heads, head_dim] fp32
-    values: torch.Tensor,  # [L, num_kv_heads, head_dim] fp32
-    hidden: torch.Tensor | None,  # [num_q, L] bool: keys a query does not see (None: it sees them all)
-    scale: float,
-) -> torch.Tensor:  # [num_q, num_heads, head_dim] fp32
-    """Attention of one sequence with a few queries: each KV head's group in one bmm over the heads (one head at a
-    time it was slower at a query or a few: ~0.33 against ~0.24 ms a layer at 1,000 keys on the 2-core CPU; SDPA
-    with enable_gqa several times slower)."""
-    num_q, num_heads, head_dim = q.shape
-    num_kv_heads, seq_len = keys.shape[1], keys.shape[0]
-    group = num_heads // num_kv_heads
-    qs = q.view(num_q, num_kv_heads, group, head_dim).permute(1, 2, 0, 3)
-    qs = qs.reshape(num_kv_heads, group * num_q, head_dim)
-    scores = torch.bmm(qs, keys.permute(1, 2, 0)).mul_(scale).view(num_kv_heads, group, num_q, seq_len)
-    if hidden is not None:
-        scores.masked_fill_(hidden, float("-inf"))
-    probs = scores.softmax(dim=-1).view(num_kv_heads, group * num_q, seq_len)
-    o = torch.bmm(probs, values.transpose(0, 1)).view(num_kv_heads, group, num_q, head_dim).permute(2, 0, 1, 3)
-    return o.reshape(num_q, num_heads, head_dim)
 
 
 def mla_paged_attention(

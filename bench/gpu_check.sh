@@ -21,8 +21,15 @@
 #                                            # queued at T = 1 on dummy SmolLM2-shaped weights, speculation off and
 #                                            # the n-gram default one process each, summarized by bench/spy_steps.py
 #                                            # (host us a step by function, off against n-gram); $SPY_ARGS adds flags
+#   bench/gpu_check.sh modes                 # the same batch-64 load, off and the n-gram default, each scheduled
+#                                            # synchronously, asynchronously, and asynchronously with
+#                                            # OMP_NUM_THREADS=1: whether the default's loss is the device's work
+#                                            # (it shows in sync steps too) or the host's (async only), and whether
+#                                            # torch's CPU threads compete with the launching thread
+#   bench/gpu_check.sh threads               # that load once per mode, every thread's CPU seconds (utime + stime,
+#                                            # native threads included), sampled from /proc until the run exits
 #
-# PIN=2-5 runs the step_kinds parts (host, ab, spy) under taskset on those cores: on the H100 hosts a batch-64 run
+# PIN=2-5 runs the step_kinds parts (host, ab, spy, modes, threads) under taskset on those cores: on the H100 hosts a batch-64 run
 # read 29-37k tok/s unpinned from one run to the next and 32-34k pinned (2026-12-07 23:52).
 #
 # Wheels: every .whl in $WHEELS (default .whl/) goes into $SITE (default /tmp/site), which joins PYTHONPATH.
@@ -39,6 +46,9 @@ mkdir -p "$OUT" "$SITE"
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 PYTHONUNBUFFERED=1 DDTREE_EXT_DIR=${DDTREE_EXT_DIR:-/tmp/ddext}
 export PYTHONPATH="$SITE:$PWD"
 PINNED=${PIN:+taskset -c $PIN}
+# the batch-64 load of the spy, modes and threads parts: queued, T = 1, dummy SmolLM2-shaped weights
+STEADY="--smollm2-shape --device cuda --runs 64:1 --queue 4 --distinct-prompts --max-tokens 256 --no-off"
+STEADY+=" ${STEADY_ARGS:-}"
 
 if compgen -G "$WHEELS/*.whl" >/dev/null; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" \
@@ -101,8 +111,7 @@ for part in "$@"; do
       [ -x "$SITE/bin/py-spy" ] || { echo "spy: no py-spy among the wheels"; continue; }
       for drafter in none ngram; do
         $PINNED "$SITE/bin/py-spy" record --threads -r 1000 -f raw -o "$OUT/spy_$drafter.txt" -- \
-          python3 bench/step_kinds.py --smollm2-shape --device cuda --runs 64:1 --queue 4 --distinct-prompts \
-          --scheduling async --max-tokens 256 --drafter $drafter --no-off ${SPY_ARGS:-} 2>&1 | grep "^==" \
+          python3 bench/step_kinds.py $STEADY --scheduling async --drafter $drafter ${SPY_ARGS:-} 2>&1 | grep "^==" \
           | cut -c1-160 | tee -a "$OUT/spy.log"
       done
       steps=$(grep -o "tok/s, [0-9]* steps" "$OUT/spy.log" | cut -d" " -f2 | tr "\n" " ")
@@ -110,6 +119,32 @@ for part in "$@"; do
         | tee "$OUT/spy_steps.txt" | head -30
       python3 bench/spy_steps.py "$OUT/spy_none.txt" "$OUT/spy_ngram.txt" --rate 1000 --threads \
         | tee -a "$OUT/spy.log" ;;
-    *) echo "unknown part: $part (suite, guard, host, targets, chat, ab, spy)"; exit 2 ;;
+    modes)
+      for drafter in none ngram; do
+        for mode in sync async omp1; do
+          scheduling=${mode/omp1/async}; threads=${mode/omp1/1}
+          env OMP_NUM_THREADS=$([ "$mode" = omp1 ] && echo 1 || echo "${OMP_NUM_THREADS:-}") $PINNED python3 \
+            bench/step_kinds.py $STEADY --scheduling "$scheduling" --drafter $drafter 2>&1 | grep -A2 "^==" \
+            | cut -c1-330 | sed "s|^|$mode |" | tee -a "$OUT/modes.log"
+        done
+      done ;;
+    threads)
+      for drafter in none ngram; do
+        $PINNED python3 bench/step_kinds.py $STEADY --scheduling async --drafter $drafter >"$OUT/threads_$drafter.out" \
+          2>&1 & pid=$!
+        while kill -0 $pid 2>/dev/null; do  # the last snapshot before it exits: (thread name, ticks) a line
+          for t in /proc/$pid/task/*; do
+            echo "$(basename "$t")/$(tr ' ' _ <"$t/comm") $(cut -d')' -f2 "$t/stat" | awk '{print $12 + $13}')"
+          done >/tmp/threads.snap 2>/dev/null && cp /tmp/threads.snap "/tmp/threads_$drafter"
+          sleep 0.5
+        done
+        grep "^==" "$OUT/threads_$drafter.out" | cut -c1-120 | tee -a "$OUT/threads.log"
+        # each thread (tid/name) busiest first, then the process's sum
+        { awk -v hz="$(getconf CLK_TCK)" '{printf "  %-28s %.2f s\n", $1, $2 / hz}' "/tmp/threads_$drafter" \
+            | sort -k2 -n -r | head -16
+          awk -v hz="$(getconf CLK_TCK)" '{all += $2} END {printf "  all %d threads %.2f s\n", NR, all / hz}' \
+            "/tmp/threads_$drafter"; } | tee -a "$OUT/threads.log"
+      done ;;
+    *) echo "unknown part: $part (suite, guard, host, targets, chat, ab, spy, modes, threads)"; exit 2 ;;
   esac
 done

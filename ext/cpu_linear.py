@@ -1,8 +1,11 @@
 """Matmuls on the CPU in fp32. PyTorch's x @ W^T for a few rows does not stream the weights at the memory's rate on
 every CPU. Two routes besides it:
   - one row: the product as a batched matmul over one slice of the output features per thread (split_linear).
-    Whether it beats F.linear depends on the machine, so each weight measures both on its first one-row call at
-    inference and keeps the faster (one_row_route). On a 2-core AMD EPYC a decoding step's matmuls of the embedded
+    Whether it beats F.linear depends on the machine, so each weight serves its first one-row calls by the two in
+    turn, times them, and keeps the faster (one_row_route). Those are calls that decode, each reading its weight
+    cold from memory as decoding does: timed back to back on one weight (warm in the cache) the two came out
+    even and a process kept F.linear for 5-31 of the embedded model's 121 weights at random, which made its
+    decoding steps 10-50% slower (2026-12-08). On a 2-core AMD EPYC a decoding step's matmuls of the embedded
     model took 15-19 ms split against 43 ms F.linear; on a 2-core Intel Xeon the split was 2-4x slower than
     F.linear (the vocabulary projection 8.6 against 2.5 ms);
   - more rows at inference: oneDNN's packed inner product over a reordered copy of the weight (cpu_linear),
@@ -27,7 +30,7 @@ CPU_SPLIT_MAX_ROWS = 64
 # oneDNN's packed inner product serves 2+ rows at inference: its weights reordered once, for this batch size (the
 # layout depends on it: packed for 1, 16 rows took 45 ms against 32)
 PACK_BATCH_HINT = 16
-ONE_ROW_TRIALS = 3  # timed calls of each one-row route (after an untimed one) when a weight first meets one row
+ONE_ROW_SAMPLES = 3  # one-row calls each route serves (timed) before a weight keeps the faster
 _ROUTES_SAID: set[tuple[tuple[int, int], str]] = set()  # (weight shape, one-row route) logged at INFO
 
 
@@ -42,39 +45,46 @@ def cpu_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
         return None
     num_rows = x.numel() // max(x.shape[-1], 1)
     if num_rows == 1:
-        return _split(x, weight, bias, 1) if one_row_route(x, weight, bias) == "split" else None
+        route = one_row_route(weight)
+        if route is None:
+            return _sampled_one_row(x, weight, bias)
+        return _split(x, weight, bias, 1) if route == "split" else None
     packed = _packed(weight)
     if packed is None:
         return _split(x, weight, bias, num_rows)
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
-def one_row_route(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> str:
-    """"split" or "linear": the faster for this weight at one row on this machine, timed on its first call (x: one
-    row) and kept on the weight. "linear" without timing where the split does not apply."""
-    route = getattr(weight, "_ddtree_one_row", None)
-    if route is None:
-        with torch.no_grad():
-            if not _splittable(1, weight):
-                route = "linear"
-            else:
-                split_s = _seconds(lambda: _split(x, weight, bias, 1))
-                linear_s = _seconds(lambda: F.linear(x, weight, bias))
-                route = "split" if split_s < linear_s else "linear"
-                _log_route(tuple(weight.shape), route, split_s, linear_s)
-        weight._ddtree_one_row = route
-    return route
+def one_row_route(weight: torch.Tensor) -> str | None:
+    """"split" or "linear": the one-row route this weight keeps; None while its first calls still sample both."""
+    return getattr(weight, "_ddtree_one_row", None)
 
 
-def _seconds(call) -> float:
-    """Median seconds of ONE_ROW_TRIALS calls, after an untimed one."""
-    call()
-    times = []
-    for _ in range(ONE_ROW_TRIALS):
-        t0 = time.perf_counter()
-        call()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+def _sampled_one_row(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
+    """One of a weight's first one-row calls, served by the split or F.linear (the one with fewer samples, the
+    split first) and timed; once each has ONE_ROW_SAMPLES, the weight keeps the one with the lower median. A weight
+    the split does not apply to keeps F.linear untimed (None: the caller's F.linear)."""
+    if not _splittable(1, weight):
+        weight._ddtree_one_row = "linear"
+        return None
+    samples = getattr(weight, "_ddtree_one_row_samples", None)
+    if samples is None:
+        samples = weight._ddtree_one_row_samples = ([], [])  # seconds: (split, F.linear)
+    split_s, linear_s = samples
+    use_split = len(split_s) <= len(linear_s)
+    t0 = _clock()
+    out = _split(x, weight, bias, 1) if use_split else F.linear(x, weight, bias)
+    (split_s if use_split else linear_s).append(_clock() - t0)
+    if len(linear_s) >= ONE_ROW_SAMPLES:
+        split_median, linear_median = statistics.median(split_s), statistics.median(linear_s)
+        weight._ddtree_one_row = "split" if split_median < linear_median else "linear"
+        del weight._ddtree_one_row_samples
+        _log_route(tuple(weight.shape), weight._ddtree_one_row, split_median, linear_median)
+    return out
+
+
+def _clock() -> float:
+    return time.perf_counter()
 
 
 def _log_route(shape: tuple[int, int], route: str, split_s: float, linear_s: float) -> None:

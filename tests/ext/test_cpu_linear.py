@@ -1,8 +1,8 @@
 """The CPU's matmul routes (ext/cpu_linear.py): the product of x and W^T with the output features split across the
 intra-op threads, and oneDNN's packed inner product, equal F.linear's (summation order aside), with a bias and
 with leading dimensions; the packed copy is made once, made again after the weight changes, and never used under
-autograd; at one row each weight takes the split or F.linear, whichever measured faster on its first call; other
-calls are left to F.linear; ops.linear, linear_silu_mul and the vocabulary projection take them."""
+autograd; at one row each weight takes the split or F.linear, whichever was faster over its first calls, which the
+two serve in turn; other calls are left to F.linear; ops.linear, linear_silu_mul and the vocabulary projection take them."""
 from __future__ import annotations
 
 import pytest
@@ -50,56 +50,80 @@ def test_other_calls_go_to_f_linear(two_threads):
     assert split_linear(torch.randn(2, 64), w) is None  # one thread: nothing to split
 
 
-def timed_as(monkeypatch, split_s: float, linear_s: float) -> list[str]:
-    """Makes the one-row measurement report these times; returns the routes it timed, in order."""
-    timed = []
+class FakeTimes:
+    """Makes the split's product (torch.bmm) take split_s and F.linear take linear_s on cpu_linear's clock, and
+    records which route served each call."""
 
-    def seconds(call):
-        timed.append("split" if len(timed) % 2 == 0 else "linear")  # one_row_route times the split first
-        call()
-        return split_s if timed[-1] == "split" else linear_s
+    def __init__(self, monkeypatch, split_s: float, linear_s: float):
+        self.now, self.served = 0.0, []
+        bmm, linear = torch.bmm, F.linear
 
-    monkeypatch.setattr(routes, "_seconds", seconds)
-    return timed
+        def timed_bmm(*args):
+            self.now += split_s
+            self.served.append("split")
+            return bmm(*args)
+
+        def timed_linear(*args, **kwargs):
+            self.now += linear_s
+            self.served.append("linear")
+            return linear(*args, **kwargs)
+
+        monkeypatch.setattr(routes, "_clock", lambda: self.now)
+        monkeypatch.setattr(torch, "bmm", timed_bmm)
+        monkeypatch.setattr(routes.F, "linear", timed_linear)
+
+
+def serve_one_row(x, w, b=None):
+    """cpu_linear's result, or F.linear's where it returns None (as ops.dense does)."""
+    out = cpu_linear(x, w, b)
+    return out if out is not None else F.linear(x, w, b)
 
 
 @pytest.mark.parametrize("split_s, linear_s, want", [(1e-3, 3e-3, "split"), (3e-3, 1e-3, "linear")])
-def test_one_row_takes_the_route_that_measured_faster_once_per_weight(two_threads, monkeypatch, split_s, linear_s,
-                                                                       want):
-    """The AMD machine's case (the split 2-3x faster) and the Intel one's (F.linear 2-4x faster)."""
-    timed = timed_as(monkeypatch, split_s, linear_s)
-    bmm_calls = []
-    real = torch.bmm
-    monkeypatch.setattr(torch, "bmm", lambda *a: bmm_calls.append(a[0].shape) or real(*a))
+def test_one_row_keeps_the_route_whose_serving_calls_were_faster(two_threads, monkeypatch, split_s, linear_s, want):
+    """The AMD machine's case (the split 2-3x faster) and the Intel one's (F.linear 2-4x faster). The first calls
+    are served by the two routes in turn, each timed as it serves (no extra calls on a weight warm in the cache),
+    and the weight keeps the faster."""
+    times = FakeTimes(monkeypatch, split_s, linear_s)
     x, w, b = torch.randn(1, 64), torch.randn(40, 64), torch.randn(40)
+    want_out = F.linear(x, w, b)
+    times.served.clear()
     with torch.inference_mode():
-        for _ in range(3):
-            out = cpu_linear(x, w, b)
-            got = out if out is not None else F.linear(x, w, b)  # None: the caller's F.linear
-            torch.testing.assert_close(got, F.linear(x, w, b), rtol=1e-5, atol=1e-5)
-            assert (out is not None) == (want == "split")
-    assert timed == ["split", "linear"]  # measured on the first call only
-    assert one_row_route(x, w, b) == want
-    assert len(bmm_calls) == (3 if want == "split" else 0) + 1  # (+ the split's call while being measured)
+        for i in range(2 * routes.ONE_ROW_SAMPLES + 3):
+            torch.testing.assert_close(serve_one_row(x, w, b), want_out, rtol=1e-5, atol=1e-5)
+            assert one_row_route(w) == (None if i < 2 * routes.ONE_ROW_SAMPLES - 1 else want)
+    assert times.served == ["split", "linear"] * routes.ONE_ROW_SAMPLES + [want] * 3
+
+
+def test_one_row_routes_are_kept_per_weight(two_threads, monkeypatch):
+    FakeTimes(monkeypatch, 1e-3, 3e-3)
+    x, w, other = torch.randn(1, 64), torch.randn(40, 64), torch.randn(40, 64)
+    with torch.inference_mode():
+        for _ in range(2 * routes.ONE_ROW_SAMPLES):
+            serve_one_row(x, w)
+    assert one_row_route(w) == "split" and one_row_route(other) is None  # the other weight samples its own
 
 
 def test_one_row_without_a_split_is_not_timed(two_threads, monkeypatch):
-    timed = timed_as(monkeypatch, 1e-3, 3e-3)
+    times = FakeTimes(monkeypatch, 1e-3, 3e-3)
+    w = torch.randn(41, 64)  # 41 features: no split
     with torch.inference_mode():
-        assert cpu_linear(torch.randn(1, 64), torch.randn(41, 64)) is None  # 41 features: no split
-    assert timed == []
+        assert cpu_linear(torch.randn(1, 64), w) is None
+    assert one_row_route(w) == "linear" and times.served == []
 
 
 def test_the_model_paths_take_it(two_threads, monkeypatch):
-    timed_as(monkeypatch, 1e-3, 3e-3)  # a machine where the split wins at one row
-    calls = []
-    real = torch.bmm
-    monkeypatch.setattr(torch, "bmm", lambda *a: calls.append(a[0].shape) or real(*a))
+    times = FakeTimes(monkeypatch, 1e-3, 3e-3)  # a machine where the split wins at one row
     x, w = torch.randn(1, 64), torch.randn(40, 64)
-    torch.testing.assert_close(ops.linear(x, w), F.linear(x, w), rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(ops.dense(x, w), F.linear(x, w), rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(ops.linear_silu_mul(x, w), ops.silu_and_mul(F.linear(x, w)), rtol=1e-5, atol=1e-5)
-    assert calls == [(2, 20, 64)] * 4  # the three paths, and the split's call while being measured
+    with torch.inference_mode():
+        for _ in range(2 * routes.ONE_ROW_SAMPLES):
+            serve_one_row(x, w)
+    times.served.clear()
+    want = F.linear(x, w)
+    torch.testing.assert_close(ops.linear(x, w), want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(ops.dense(x, w), want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(ops.linear_silu_mul(x, w), ops.silu_and_mul(want), rtol=1e-5, atol=1e-5)
+    assert times.served == ["linear", "split", "split", "split"]  # (the first: this test's own F.linear)
 
 
 needs_onednn = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="this torch has no oneDNN")

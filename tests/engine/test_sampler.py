@@ -13,7 +13,7 @@ from transformers.generation.logits_process import (MinPLogitsWarper, Repetition
                                                     TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper)
 
 from engine.request import Request, SamplingParams
-from engine.sampler import Sampler, SamplingBatch, apply_top_k_top_p
+from engine.sampler import Sampler, SamplingBatch, apply_top_k_top_p, sort_top_k_top_p
 from ext import ops
 
 VOCAB = 12
@@ -81,7 +81,8 @@ def test_top_k_top_p_masks_match_transformers():
 def test_top_k_top_p_from_candidates_match_transformers_and_the_sort():
     """The CPU's candidate path (the m largest logits decide a row when the filters close within them) keeps the
     same tokens as transformers' warpers and the same values as sorting the whole row; a batch it cannot decide
-    (a flat row whose nucleus runs past the candidates, top-k above m) goes to the sort."""
+    (a flat row whose nucleus runs past the candidates, top-k above m) goes to the histogram, with the same
+    values too."""
     from engine.sampler import _candidates
 
     vocab, m = 4096, 64
@@ -93,13 +94,13 @@ def test_top_k_top_p_from_candidates_match_transformers_and_the_sort():
     flat = torch.randn(2, vocab, generator=gen) * 0.1
     vocab_k = torch.where(top_k > 0, top_k, vocab)
     assert _candidates(peaked[:5], vocab_k[:5], top_p[:5], m) is not None  # the path is taken
-    assert _candidates(peaked, vocab_k, top_p, m) is None  # the tied row sends the batch to the sort
+    assert _candidates(peaked, vocab_k, top_p, m) is None  # the tied row sends the batch to the histogram
     assert _candidates(flat, torch.tensor([vocab, vocab]), torch.tensor([0.9, 0.9]), m) is None
     assert _candidates(flat, torch.tensor([100, vocab]), torch.tensor([1.0, 1.0]), m) is None  # k > m
     for x, k, p in ((peaked[:5], top_k[:5], top_p[:5]), (peaked[6:], top_k[6:], top_p[6:]), (peaked, top_k, top_p),
                     (flat, torch.tensor([0, 7]), torch.tensor([0.9, 0.8]))):
         ours = apply_top_k_top_p(x, k, p, num_candidates=m)
-        sorted_ = apply_top_k_top_p(x, k, p, num_candidates=vocab)  # vocab > 2 m fails: the sort
+        sorted_ = sort_top_k_top_p(x, torch.where(k > 0, k, vocab), p)
         assert torch.equal(ours, sorted_)
         for i in range(len(x)):
             ref = x[i:i + 1].clone()
@@ -218,7 +219,7 @@ def test_cpu_draws_from_the_candidates_equal_draws_from_the_whole_rows(monkeypat
     min_p = torch.tensor([0.0, 0.0, 0.05, 0.0, 0.1, 0.0])
     _, decided = _filter_top_k_top_p(x, top_k, top_p, NUM_CANDIDATES)
     assert decided is not None and _within_candidates(decided)
-    whole = apply_top_k_top_p(x, top_k, top_p, num_candidates=vocab)  # vocab > 2 m fails: the sort
+    whole = sort_top_k_top_p(x, torch.where(top_k > 0, top_k, vocab), top_p)  # the whole rows, sorted
     ones = torch.ones(rows)
     cum = kept_weights(whole, ones, min_p).double().cumsum(-1)
     edges = (cum / cum[:, -1:]).clamp(max=1 - 2.0 ** -53)  # each token's upper edge, per row
@@ -235,7 +236,7 @@ def test_cpu_draws_from_the_candidates_equal_draws_from_the_whole_rows(monkeypat
                         lambda *a: taken.append(1) or sample_candidates(*a))
     fast = Sampler(vocab, "cpu")(logits.clone(), SamplingBatch(reqs, [1] * 16)).tokens
     assert taken
-    monkeypatch.setattr("engine.sampler.NUM_CANDIDATES", vocab)  # too many candidates to decide from: the sort
+    monkeypatch.setattr("engine.sampler.NUM_CANDIDATES", vocab)  # too many to decide from: the whole rows
     slow = Sampler(vocab, "cpu")(logits.clone(), SamplingBatch(reqs, [1] * 16)).tokens
     assert torch.equal(fast, slow)
 
@@ -255,4 +256,4 @@ def test_cpu_rows_are_decided_from_64_candidates_first_then_512():
     for x, size in ((peaked, FIRST_CANDIDATES), (wider, NUM_CANDIDATES)):
         filtered, decided = _filter_top_k_top_p(x, k, p, NUM_CANDIDATES)
         assert filtered is None and decided[0].shape[1] == size
-        assert torch.equal(apply_top_k_top_p(x, k, p), apply_top_k_top_p(x, k, p, num_candidates=vocab))
+        assert torch.equal(apply_top_k_top_p(x, k, p), sort_top_k_top_p(x, k, p))

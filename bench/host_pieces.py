@@ -4,8 +4,10 @@ block-table rows as an array (block_table_rows: every row, as plain steps wrote 
 TableMirror's comparison and the changed rows only), and the scheduler's side of a batch's plain decoding step
 planned ahead (Scheduler.schedule_ahead, then the results applied: Scheduler.update and each request's Delta, as
 EngineCore._complete does; no speculation, prefix caching on, a block filled every 16 steps per request), and
-the sampling parameters of a sampled plain step staged for its graph (GraphSampling.stage). Runs against whichever tree is first on PYTHONPATH (pieces a
-tree lacks are skipped), so two trees can be compared in one sitting.
+the sampling parameters of a sampled plain step staged for its graph (GraphSampling.stage), and the CPU's top-p
+(0.9) on the embedded model's 49,152 logits: rows the largest logits decide (peaked) and rows they do not (flat,
+N(0, 1) / 0.7), apply_top_k_top_p beside sorting the rows. Runs against whichever tree is first on PYTHONPATH
+(pieces a tree lacks are skipped), so two trees can be compared in one sitting.
 
     python bench/host_pieces.py --device cuda
     PYTHONPATH=<other tree> python bench/host_pieces.py
@@ -66,6 +68,30 @@ def main() -> None:
     print(f"a plain step's scheduling and completion, batch {args.batch}: {plain_step_us(args.batch):.1f} us")
     print(f"GraphSampling.stage, batch {args.batch} at T = 1, the requests of the step before: "
           f"{sampling_stage_us(args.batch, args.device):.1f} us")
+    for rows in (1, 8):
+        for kind in ("peaked", "flat"):
+            ours, by_sort = top_p_us(rows, kind)
+            print(f"CPU top-p 0.9, {rows} {kind} row(s) of 49,152 logits: apply_top_k_top_p {ours:.0f} us, "
+                  f"sorting them {by_sort:.0f} us")
+
+
+def top_p_us(rows: int, kind: str) -> tuple[float, float]:
+    """(apply_top_k_top_p, sort_top_k_top_p) microseconds a call on the CPU, top-p 0.9 and top-k off."""
+    import torch
+
+    import engine.sampler
+
+    if hasattr(engine.sampler, "sort_top_k_top_p"):  # trees before 2026-12-08 kept them in the sampler (asked
+        apply_top_k_top_p, sort_top_k_top_p = engine.sampler.apply_top_k_top_p, engine.sampler.sort_top_k_top_p
+    else:  # first: an editable install finds engine.top_k_top_p in its own tree for a tree that lacks it)
+        from engine.top_k_top_p import apply_top_k_top_p, sort_top_k_top_p
+    vocab = 49152
+    x = torch.randn(rows, vocab, generator=torch.Generator().manual_seed(0)) / 0.7
+    if kind == "peaked":
+        x[:, :5] += 20  # the nucleus closes within the 64 largest
+    top_k, top_p = torch.zeros(rows, dtype=torch.int64), torch.full((rows,), 0.9)
+    return (per_call_us(lambda: apply_top_k_top_p(x, top_k, top_p)),
+            per_call_us(lambda: sort_top_k_top_p(x, torch.full((rows,), vocab), top_p)))
 
 
 def sampling_stage_us(batch: int, device: str) -> float:

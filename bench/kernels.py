@@ -20,7 +20,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from engine.sampler import sort_top_k_top_p  # noqa: E402
+from engine.top_k_top_p import sort_top_k_top_p  # noqa: E402
 from ext import build, ops, reference  # noqa: E402
 from ext.metadata import AttentionMetadata  # noqa: E402
 

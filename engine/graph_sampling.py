@@ -12,7 +12,8 @@ import numpy as np
 import torch
 
 from engine.plan import ScheduledSeq
-from engine.sampler import apply_top_k_top_p, needs_penalty
+from engine.sampler import needs_penalty
+from engine.top_k_top_p import apply_top_k_top_p
 from engine.staging import Staging
 from ext import ops
 

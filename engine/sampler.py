@@ -23,9 +23,7 @@ import torch
 from engine.request import Request
 from engine.staging import Staging
 from engine.structured import apply_masks, masks_tensor
-from engine.top_k_top_p import (FIRST_CANDIDATES, NUM_CANDIDATES, _candidates, _filter_top_k_top_p,  # noqa: F401
-                                _scatter, _within_candidates, apply_top_k_top_p, sample_candidates,
-                                sort_top_k_top_p)  # (FIRST_CANDIDATES, _candidates, sort_top_k_top_p: re-exported)
+from engine.top_k_top_p import NUM_CANDIDATES, _filter_top_k_top_p, _scatter, _within_candidates, sample_candidates
 from ext import ops
 
 

@@ -79,6 +79,8 @@ def _binned_floor(x: torch.Tensor, k: torch.Tensor, top_p: torch.Tensor) -> torc
         kth[rows] = x[rows].kthvalue(vocab - value + 1, dim=-1).values
     x = x.masked_fill(x < kth[:, None], -inf) if bool((kth > -inf).any()) else x  # [S, V]
     top = x.amax(-1)  # [S]
+    if not bool((top_p < 1.0).any()):  # top-k alone: no histogram
+        return kth.masked_fill_(~torch.isfinite(top), float("nan"))
     weights = (x - top[:, None]).exp_()  # [S, V]
     target = top_p * weights.sum(-1)  # [S]
     bins = ((top[:, None] - x) * ((NUM_BINS - 1) / BIN_RANGE)).clamp_(max=NUM_BINS - 1).nan_to_num_(NUM_BINS - 1)

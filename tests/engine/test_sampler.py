@@ -13,7 +13,8 @@ from transformers.generation.logits_process import (MinPLogitsWarper, Repetition
                                                     TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper)
 
 from engine.request import Request, SamplingParams
-from engine.sampler import Sampler, SamplingBatch, apply_top_k_top_p, sort_top_k_top_p
+from engine.sampler import Sampler, SamplingBatch
+from engine.top_k_top_p import apply_top_k_top_p, sort_top_k_top_p
 from ext import ops
 from tests.engine.test_top_k_top_p import transformers_kept
 
@@ -79,7 +80,7 @@ def test_top_k_top_p_from_candidates_match_transformers_and_the_sort():
     same tokens as transformers' warpers and the same values as sorting the whole row; a batch it cannot decide
     (a flat row whose nucleus runs past the candidates, top-k above m) goes to the histogram, with the same
     values too."""
-    from engine.sampler import _candidates
+    from engine.top_k_top_p import _candidates
 
     vocab, m = 4096, 64
     gen = torch.Generator().manual_seed(4)
@@ -198,7 +199,7 @@ def test_cpu_draws_from_the_candidates_equal_draws_from_the_whole_rows(monkeypat
     (sample_candidates): the same token as filtering the whole row and drawing from it (sample_tokens), for
     random uniforms and for uniforms on the edges of the tokens' intervals. Through the Sampler too: the path is
     taken, and its tokens equal the whole rows'."""
-    from engine.sampler import NUM_CANDIDATES, _filter_top_k_top_p, _within_candidates, sample_candidates
+    from engine.top_k_top_p import NUM_CANDIDATES, _filter_top_k_top_p, _within_candidates, sample_candidates
     from ext.reference.sampling import kept_weights, sample_tokens
 
     vocab, rows = 4096, 6
@@ -234,7 +235,7 @@ def test_cpu_draws_from_the_candidates_equal_draws_from_the_whole_rows(monkeypat
 def test_cpu_rows_are_decided_from_64_candidates_first_then_512():
     """A peaked row's nucleus closes within the 64 largest logits: decided from 64. A flatter one needs more: from
     512. Both keep exactly what sorting the whole row keeps."""
-    from engine.sampler import FIRST_CANDIDATES, NUM_CANDIDATES, _filter_top_k_top_p
+    from engine.top_k_top_p import FIRST_CANDIDATES, NUM_CANDIDATES, _filter_top_k_top_p
 
     gen = torch.Generator().manual_seed(9)
     vocab = 4096

@@ -52,6 +52,19 @@ def test_flat_rows_keep_what_transformers_keeps_without_a_sort(monkeypatch):
     assert torch.equal(apply_top_k_top_p(in_place, top_k, top_p, inplace=True), filtered)
 
 
+def test_top_k_alone_past_the_candidates(monkeypatch):
+    """Top-k above the 512 candidates with top-p off: the k-th largest logit is the floor (ties at it stay), no
+    sort."""
+    x = torch.randn(2, VOCAB, generator=torch.Generator().manual_seed(13))
+    x[1, 10:20] = x[1].topk(700).values[-1]  # ten more tokens equal to row 1's 700th largest
+    top_k, top_p = torch.tensor([2000, 700]), torch.tensor([1.0, 1.0])
+    seen = sorts_seen(monkeypatch)
+    filtered = apply_top_k_top_p(x, top_k, top_p)
+    assert seen == []
+    assert torch.equal(~torch.isinf(filtered), transformers_kept(x, top_k, top_p))
+    assert int(torch.isfinite(filtered[1]).sum()) == 710
+
+
 def test_ties_at_the_boundary_all_stay():
     """The nucleus closes inside 1,000 equal logits, past the 512 largest (so the histogram decides): every one of
     them stays, nothing below them does; the sort keeps as many of them as it needs, in its own order."""

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.sampler import apply_top_k_top_p
+from engine.top_k_top_p import apply_top_k_top_p
 from ext import ops, reference
 from tests.ext.gpu_util import cuda_ops, rng  # noqa: F401 (cuda_ops: an autouse fixture)
 from tests.ext.test_sampling_filter_cpu import warped_mask
@@ -73,7 +73,7 @@ def test_cuda_graph_and_opcheck(cuda_ops):
 
 
 def test_the_samplers_filter_on_cuda_matches_transformers():
-    """engine.sampler.apply_top_k_top_p on CUDA goes through the kernel (no sort) and keeps transformers' sets."""
+    """engine.top_k_top_p.apply_top_k_top_p on CUDA goes through the kernel (no sort) and keeps transformers' sets."""
     gen = torch.Generator().manual_seed(7)
     rows, vocab = 64, 49152
     x = torch.randn(rows, vocab, generator=gen) * (torch.rand(rows, 1, generator=gen) * 6 + 0.3)
